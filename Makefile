@@ -1,0 +1,30 @@
+# The two commands a new user runs: `make train` and `make test`. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: train test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned, so nothing else can pull an unpinned (CUDA) build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/scaletrain train --config configs/default.toml $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check scaletrain tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,109 @@
+"""`scaletrain train | prepare-data`: parse the command, load and validate the config, run or launch workers.
+
+Bad input ends here as one plain message and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from scaletrain.config import Config
+from scaletrain.errors import ConfigError, UserError
+
+USAGE = """\
+scaletrain train        --config FILE [--nproc N] [--section.key VALUE ...]
+scaletrain prepare-data --config FILE [--train-tokenizer --vocab-size N [--tokenizer-out PATH]] [--section.key VALUE ...]
+
+Any config key can be overridden as --section.key VALUE or --section.key=VALUE. Keys:
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    if not argv or argv[0] in ("-h", "--help") or (len(argv) > 1 and argv[1] in ("-h", "--help")):
+        from scaletrain.config_io import help_text
+
+        print(USAGE + help_text(Config))
+        return 0
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args, overrides)
+        return _prepare_data(args, overrides)
+    except ConfigError as e:
+        print(f"error: {e.render()}", file=sys.stderr)
+        return 2
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C); everything written so far is kept in the run directory", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scaletrain", add_help=False)
+    p.add_argument("command", choices=["train", "prepare-data"])
+    p.add_argument("--config", default=None)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--train-tokenizer", action="store_true")
+    p.add_argument("--vocab-size", type=int, default=0)
+    p.add_argument("--tokenizer-out", default="tokenizer.json")
+    return p
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from scaletrain.config import load_config
+
+    launching = args.nproc > 1 and not _under_torchrun()
+    if args.nproc < 1:
+        raise ConfigError("--nproc must be >= 1")
+    world = args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_config(args.config, overrides, world_size=world)
+    if launching:
+        from scaletrain.launch import launch_local
+
+        return launch_local(cfg, args.config, overrides, args.nproc)
+    from scaletrain.train import train
+
+    train(cfg)
+    return 0
+
+
+def default_run_dir(cfg: Config) -> str:
+    return f"runs/{cfg.run.name or 'run'}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def _prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
+    from scaletrain.config import load_config
+    from scaletrain.data import load_tokenizer, prepare_data
+    from scaletrain.data.sources import embedded_corpus_files, list_files, read_documents
+    from scaletrain.data.tokenizer import train_bpe
+
+    if args.train_tokenizer:
+        if args.vocab_size < 257:
+            raise ConfigError("--train-tokenizer needs --vocab-size N with N > 256 (the byte alphabet)")
+        cfg = load_config(args.config, overrides + ["--data.tokenizer", "byte"])
+        out = Path(args.tokenizer_out)
+        srcs = cfg.data.sources
+        files = [(f, s.format, s.field) for i, s in enumerate(srcs) for f in list_files(s, i)] if srcs else [
+            (f, "text", "text") for f in embedded_corpus_files()]
+        texts = (doc for f, fmt, field in files for doc in read_documents(f, fmt, field))
+        tokenizer = train_bpe(texts, args.vocab_size, out)
+        print(f"tokenizer with {tokenizer.vocab_size} tokens written to {out}; train with --data.tokenizer {out}")
+        cfg.data.tokenizer = str(out)
+    else:
+        cfg = load_config(args.config, overrides)
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    for path, weight in prepare_data(cfg.data, tokenizer):
+        print(f"prepared {path} (weight {weight})")
+    return 0

@@ -1,0 +1,201 @@
+"""The one typed config tree: a dataclass per section, loaded from TOML plus dotted CLI overrides.
+
+Each component receives only its own section. `load_config` reports every problem at once (unknown keys with the
+nearest valid one, wrong types, impossible values) as a `ConfigError`, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from scaletrain.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "debug"
+    """Named architecture: debug, 125M, 1B, 8B, 70B, 405B. The fields below, when set, override it."""
+    dim: int | None = None
+    """Hidden size."""
+    n_layers: int | None = None
+    """Number of transformer blocks."""
+    n_heads: int | None = None
+    """Attention (query) heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    ffn_hidden: int | None = None
+    """SwiGLU hidden size."""
+    vocab_size: int | None = None
+    """Embedding rows. Unset: the tokenizer's vocabulary rounded up to a multiple of 64."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon."""
+    rope_theta: float | None = None
+    """RoPE base frequency."""
+    rope_scaling: Literal["none", "llama3"] | None = None
+    """RoPE frequency scaling for long context (Llama 3.1 style), or none."""
+    rope_scaling_factor: float | None = None
+    """Llama 3 RoPE scaling: factor."""
+    rope_original_max_len: int | None = None
+    """Llama 3 RoPE scaling: context length the frequencies were trained for."""
+    tie_embeddings: bool | None = None
+    """Share the input embedding with the output projection."""
+    init_std: float = 0.02
+    """Std of the normal init; output projections of each block are scaled down by depth."""
+
+
+@dataclass
+class SourceConfig:
+    path: str = ""
+    """A file, a directory (all files below it) or a glob."""
+    format: Literal["auto", "text", "jsonl", "parquet"] = "auto"
+    """How to read documents: a whole text file each, a jsonl line each, a parquet row each. auto: by suffix."""
+    field: str = "text"
+    """The jsonl key or parquet column that holds the text."""
+    weight: float = 1.0
+    """Relative share of training samples drawn from this source (data mixture)."""
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    """Training data. Empty: the running interpreter's standard-library source files (no download)."""
+    tokenizer: str = "byte"
+    """'byte', or the path of a Hugging Face tokenizer.json."""
+    seq_len: int = 256
+    """Tokens per training sequence; documents are packed with an end-of-document token between them."""
+    val_fraction: float = 0.01
+    """Share of each source's sequences held out for validation."""
+    cache_dir: str = ""
+    """Where prepared token shards are kept. Empty: $SCALETRAIN_CACHE or ~/.cache/scaletrain."""
+    workers: int = 0
+    """Processes used to tokenise. 0: one per CPU core, at most 8."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 200
+    """Optimizer steps to run."""
+    global_batch: int = 32
+    """Sequences per optimizer step, summed over data-parallel ranks and accumulation steps."""
+    global_batch_tokens: int = 0
+    """When >0, the global batch in tokens instead (must be a multiple of data.seq_len)."""
+    micro_batch: int = 8
+    """Sequences per forward/backward on one rank; the rest of the global batch is gradient accumulation."""
+    seed: int = 1234
+    """Seed for initialisation and data order."""
+    deterministic: bool = False
+    """Bit-reproducible CPU runs: deterministic kernels, fixed thread count."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute precision. bf16 runs matmuls under autocast; parameters and optimizer state stay fp32."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when available, else CPU."""
+    eval_interval: int = 50
+    """Validation every N steps (and at the start and the end); 0 disables."""
+    eval_sequences: int = 64
+    """Validation sequences per evaluation."""
+    threads: int = 0
+    """torch intra-op threads per process; 0: the CPU cores divided by the local processes."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-3
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norms and biases."""
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """Learning-rate shape after warmup; wsd = warmup-stable-decay."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr."""
+    decay_fraction: float = 0.2
+    """wsd only: fraction of steps spent in the final decay."""
+    implementation: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
+    """AdamW kernel; auto picks fused on CUDA and foreach elsewhere."""
+
+
+@dataclass
+class ParallelConfig:
+    data_parallel: Literal["ddp"] = "ddp"
+    """How data-parallel ranks share the model: ddp replicates it and all-reduces gradients."""
+    ddp_bucket_mb: int = 25
+    """DDP gradient bucket size in MiB."""
+
+
+@dataclass
+class MetricsConfig:
+    log_interval: int = 10
+    """Write metrics every N steps (and on the last)."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files under <run.dir>/tensorboard."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    peak_tflops: float = 0.0
+    """Device peak for MFU in TFLOP/s per process; 0: look up the GPU, or measure the CPU once and cache it."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""
+    """Run directory. Empty: runs/<name>-<date>-<time>. An existing run is never overwritten."""
+    name: str = ""
+    """Run name; empty: the config file's stem."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def load_config(path: str | None, overrides: list[str] | None = None, world_size: int = 1) -> Config:
+    """Read TOML, apply `--a.b value` overrides, type-check and validate; raise ConfigError listing every problem."""
+    from scaletrain.config_io import parse_overrides, read_toml, to_dataclass
+    from scaletrain.validate import validate
+
+    problems: list[str] = []
+    raw: dict = {}
+    if path:
+        try:
+            raw = read_toml(path)
+        except ConfigError as e:
+            raise ConfigError(e.problems) from None
+    problems += parse_overrides(overrides or [], raw)
+    cfg, type_problems = to_dataclass(Config, raw)
+    problems += type_problems
+    if not problems:
+        if not cfg.run.name and path:
+            import pathlib
+
+            cfg.run.name = pathlib.Path(path).stem
+        problems += validate(cfg, world_size)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_dict(cfg: object) -> dict:
+    """The config as plain TOML-writable data (None values dropped, as TOML has no null)."""
+
+    def clean(v):
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items() if x is not None}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    return clean(dataclasses.asdict(cfg))

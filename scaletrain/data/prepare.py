@@ -1,0 +1,237 @@
+"""Tokenise each data source once into memory-mapped token shards under the cache directory.
+
+A prepared directory is keyed by its files (paths, sizes, mtimes), format, field and tokenizer, so a later run with
+the same inputs reuses it; it appears atomically (written aside, then renamed), so a crash never leaves a
+half-written directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from scaletrain.config import DataConfig, SourceConfig
+from scaletrain.data.sources import embedded_corpus_files, list_files, read_documents
+from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer, fingerprint
+
+INDEX_VERSION = 1
+# ~64M tokens: 128 MiB per uint16 shard, few enough files for large corpora and small enough to write in one go.
+SHARD_TOKENS = 1 << 26
+# HF documents are encoded in batches of this many: one Rust call per batch instead of one per document.
+_ENCODE_BATCH = 256
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What a worker needs besides the file: inherited through fork, so it is never pickled."""
+
+    tokenizer: ByteTokenizer | HFTokenizer
+    fmt: str
+    field: str
+    index: int | None
+    dtype: str
+
+
+_JOB: _Job | None = None
+
+
+def resolve_cache_dir(data_cfg: DataConfig) -> Path:
+    """data.cache_dir, else $SCALETRAIN_CACHE, else ~/.cache/scaletrain."""
+    raw = data_cfg.cache_dir or os.environ.get("SCALETRAIN_CACHE") or "~/.cache/scaletrain"
+    return Path(raw).expanduser()
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 65535 else "uint32"
+
+
+def cache_key(files: list[Path], fmt: str, field: str, tok_fingerprint: str) -> str:
+    """sha256 of what determines the tokens: the files' identity (path, size, mtime), format, field, tokenizer."""
+    h = hashlib.sha256()
+    for p in sorted(files):
+        st = p.stat()
+        h.update(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    h.update(f"{fmt}\0{field}\0{tok_fingerprint}".encode())
+    return h.hexdigest()[:16]
+
+
+def tokenize_file(path: Path, job: _Job) -> tuple[np.ndarray, int]:
+    """All documents of one file as one token array, each document followed by eod; and the document count."""
+    eod = np.array([job.tokenizer.eod_id], dtype=job.dtype)
+    parts: list[np.ndarray] = []
+    n_docs = 0
+    docs = read_documents(path, job.fmt, job.field, job.index)
+    if isinstance(job.tokenizer, ByteTokenizer):
+        for text in docs:
+            # Fast path: the byte tokenizer's ids are the UTF-8 bytes themselves.
+            parts += [np.frombuffer(text.encode("utf-8"), np.uint8), eod]
+            n_docs += 1
+    else:
+        for batch in _batched(docs, _ENCODE_BATCH):
+            for ids in job.tokenizer.encode_batch(batch):
+                parts += [np.asarray(ids, dtype=job.dtype), eod]
+            n_docs += len(batch)
+    if not parts:
+        return np.zeros(0, dtype=job.dtype), 0
+    return np.concatenate(parts).astype(job.dtype, copy=False), n_docs
+
+
+def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _init_worker(job: _Job) -> None:
+    global _JOB
+    _JOB = job
+
+
+def _tokenize_in_worker(path: Path) -> tuple[np.ndarray, int]:
+    assert _JOB is not None, "worker started without _init_worker"
+    return tokenize_file(path, _JOB)
+
+
+def _tokenized(files: list[Path], job: _Job, workers: int) -> Iterator[tuple[np.ndarray, int]]:
+    """Token arrays in file order, whatever the worker count, so the shards are deterministic."""
+    workers = min(workers, len(files))
+    if workers <= 1:
+        for p in files:
+            yield tokenize_file(p, job)
+        return
+    # The Rust tokenizer's own thread pool must not run in forked children (it can deadlock).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    ctx = mp.get_context("fork")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
+        # imap (not imap_unordered) yields results in submission order; chunksize 1 balances uneven files.
+        yield from pool.imap(_tokenize_in_worker, files, chunksize=1)
+
+
+class _ShardWriter:
+    """Appends token arrays to tokens-NNNNN.bin files of at most `shard_tokens` tokens each."""
+
+    def __init__(self, out_dir: Path, dtype: str, shard_tokens: int):
+        self.out_dir, self.dtype, self.shard_tokens = out_dir, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self._f = None
+        self._in_shard = 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        while tokens.size:
+            if self._f is None or self._in_shard == self.shard_tokens:
+                self._open_next()
+            take = min(tokens.size, self.shard_tokens - self._in_shard)
+            self._f.write(tokens[:take].tobytes())
+            self._in_shard += take
+            self.shards[-1]["num_tokens"] += take
+            tokens = tokens[take:]
+
+    def _open_next(self) -> None:
+        self.close()
+        name = f"tokens-{len(self.shards):05d}.bin"
+        self._f = open(self.out_dir / name, "wb")
+        self._in_shard = 0
+        self.shards.append({"file": name, "num_tokens": 0})
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _write_prepared(target: Path, files: list[Path], job: _Job, workers: int, tok_fp: str) -> dict:
+    """Tokenise into a temporary sibling of `target`, then rename it into place; return the index."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    try:
+        writer = _ShardWriter(tmp, job.dtype, SHARD_TOKENS)
+        n_docs = 0
+        for tokens, docs in _tokenized(files, job, workers):
+            writer.write(tokens)
+            n_docs += docs
+        writer.close()
+        index = {
+            "version": INDEX_VERSION,
+            "dtype": job.dtype,
+            "vocab_size": job.tokenizer.vocab_size,
+            "eod_id": job.tokenizer.eod_id,
+            "num_tokens": sum(s["num_tokens"] for s in writer.shards),
+            "num_documents": n_docs,
+            "shards": writer.shards,
+            "files": [str(p) for p in files],
+            "tokenizer": tok_fp,
+        }
+        (tmp / "index.json").write_text(json.dumps(index, indent=1))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process renamed its copy first; its output is identical, so use it.
+            if not (target / "index.json").is_file():
+                raise
+        return index
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_source(
+    files: list[Path],
+    fmt: str,
+    field: str,
+    tokenizer: ByteTokenizer | HFTokenizer,
+    cache_dir: Path,
+    workers: int,
+    index: int | None = None,
+) -> tuple[Path, dict, bool]:
+    """Prepared directory for one source, its index, and whether it was a cache hit."""
+    tok_fp = fingerprint(tokenizer)
+    target = cache_dir / "shards" / cache_key(files, fmt, field, tok_fp)
+    index_path = target / "index.json"
+    if index_path.is_file():
+        return target, json.loads(index_path.read_text()), True
+    job = _Job(tokenizer, fmt, field, index, token_dtype(tokenizer.vocab_size))
+    return target, _write_prepared(target, files, job, workers, tok_fp), False
+
+
+def prepare_data(
+    data_cfg: DataConfig,
+    tokenizer: ByteTokenizer | HFTokenizer,
+    log: Callable[[str], None] = print,
+) -> list[tuple[Path, float]]:
+    """Prepare every source (or the embedded corpus when none is given); return (prepared dir, weight) pairs."""
+    cache_dir = resolve_cache_dir(data_cfg)
+    workers = data_cfg.workers or min(8, os.cpu_count() or 1)
+    if data_cfg.sources:
+        sources = [(f"data.sources[{i}]", s, i) for i, s in enumerate(data_cfg.sources)]
+    else:
+        sources = [
+            ("embedded corpus (stdlib .py files)", SourceConfig(path="", format="text", weight=1.0), None)
+        ]
+    out: list[tuple[Path, float]] = []
+    for name, src, i in sources:
+        files = list_files(src, i) if i is not None else embedded_corpus_files()
+        t0 = time.perf_counter()
+        target, index, hit = prepare_source(files, src.format, src.field, tokenizer, cache_dir, workers, i)
+        if hit:
+            log(f"data: {name}: cache hit, {index['num_tokens']:,} tokens in {target}")
+        else:
+            log(
+                f"data: {name}: wrote {index['num_tokens']:,} tokens from {len(files)} file(s), "
+                f"{index['num_documents']:,} documents, in {time.perf_counter() - t0:.1f}s to {target}"
+            )
+        out.append((target, float(src.weight)))
+    return out

@@ -1,0 +1,32 @@
+"""Run metrics: FLOPs and MFU, peak memory, the JSON-lines/TensorBoard writer and the rank-0 progress display."""
+
+from __future__ import annotations
+
+from scaletrain.metrics.memory import peak_memory_mib
+from scaletrain.metrics.mfu import (
+    GPU_PEAK_TFLOPS,
+    cpu_model_name,
+    device_peak_flops,
+    flops_per_token,
+    lookup_gpu_peak,
+    measure_cpu_peak,
+    measure_matmul_flops,
+    mfu,
+)
+from scaletrain.metrics.progress import Progress, print_summary
+from scaletrain.metrics.writer import MetricsWriter
+
+__all__ = [
+    "GPU_PEAK_TFLOPS",
+    "MetricsWriter",
+    "Progress",
+    "cpu_model_name",
+    "device_peak_flops",
+    "flops_per_token",
+    "lookup_gpu_peak",
+    "measure_cpu_peak",
+    "measure_matmul_flops",
+    "mfu",
+    "peak_memory_mib",
+    "print_summary",
+]

@@ -1,0 +1,74 @@
+"""Rank 0's console view of a run: a live progress bar while training and a summary table at the end.
+
+Without a terminal (a log file, CI) no bar is drawn; the train loop's log lines are the record.
+"""
+
+from __future__ import annotations
+
+import rich.progress as rp
+from rich.console import Console
+from rich.table import Table
+
+
+def _si(value: float) -> str:
+    """12345 -> '12.3k': tokens/s spans 1e2 (CPU) to 1e7 (a GPU cluster)."""
+    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+class Progress:
+    """A bar with step/total, ETA, loss, tokens/s and learning rate; a no-op when disabled or not on a terminal."""
+
+    def __init__(
+        self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None
+    ) -> None:
+        self.console = console or Console()
+        # rich would otherwise print the bar's final frame into a log file; there the log lines say the same.
+        self.live = enabled and self.console.is_terminal
+        self._bar: rp.Progress | None = None
+        self._task: rp.TaskID | None = None
+        self.total_steps = total_steps
+        self.start_step = start_step
+
+    def __enter__(self) -> Progress:
+        if self.live:
+            self._bar = rp.Progress(
+                rp.TextColumn("[bold]train"),
+                rp.BarColumn(),
+                rp.MofNCompleteColumn(),
+                rp.TimeElapsedColumn(),
+                rp.TextColumn("eta"),
+                rp.TimeRemainingColumn(),
+                rp.TextColumn("{task.fields[stats]}"),
+                console=self.console,
+            )
+            # A resumed run starts part-way; rich's ETA uses the rate of recent updates, so it stays right.
+            self._task = self._bar.add_task(
+                "train", total=self.total_steps, completed=self.start_step, stats=""
+            )
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def update(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
+        """Show `step` optimizer steps completed, with the latest loss, throughput and learning rate."""
+        if self._bar is None or self._task is None:
+            return
+        stats = f"loss {float(loss):.4f}  {_si(float(tokens_per_s))} tok/s  lr {float(lr):.2e}"
+        self._bar.update(self._task, completed=step, stats=stats)
+
+
+def print_summary(rows: dict[str, str], console: Console | None = None) -> None:
+    """Print the end-of-run table (steps, tokens, losses, tokens/s, MFU, wall time, run dir); call on rank 0."""
+    table = Table(title="Run summary", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for name, value in rows.items():
+        table.add_row(name, str(value))
+    (console or Console()).print(table)

@@ -1,0 +1,194 @@
+"""Llama-family decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention via SDPA, SwiGLU.
+
+No parallelism lives here. The model is built on the meta device and materialised with `init_weights()`, so that
+parallel wrappers can shard it before any memory is allocated. Stages of a pipeline may drop the embedding, the
+final norm and the output (they are then `None`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 352
+    vocab_size: int = 320
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_original_max_len: int = 8192
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the compute dtype: the mean of squares loses precision in bf16.
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies of RoPE (Su et al. 2021), optionally rescaled for long context as in Llama 3.1."""
+    half = args.head_dim // 2
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+    if args.rope_scaling == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        low_freq_factor, high_freq_factor = 1.0, 4.0
+        old_len = args.rope_original_max_len
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_len / low_freq_factor, old_len / high_freq_factor
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * inv_freq / args.rope_scaling_factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > low_wavelen, inv_freq / args.rope_scaling_factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = torch.where(mid, blended, inv_freq)
+    return inv_freq.float()
+
+
+def rope_cache(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """cos and sin for every position, shape [max_seq_len, 2, head_dim] (the rotate-half layout of HF Llama)."""
+    inv_freq = rope_frequencies(args).to(device)
+    pos = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(pos, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()], dim=1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim] or [batch, seq, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # Head counts come from the tensors (-1), so a tensor-parallel shard with fewer heads runs unchanged.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Not persistent: recomputed by init_weights, so checkpoints hold only learned state.
+        self.register_buffer("rope", rope_cache(args), persistent=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [batch, seq] ids (or hidden states on a later pipeline stage). positions: token positions,
+        for when a sequence is split (context parallel); default 0..seq-1."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope[: h.shape[1]] if positions is None else self.rope[positions]
+        cos, sin = rope.unbind(-2)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Set every parameter (after `to_empty`) and the RoPE buffer. Residual-branch outputs are scaled by
+        1/sqrt(2·layers) (GPT-2, Radford et al. 2019) so the residual stream's variance does not grow with depth."""
+        args = self.args
+        self.rope = rope_cache(args, buffer_device or self.rope.device)
+        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            # to_empty() allocates each parameter anew, which unties them: tie again.
+            self.output.weight = self.tok_embeddings.weight
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=args.init_std)
+        depth_std = args.init_std / math.sqrt(2 * args.n_layers)
+        for layer in self.layers.values():
+            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1,
+                        layer.feed_forward.w3):
+                nn.init.trunc_normal_(lin.weight, std=args.init_std, a=-3 * args.init_std, b=3 * args.init_std)
+            for lin in (layer.attention.wo, layer.feed_forward.w2):
+                nn.init.trunc_normal_(lin.weight, std=depth_std, a=-3 * depth_std, b=3 * depth_std)
+            layer.attention_norm.reset_parameters()
+            layer.ffn_norm.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not args.tie_embeddings:
+            std = args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Total, and without the input embedding (the N of the 6N FLOPs rule). Works on meta models."""
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.tok_embeddings.weight.numel() if getattr(model, "tok_embeddings", None) is not None else 0
+    tied = getattr(model, "args", None) is not None and model.args.tie_embeddings
+    # A tied table is also the output projection, whose matmul costs FLOPs: keep it in N.
+    return {"total": total, "non_embedding": total if tied else total - emb}

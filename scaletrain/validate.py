@@ -1,0 +1,181 @@
+"""Cross-field checks of the whole config, run before any work starts: every problem, each with its fix."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from scaletrain.config import Config, DataConfig, ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
+from scaletrain.errors import UserError
+
+
+def validate(cfg: Config, world_size: int) -> list[str]:
+    problems = _model(cfg.model)
+    problems += _data(cfg.data)
+    problems += _training(cfg.training, cfg.data.seq_len, world_size)
+    problems += _optimizer(cfg.optimizer)
+    if cfg.metrics.log_interval < 1:
+        problems.append("metrics.log_interval must be >= 1")
+    if cfg.parallel.ddp_bucket_mb < 1:
+        problems.append("parallel.ddp_bucket_mb must be >= 1")
+    problems += _run(cfg.run)
+    if not problems:
+        problems += _fits_in_memory(cfg, world_size)
+    return problems
+
+
+def global_batch_sequences(t: TrainingConfig, seq_len: int) -> int:
+    """The global batch in sequences, whichever way it was given."""
+    return t.global_batch_tokens // seq_len if t.global_batch_tokens > 0 else t.global_batch
+
+
+def _model(m: ModelConfig) -> list[str]:
+    from scaletrain.models.presets import PRESETS
+
+    if m.preset not in PRESETS:
+        near = difflib.get_close_matches(m.preset, list(PRESETS), n=1, cutoff=0.3)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        return [f"model.preset '{m.preset}' is unknown{hint}; choose one of {', '.join(PRESETS)}"]
+    p = PRESETS[m.preset]
+    dim, heads = m.dim or p["dim"], m.n_heads or p["n_heads"]
+    kv = m.n_kv_heads or (p["n_kv_heads"] if m.n_heads is None else heads)
+    problems = []
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"):
+        v = getattr(m, name)
+        if v is not None and v < 1:
+            problems.append(f"model.{name} must be >= 1, got {v}")
+    if problems:
+        return problems
+    if dim % heads:
+        problems.append(f"model.dim {dim} is not divisible by model.n_heads {heads}; change one of them")
+    elif (dim // heads) % 2:
+        problems.append(f"head size dim/n_heads = {dim // heads} is odd; RoPE rotates pairs, so make it even")
+    if heads % kv:
+        problems.append(f"model.n_heads {heads} is not divisible by model.n_kv_heads {kv} (grouped-query "
+                        "attention shares each key/value head among n_heads/n_kv_heads query heads)")
+    if m.rope_theta is not None and m.rope_theta <= 0:
+        problems.append("model.rope_theta must be > 0")
+    if m.init_std <= 0:
+        problems.append("model.init_std must be > 0")
+    return problems
+
+
+def _data(d: DataConfig) -> list[str]:
+    from scaletrain.data.sources import list_files
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    problems = []
+    if d.seq_len < 2:
+        problems.append(f"data.seq_len must be >= 2, got {d.seq_len}")
+    if not 0 <= d.val_fraction < 1:
+        problems.append(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    if d.workers < 0:
+        problems.append("data.workers must be >= 0 (0 = one per core)")
+    for i, src in enumerate(d.sources):
+        if src.weight <= 0:
+            problems.append(f"data.sources[{i}].weight must be > 0, got {src.weight}")
+        if not src.path:
+            problems.append(f"data.sources[{i}].path is empty; give a file, a directory or a glob")
+            continue
+        try:
+            list_files(src, i)
+        except UserError as e:
+            problems.append(str(e))
+    try:
+        load_tokenizer(d.tokenizer)
+    except UserError as e:
+        problems.append(str(e))
+    return problems
+
+
+def _training(t: TrainingConfig, seq_len: int, world_size: int) -> list[str]:
+    problems = []
+    if t.steps < 1:
+        problems.append(f"training.steps must be >= 1, got {t.steps}")
+    if t.micro_batch < 1:
+        problems.append(f"training.micro_batch must be >= 1, got {t.micro_batch}")
+        return problems
+    if t.global_batch_tokens > 0 and seq_len >= 2 and t.global_batch_tokens % seq_len:
+        problems.append(f"training.global_batch_tokens {t.global_batch_tokens} is not a multiple of data.seq_len "
+                        f"{seq_len}; use {max(1, t.global_batch_tokens // seq_len) * seq_len}")
+    gb = global_batch_sequences(t, max(seq_len, 1))
+    per_step = t.micro_batch * world_size
+    if gb < 1 or gb % per_step:
+        fix = max(1, round(gb / per_step)) * per_step
+        problems.append(f"the global batch of {gb} sequences is not divisible by training.micro_batch "
+                        f"{t.micro_batch} x {world_size} data-parallel ranks; use training.global_batch {fix}, "
+                        f"or change training.micro_batch")
+    if t.grad_clip < 0:
+        problems.append("training.grad_clip must be >= 0 (0 disables clipping)")
+    if t.eval_interval < 0 or t.eval_sequences < 1:
+        problems.append("training.eval_interval must be >= 0 and training.eval_sequences >= 1")
+    if t.threads < 0:
+        problems.append("training.threads must be >= 0 (0 = cores / local processes)")
+    if t.device == "cuda" and not torch.cuda.is_available():
+        problems.append("training.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    return problems
+
+
+def _optimizer(o: OptimizerConfig) -> list[str]:
+    problems = []
+    if o.lr <= 0:
+        problems.append(f"optimizer.lr must be > 0, got {o.lr}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        problems.append(f"optimizer.betas must be two numbers in [0, 1), got {o.betas}")
+    if o.eps <= 0 or o.weight_decay < 0:
+        problems.append("optimizer.eps must be > 0 and optimizer.weight_decay >= 0")
+    if o.warmup_steps < 0:
+        problems.append("optimizer.warmup_steps must be >= 0")
+    if not 0 <= o.min_lr_ratio <= 1:
+        problems.append(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if not 0 < o.decay_fraction <= 1:
+        problems.append(f"optimizer.decay_fraction must be in (0, 1], got {o.decay_fraction}")
+    return problems
+
+
+def _run(r: RunConfig) -> list[str]:
+    if not r.dir:
+        return []
+    path = Path(r.dir)
+    for marker in ("events.jsonl", "metrics.jsonl"):
+        if (path / marker).exists():
+            return [f"run.dir '{r.dir}' already holds a run ({marker}); it is never overwritten: choose a new "
+                    "--run.dir, or move that directory away"]
+    if path.exists() and not path.is_dir():
+        return [f"run.dir '{r.dir}' is a file, not a directory; choose another --run.dir"]
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return [f"run.dir '{r.dir}' cannot be created: '{ancestor}' is a file; choose another --run.dir"]
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as e:
+        return [f"run.dir '{r.dir}' is not writable ({e.strerror} in '{ancestor}'); choose another --run.dir"]
+    return []
+
+
+def _fits_in_memory(cfg: Config, world_size: int) -> list[str]:
+    """Refuse a model whose fp32 weights, gradients and AdamW state (16 bytes a parameter) cannot fit, instead of
+    dying in the allocator minutes later. Activations come on top; this is a floor, not a plan."""
+    from scaletrain.models.llama import count_parameters
+    from scaletrain.models.presets import build_meta_model, resolve_model_args
+
+    args = resolve_model_args(cfg.model, 257, cfg.data.seq_len)
+    need = count_parameters(build_meta_model(args))["total"] * 16
+    cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        have, where = torch.cuda.get_device_properties(0).total_memory, "GPU"
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1), "host memory share"
+    if need > have:
+        return [f"model.preset '{cfg.model.preset}' needs {need / 2**30:.1f} GiB per process for weights, "
+                f"gradients and AdamW state, more than the {have / 2**30:.1f} GiB {where}; choose a smaller "
+                "model.preset (e.g. debug or 125M)"]
+    return []
