@@ -127,7 +127,8 @@ def train(cfg: Config) -> dict:
     writer.event("end", step=cfg.training.steps, **{k: v for k, v in summary.items() if k != "run_dir"})
     writer.close()
     if env.is_main:
-        print_summary({k: _fmt(v) for k, v in summary.items()})
+        print_summary({k: _fmt(v) for k, v in summary.items() if k != "run_dir"})
+        print(f"run directory: {run_dir}")
     return summary
 
 

@@ -18,6 +18,9 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     problems += _data(cfg.data)
     problems += _training(cfg.training, cfg.data.seq_len, world_size)
     problems += _optimizer(cfg.optimizer)
+    if cfg.training.eval_interval > 0 and cfg.data.val_fraction == 0:
+        problems.append("training.eval_interval > 0 needs held-out data: set data.val_fraction > 0, or "
+                        "training.eval_interval 0")
     if cfg.metrics.log_interval < 1:
         problems.append("metrics.log_interval must be >= 1")
     if cfg.parallel.ddp_bucket_mb < 1:

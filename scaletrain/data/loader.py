@@ -217,7 +217,7 @@ class DataLoader:
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         # Positions are global sample indices, so resuming with another global batch or rank count is exact.
-        pass
+        self.next_sample = int(sd["next_sample"])
 
 
 def build_loader(
@@ -241,5 +241,11 @@ def build_loader(
         raise UserError(
             f"the data gives {mixture.num_train_windows} training sequences of {data_cfg.seq_len} tokens, fewer "
             f"than one global batch of {global_batch}; add data, or lower training.global_batch / data.seq_len"
+        )
+    if data_cfg.val_fraction > 0 and mixture.num_val_windows < dp_size:
+        # Checked here, not at the first evaluation, so the run fails before any work is done.
+        raise UserError(
+            f"the data gives {mixture.num_val_windows} validation sequence(s), fewer than the {dp_size} "
+            "data-parallel ranks; add data, raise data.val_fraction, or set data.val_fraction = 0"
         )
     return DataLoader(mixture, global_batch, dp_rank, dp_size)

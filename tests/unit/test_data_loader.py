@@ -74,16 +74,18 @@ def test_mixture_follows_weights(tmp_path: Path):
     assert sum(from_b[: mix.epoch_len]) == round(0.75 * 118)
 
 
-def test_repeated_source_uses_every_window_evenly(tmp_path: Path):
-    a = _numbered(tmp_path, "a", 40)
-    b = _numbered(tmp_path, "b", 10)  # 70 tokens: 6 windows of 10 vs 27 for a
+def test_repeated_and_subsampled_sources(tmp_path: Path):
+    a = _numbered(tmp_path, "a", 40)  # 240 tokens: 23 windows of 10
+    b = _numbered(tmp_path, "b", 10)  # 60 tokens: 5 windows of 10
     mix = Mixture([(a, 1.0), (b, 1.0)], seq_len=10, val_fraction=0.0, seed=3)
-    counts: dict[tuple[int, ...], int] = {}
-    for g in range(mix.epoch_len):
-        s = mix.sample(g)
-        if (s == ord("b")).any():
-            counts[tuple(s)] = counts.get(tuple(s), 0) + 1
-    assert len(counts) == mix.n_train[1] and set(counts.values()) <= {2, 3}
+    assert mix.n_per_epoch.tolist() == [14, 14]
+    epochs = [[tuple(mix.sample(g)) for g in range(e * 28, (e + 1) * 28)] for e in range(2)]
+    from_a = [{s for s in ep if ord("a") in s} for ep in epochs]
+    from_b = [s for s in epochs[0] if ord("b") in s]
+    # b is repeated evenly: each of its 5 windows 2 or 3 times in 14 draws.
+    assert len(set(from_b)) == 5 and {from_b.count(w) for w in set(from_b)} <= {2, 3}
+    # a is subsampled without repeats, and afresh each epoch.
+    assert len(from_a[0]) == len(from_a[1]) == 14 and from_a[0] != from_a[1]
 
 
 def test_sample_is_a_pure_function_of_seed_and_index(tmp_path: Path):
@@ -188,3 +190,23 @@ def test_global_batch_must_divide_by_dp(tmp_path: Path):
     mix = Mixture([(_numbered(tmp_path, "a", 30), 1.0)], seq_len=8, val_fraction=0.0, seed=0)
     with pytest.raises(UserError, match="multiple of the data-parallel size 4"):
         DataLoader(mix, global_batch=6, dp_rank=0, dp_size=4)
+
+
+def test_fewer_validation_windows_than_ranks(tmp_path: Path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "z" * 160}) + "\n")  # 161 tokens: 20 windows of 8, one held out
+    cfg = DataConfig(
+        sources=[SourceConfig(path=str(path))], seq_len=8, val_fraction=0.01, cache_dir=str(tmp_path)
+    )
+    with pytest.raises(UserError, match="1 validation sequence.*2 data-parallel ranks"):
+        build_loader(cfg, ByteTokenizer(), global_batch=4, dp_rank=0, dp_size=2, seed=0, log=lambda s: None)
+    loader = build_loader(
+        cfg, ByteTokenizer(), global_batch=4, dp_rank=0, dp_size=1, seed=0, log=lambda s: None
+    )
+    assert [x.shape for x, _ in loader.val_batches(64, 8)] == [(1, 8)]
+    cfg.val_fraction = 0.0
+    loader = build_loader(
+        cfg, ByteTokenizer(), global_batch=4, dp_rank=0, dp_size=2, seed=0, log=lambda s: None
+    )
+    with pytest.raises(UserError, match="fewer than the 2 data-parallel ranks"):
+        next(loader.val_batches(64, 8))

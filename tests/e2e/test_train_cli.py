@@ -1,0 +1,129 @@
+"""The real CLI end to end: a run directory that follows the contract, data-parallel equivalence, bad input."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from scaletrain.config import load_config
+from tests.helpers import DEBUG, QUICK, ROOT, read_jsonl, run_cli
+
+REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "mem_peak_mib", "step_time_s"}
+
+
+def test_single_process_run_writes_the_run_directory_contract(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("train", "--config", DEBUG, "--run.dir", str(run), *QUICK, "--metrics.tensorboard", "true")
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [5, 10, 15, 20]
+    assert all(REQUIRED <= m.keys() for m in metrics)
+    assert all(math.isfinite(m["loss"]) and m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1 for m in metrics)
+    assert metrics[-1]["tokens"] == 20 * 8 * 64
+    kinds = [e["kind"] for e in read_jsonl(run / "events.jsonl")]
+    assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("eval") == 3
+    evals = [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "eval"]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert any((run / "tensorboard").iterdir())
+    # The resolved config reloads to the same values.
+    again = load_config(str(run / "config.toml"), ["--run.dir", str(tmp_path / "other")])
+    assert again.training.steps == 20 and again.data.seq_len == 64
+    assert "MFU peak:" in proc.stderr and "precision fp32" in proc.stderr
+    assert str(run) in proc.stdout
+
+
+def _losses(run):
+    m = read_jsonl(run / "metrics.jsonl")
+    return [x["loss"] for x in m], [x["grad_norm"] for x in m]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    run_cli("train", "--config", DEBUG, "--run.dir", str(run), *QUICK, "--training.steps", "10",
+            "--metrics.log_interval", "1", "--training.eval_interval", "0")
+    return _losses(run)
+
+
+def test_nproc_2_matches_single_process(reference_run, tmp_path):
+    """Same global batches, gradients averaged by DDP: fp32 losses equal the single-process run (rtol 1e-5)."""
+    run = tmp_path / "dp2"
+    run_cli("train", "--nproc", "2", "--config", DEBUG, "--run.dir", str(run), *QUICK, "--training.steps", "10",
+            "--metrics.log_interval", "1", "--training.eval_interval", "0")
+    loss, gnorm = _losses(run)
+    ref_loss, ref_gnorm = reference_run
+    assert len(loss) == 10
+    for a, b in zip(loss + gnorm, ref_loss + ref_gnorm):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert read_jsonl(run / "events.jsonl")[0]["world_size"] == 2
+
+
+def test_torchrun_module_entry_point(reference_run, tmp_path):
+    run = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "scaletrain",
+           "train", "--config", DEBUG, "--run.dir", str(run), *QUICK, "--training.steps", "10",
+           "--metrics.log_interval", "1", "--training.eval_interval", "0", "--training.micro_batch", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    loss, _ = _losses(run)
+    assert loss == pytest.approx(reference_run[0], rel=1e-5)
+
+
+def test_data_smaller_than_one_global_batch(tmp_path):
+    (tmp_path / "tiny.txt").write_text("just a few bytes of text " * 4)
+    proc = run_cli("train", "--config", DEBUG, "--run.dir", str(tmp_path / "run"), *QUICK,
+                   f"--data.sources=[{{path='{tmp_path}/tiny.txt'}}]", "--data.cache_dir", str(tmp_path / "c"),
+                   check=False)
+    assert proc.returncode == 1
+    assert "global batch" in proc.stderr or "training sequences" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_existing_run_directory_is_never_overwritten(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = run_cli("train", "--config", DEBUG, "--run.dir", str(run), *QUICK, check=False)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_ctrl_c_exits_cleanly_and_keeps_the_run(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "scaletrain", "train", "--config", DEBUG, "--run.dir", str(run),
+                             *QUICK, "--training.steps", "100000", "--metrics.log_interval", "1"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(
+            read_jsonl(run / "metrics.jsonl")) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert len(read_jsonl(run / "metrics.jsonl")) >= 2
+    assert read_jsonl(run / "events.jsonl")[-1]["kind"] == "interrupted"
+
+
+def test_prepare_data_trains_a_bpe_tokenizer_then_training_uses_it(tmp_path):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(f'{{"body": "document {i}: the quick brown fox jumps over the lazy dog {i % 7}"}}\n'
+                              for i in range(400)))
+    tok = tmp_path / "tok.json"
+    src = f"--data.sources=[{{path='{corpus}', field='body'}}]"
+    cache = ["--data.cache_dir", str(tmp_path / "cache")]
+    proc = run_cli("prepare-data", "--config", DEBUG, src, *cache, "--train-tokenizer", "--vocab-size", "400",
+                   "--tokenizer-out", str(tok))
+    assert tok.exists() and "--data.tokenizer" in proc.stdout
+    again = run_cli("prepare-data", "--config", DEBUG, src, *cache, "--train-tokenizer", "--vocab-size", "400",
+                    "--tokenizer-out", str(tok), check=False)
+    assert again.returncode != 0 and "exists" in again.stderr  # never overwrites the tokenizer it made
+    run = tmp_path / "run"
+    run_cli("train", "--config", DEBUG, src, *cache, "--data.tokenizer", str(tok), "--run.dir", str(run), *QUICK,
+            "--training.steps", "4", "--data.seq_len", "16", "--training.eval_interval", "0")
+    # 400 tokens pad to 448 embedding rows: the model was sized by the trained tokenizer, not the byte one.
+    start = read_jsonl(run / "events.jsonl")[0]
+    assert start["parameters"] == 820352 + 2 * (448 - 320) * 128
