@@ -73,12 +73,12 @@ def test_torchrun_module_entry_point(reference_run, tmp_path):
 
 
 def test_data_smaller_than_one_global_batch(tmp_path):
-    (tmp_path / "tiny.txt").write_text("just a few bytes of text " * 4)
+    (tmp_path / "tiny.txt").write_text("x" * 400)  # 6 windows of 64 tokens: 1 for validation, 5 < 8 to train
     proc = run_cli("train", "--config", DEBUG, "--run.dir", str(tmp_path / "run"), *QUICK,
                    f"--data.sources=[{{path='{tmp_path}/tiny.txt'}}]", "--data.cache_dir", str(tmp_path / "c"),
                    check=False)
     assert proc.returncode == 1
-    assert "global batch" in proc.stderr or "training sequences" in proc.stderr
+    assert "fewer than one global batch of 8" in proc.stderr and "training.global_batch" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
