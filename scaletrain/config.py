@@ -125,8 +125,29 @@ class OptimizerConfig:
 
 @dataclass
 class ParallelConfig:
-    data_parallel: Literal["ddp"] = "ddp"
-    """How data-parallel ranks share the model: ddp replicates it and all-reduces gradients."""
+    data_parallel: Literal["ddp", "zero1", "zero2", "fsdp", "hsdp"] = "ddp"
+    """How data-parallel ranks share the model: ddp replicates it; zero1 also shards optimizer state; zero2 also
+    gradients; fsdp (ZeRO-3) also parameters; hsdp replicates across dp_replicate and shards within dp_shard."""
+    dp_replicate: int = 1
+    """Replica groups (hsdp only)."""
+    dp_shard: int = -1
+    """Data-parallel ranks inside a replica group; -1: the rest of the world after pp, cp, tp and dp_replicate."""
+    tp: int = 1
+    """Tensor-parallel ranks (Megatron-style column/row split of attention and MLP)."""
+    sequence_parallel: bool = False
+    """With tp > 1: also split norms and dropout-free regions along the sequence (Korthikanti et al. 2022)."""
+    pp: int = 1
+    """Pipeline stages (ranks); layers are split evenly, the first stage owns the embedding, the last the loss."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"] = "1f1b"
+    """Pipeline schedule; the interleaved and V schedules run several stages per rank."""
+    pp_microbatches: int = 0
+    """Micro-batches per pipeline step; 0: the local batch divided by training.micro_batch."""
+    pp_virtual_stages: int = 2
+    """Stages per rank for interleaved_1f1b and interleaved_zb (zbv and dualpipev always use 2)."""
+    cp: int = 1
+    """Context-parallel ranks: each sequence is split over them and attention runs as ring attention."""
+    cp_load_balance: bool = True
+    """Zig-zag chunk order so that every context-parallel rank does the same causal-attention work."""
     ddp_bucket_mb: int = 25
     """DDP gradient bucket size in MiB."""
 
