@@ -17,6 +17,7 @@ from scaletrain.errors import ConfigError, UserError
 USAGE = """\
 scaletrain train        --config FILE [--nproc N] [--section.key VALUE ...]
 scaletrain prepare-data --config FILE [--train-tokenizer --vocab-size N [--tokenizer-out PATH]] [--section.key VALUE ...]
+scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" ... [--steps 10] [--rtol 1e-5]
 
 Any config key can be overridden as --section.key VALUE or --section.key=VALUE. Keys:
 """
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, overrides)
+        if args.command == "parity":
+            return _parity(args, overrides)
         return _prepare_data(args, overrides)
     except ConfigError as e:
         print(f"error: {e.render()}", file=sys.stderr)
@@ -48,13 +51,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scaletrain", add_help=False)
-    p.add_argument("command", choices=["train", "prepare-data"])
+    p.add_argument("command", choices=["train", "prepare-data", "parity"])
     p.add_argument("--config", default=None)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--train-tokenizer", action="store_true")
     p.add_argument("--vocab-size", type=int, default=0)
     p.add_argument("--tokenizer-out", default="tokenizer.json")
+    p.add_argument("--layouts", nargs="+", default=[])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rtol", type=float, default=1e-5)
     return p
+
+
+def _parity(args: argparse.Namespace, overrides: list[str]) -> int:
+    from scaletrain.parity import run_parity
+
+    if not args.layouts:
+        raise ConfigError('parity needs --layouts, e.g. --layouts "dp_shard=2" "tp=2" "pp=2,pp_schedule=gpipe"')
+    results = run_parity(args.config, args.layouts, args.steps, overrides, args.rtol)
+    return 0 if all(r.ok for r in results) else 1
 
 
 def _under_torchrun() -> bool:

@@ -127,3 +127,19 @@ def test_prepare_data_trains_a_bpe_tokenizer_then_training_uses_it(tmp_path):
     # 400 tokens pad to 448 embedding rows: the model was sized by the trained tokenizer, not the byte one.
     start = read_jsonl(run / "events.jsonl")[0]
     assert start["parameters"] == 820352 + 2 * (448 - 320) * 128
+
+
+def test_deterministic_runs_are_bit_identical(tmp_path):
+    args = ["--config", DEBUG, *QUICK, "--training.steps", "5", "--metrics.log_interval", "1",
+            "--training.deterministic", "true", "--training.eval_interval", "0"]
+    for name in ("a", "b"):
+        run_cli("train", *args, "--run.dir", str(tmp_path / name))
+    a, b = (read_jsonl(tmp_path / n / "metrics.jsonl") for n in ("a", "b"))
+    assert [(m["loss"], m["grad_norm"]) for m in a] == [(m["loss"], m["grad_norm"]) for m in b]
+
+
+def test_launcher_refuses_a_bad_layout_before_starting_workers(tmp_path):
+    proc = run_cli("train", "--nproc", "3", "--config", DEBUG, "--run.dir", str(tmp_path / "run"), *QUICK,
+                   check=False)
+    assert proc.returncode == 2 and "x 3 data-parallel ranks" in proc.stderr
+    assert not (tmp_path / "run").exists()
