@@ -153,6 +153,25 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    """Save checkpoints into the run directory and resume from the newest committed one on the next start."""
+    interval: int | Literal["auto"] = 0
+    """Save every N steps; 0: only at the end and on SIGTERM; auto: the Young/Daly interval sqrt(2 x save cost x
+    mtbf_hours) from the measured cost of the first save."""
+    async_save: bool = True
+    """Two stages: copy the state to host memory, resume training, write to storage in the background."""
+    keep_last: int = 3
+    """Keep the newest N committed checkpoints ..."""
+    keep_every: int = 0
+    """... plus every checkpoint whose step is a multiple of this (0: none)."""
+    storage: str = ""
+    """Where checkpoints go: empty: <run.dir>/checkpoints; or a path or fsspec URL (s3://..., gs://...)."""
+    mtbf_hours: float = 24.0
+    """Mean time between failures of the whole job, for interval = auto."""
+
+
+@dataclass
 class MetricsConfig:
     log_interval: int = 10
     """Write metrics every N steps (and on the last)."""
@@ -179,6 +198,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

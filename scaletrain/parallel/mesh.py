@@ -1,14 +1,19 @@
-"""Process-group start-up and the one object that knows the device mesh (no process-group globals)."""
+"""Process-group start-up, the checks of a parallel layout, and ParallelDims: the one object that knows the device
+mesh (no process-group globals; components get the sub-mesh they need, passed explicitly)."""
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from scaletrain.config import ParallelConfig
+from scaletrain.errors import ConfigError
 
 
 @dataclass
@@ -45,16 +50,164 @@ def init_distributed(device_pref: str, timeout_s: float = 600.0) -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, device)
 
 
+# The world mesh's dimensions, outermost first. Pipeline stages are outermost (their traffic is the lightest:
+# activations point to point); tensor parallel is innermost, so that its ranks are neighbours (same node, NVLink)
+# for its per-layer collectives — the order of torchtitan's ParallelDims.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Flattened views of several dims, each for one consumer:
+#   dp          — data loading: every rank of it reads a different slice of the global batch;
+#   dp_shard_cp — FSDP sharding: context-parallel ranks hold different tokens of the same samples, so their
+#                 gradients are summed like data-parallel ones and they can share the parameter shards too;
+#   dp_cp       — loss averaging and DDP's gradient all-reduce.
+FLAT_DIMS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
 @dataclass
 class ParallelDims:
-    """Sizes of each parallel dimension. Today: data parallel only, dp = world size."""
+    """Sizes of the parallel dimensions (their product is the world size) and, once built, the device mesh."""
 
-    dp: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
-    def build_mesh(self, device: torch.device) -> DeviceMesh | None:
-        if self.dp == 1:
+    @classmethod
+    def from_config(cls, pcfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """The sizes of `pcfg` with `dp_shard = -1` resolved to the rest of the world; raises ConfigError if the
+        sizes cannot tile `world_size` (see validate_parallel for every other check)."""
+        problems = _size_problems(pcfg, world_size)
+        if problems:
+            raise ConfigError(problems)
+        return cls(pcfg.dp_replicate, _resolved_dp_shard(pcfg, world_size), pcfg.cp, pcfg.tp, pcfg.pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    def size(self, name: str) -> int:
+        """Size of a mesh dim or a flattened one ("dp", "dp_shard_cp", "dp_cp")."""
+        return math.prod(getattr(self, d) for d in FLAT_DIMS.get(name, (name,)))
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Build the world mesh with every dim of MESH_DIMS (those of size 1 too, so `mesh["tp"]` always exists)
+        and the flattened dims of FLAT_DIMS. One process needs no mesh: None, and every accessor copes."""
+        if self.world_size == 1:
+            self.mesh = None
             return None
-        return init_device_mesh(device.type, (self.dp,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        for name, dims in FLAT_DIMS.items():
+            mesh[dims]._flatten(mesh_dim_name=name)
+        self.mesh = mesh
+        return mesh
+
+    def submesh(self, name: str) -> DeviceMesh | None:
+        """The 1-D mesh of one dim or flattened dim, or None on one process (e.g. `all_reduce_mean(loss,
+        dims.submesh("dp_cp"))`)."""
+        return None if self.mesh is None else self.mesh[name]
+
+    def local_rank(self, name: str) -> int:
+        """This process's coordinate along a dim or flattened dim (0 on one process)."""
+        return 0 if self.mesh is None else self.mesh[name].get_local_rank()
+
+    # What the data loader needs: which slice of the global batch this rank reads, and of how many.
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        return self.local_rank("dp")
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+
+def _resolved_dp_shard(pcfg: ParallelConfig, world_size: int) -> int:
+    if pcfg.dp_shard != -1:
+        return pcfg.dp_shard
+    rest = pcfg.pp * pcfg.dp_replicate * pcfg.cp * pcfg.tp
+    return world_size // rest if rest > 0 and world_size % rest == 0 else 0
+
+
+def _size_problems(pcfg: ParallelConfig, world_size: int) -> list[str]:
+    bad = [f"parallel.{n} must be >= 1, got {getattr(pcfg, n)}" for n in ("dp_replicate", "tp", "pp", "cp")
+           if getattr(pcfg, n) < 1]
+    if pcfg.dp_shard < 1 and pcfg.dp_shard != -1:
+        bad.append(f"parallel.dp_shard must be >= 1 or -1 (the rest of the world), got {pcfg.dp_shard}")
+    if bad:
+        return bad
+    sizes = f"pp {pcfg.pp} x dp_replicate {pcfg.dp_replicate} x cp {pcfg.cp} x tp {pcfg.tp}"
+    if pcfg.dp_shard == -1:
+        rest = pcfg.pp * pcfg.dp_replicate * pcfg.cp * pcfg.tp
+        if world_size % rest:
+            return [f"parallel.dp_shard = -1 fills the rest of the world, but {sizes} = {rest} does not divide the "
+                    f"world size {world_size}; change those sizes or the number of processes"]
+        return []
+    product = pcfg.pp * pcfg.dp_replicate * pcfg.dp_shard * pcfg.cp * pcfg.tp
+    if product != world_size:
+        return [f"parallel sizes {sizes} x dp_shard {pcfg.dp_shard} = {product}, but the world has {world_size} "
+                "processes; make the product equal the world size (dp_shard = -1 fills the rest)"]
+    return []
+
+
+def validate_parallel(pcfg: ParallelConfig, world_size: int, n_heads: int, n_kv_heads: int, vocab_size: int, *,
+                      ffn_hidden: int | None = None, seq_len: int | None = None) -> list[str]:
+    """Every problem of the parallel layout at once, each with its fix; [] when the layout runs."""
+    problems = _size_problems(pcfg, world_size)
+    mode = pcfg.data_parallel
+    if pcfg.dp_replicate > 1 and mode != "hsdp":
+        problems.append(f"parallel.dp_replicate = {pcfg.dp_replicate} needs parallel.data_parallel = 'hsdp' "
+                        f"(replicate across groups, shard within); with '{mode}' set dp_replicate = 1")
+    if mode == "hsdp" and pcfg.dp_replicate == 1:
+        problems.append("parallel.data_parallel = 'hsdp' with dp_replicate = 1 is plain sharding: use "
+                        "data_parallel = 'fsdp', or set dp_replicate > 1")
+    tp = pcfg.tp
+    if tp > 1 and mode in ("ddp", "zero1"):
+        problems.append(f"parallel.data_parallel = '{mode}' cannot be combined with tp = {tp}: DDP does not handle "
+                        "the DTensor parameters that tensor parallel creates; use data_parallel = 'fsdp' or 'zero2'")
+    if tp > 1:
+        divisible = [
+            ("model.n_heads", n_heads, "attention is split by whole query heads"),
+            ("model.n_kv_heads", n_kv_heads, "each rank needs whole key/value heads for its share of query heads"),
+            ("the vocabulary size", vocab_size, "the embedding and the output layer are split by vocabulary rows"),
+            ("model.ffn_hidden", ffn_hidden, "the MLP is split along its hidden size (w1/w3 columns, w2 rows)"),
+        ]
+        if pcfg.sequence_parallel:
+            divisible.append(("data.seq_len", seq_len, "sequence parallel splits every sequence over the tp ranks"))
+        for what, n, why in divisible:
+            if n is not None and n % tp:
+                problems.append(f"parallel.tp = {tp} does not divide {what} {n} ({why}); choose a tp that divides it")
+    if pcfg.sequence_parallel and tp == 1:
+        problems.append("parallel.sequence_parallel splits the norms' activations over the tensor-parallel ranks and "
+                        "needs tp > 1; set parallel.tp > 1 or sequence_parallel = false")
+    return problems
+
+
+def _group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group of a 1-D mesh, or the default group for a multi-dim mesh over the whole world."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    assert mesh.size() == dist.get_world_size(), "a multi-dim mesh here must span the world"
+    return None
 
 
 def all_reduce_mean(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -62,7 +215,7 @@ def all_reduce_mean(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     if mesh is None:
         return t
     t = t.detach().clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_group(mesh))
     return t / mesh.size()
 
 
@@ -71,5 +224,5 @@ def broadcast_object(obj: object, mesh: DeviceMesh | None) -> object:
     if mesh is None:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, group=mesh.get_group(), group_src=0)
+    dist.broadcast_object_list(box, group=_group(mesh), group_src=0)
     return box[0]

@@ -1,0 +1,287 @@
+"""Pipeline parallelism: split the model into stages of whole layers, place them on the pp ranks (looped or V), and
+run a `torch.distributed.pipelining` schedule whose mean loss and gradients equal `train_step`'s on the same batch."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from scaletrain.models.llama import Transformer
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+SINGLE_STAGE = ("gpipe", "1f1b")
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """GPipe and 1F1B run one stage per rank, the V schedules exactly two, the interleaved ones `virtual_stages`."""
+    if schedule in SINGLE_STAGE:
+        return 1
+    if schedule in V_SHAPED:
+        return 2
+    return virtual_stages
+
+
+def placement_style(schedule: str) -> Literal["loop", "v"]:
+    return "v" if schedule in V_SHAPED else "loop"
+
+
+def rank_stages(pp_rank: int, pp_size: int, virtual_stages: int, style: Literal["loop", "v"]) -> list[int]:
+    """Stage indices held by `pp_rank`, ascending. Loop: stage s on rank s % pp (Narayanan et al. 2021). V: rank r
+    holds stages r and 2p-1-r, so the first and last stages share rank 0 and the turn of the V needs no send
+    (Qi et al. 2024, zero-bubble V)."""
+    if style == "v":
+        return sorted({pp_rank, 2 * pp_size - 1 - pp_rank})
+    return [pp_rank + i * pp_size for i in range(virtual_stages)]
+
+
+def layers_per_stage(n_layers: int, n_stages: int) -> list[int]:
+    """Layers of each stage, as even as possible. The remainder goes to the middle stages first: the first stage also
+    runs the embedding and the last the output projection (a dim x vocab matmul, as costly as several layers when the
+    vocabulary is large) and the loss, so they are the ones to get fewer layers. If the middle stages cannot take the
+    whole remainder, the first stage takes one more (an embedding lookup is cheaper than the output projection)."""
+    if n_stages > n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {n_stages} pipeline stages of at least one layer each")
+    base, extra = divmod(n_layers, n_stages)
+    counts = [base] * n_stages
+    order = list(range(1, n_stages - 1)) + [0, n_stages - 1]
+    for s in order[:extra]:
+        counts[s] += 1
+    return counts
+
+
+def pipeline_problems(schedule: str, pp: int, virtual_stages: int, n_microbatches: int, *, n_layers: int | None = None,
+                      local_batch: int | None = None, tie_embeddings: bool = False) -> list[str]:
+    """Every reason this pipeline cannot run, each with its fix (empty when it can). The micro-batch rules are those
+    the torch schedules enforce (or would fail on mid-step), checked here so that they fail before any work starts."""
+    if schedule not in SCHEDULES:
+        return [f"parallel.pp_schedule '{schedule}' is unknown; choose one of {', '.join(SCHEDULES)}"]
+    if pp < 1:
+        return [f"parallel.pp must be >= 1, got {pp}"]
+    problems = []
+    v = stages_per_rank(schedule, virtual_stages)
+    n_stages = pp * v
+    if v < 1:
+        problems.append(f"parallel.pp_virtual_stages must be >= 1 for {schedule}, got {virtual_stages}")
+    if n_layers is not None and n_stages > n_layers:
+        fix = "parallel.pp or parallel.pp_virtual_stages" if schedule.startswith("interleaved") else "parallel.pp"
+        problems.append(f"the model has {n_layers} layers but {schedule} with pp={pp} needs {n_stages} stages "
+                        f"({v} per rank) of at least one layer each; lower {fix}, or use a model with "
+                        f">= {n_stages} layers")
+    if tie_embeddings and n_stages > 1:
+        problems.append("tied embeddings cannot be split over pipeline stages: the first stage (embedding) and the last "
+                        "(output) would each update their own copy; set model.tie_embeddings false, or parallel.pp 1")
+    m = n_microbatches
+    if m < 1:
+        problems.append(f"the number of pipeline micro-batches must be >= 1, got {m}")
+        return problems
+    if schedule == "1f1b" and m < pp:
+        problems.append(f"1f1b needs at least as many micro-batches as stages: {m} < {pp}; set "
+                        f"parallel.pp_microbatches >= {pp} (bubble (p-1)/(m+p-1) shrinks with more)")
+    if schedule in ("interleaved_1f1b", "interleaved_zb"):
+        rounds = max(1, m // pp)
+        if m % rounds:
+            problems.append(f"{schedule} runs micro-batches in rounds of pp={pp}: {m} micro-batches is neither a "
+                            f"multiple of {pp} nor fewer than {pp}; use {rounds * pp} or {(rounds + 1) * pp}")
+    if schedule == "dualpipev" and m < 2 * pp:
+        problems.append(f"dualpipev needs at least as many micro-batches as stages: {m} < {2 * pp}; set "
+                        f"parallel.pp_microbatches >= {2 * pp}")
+    if local_batch is not None and local_batch % m:
+        problems.append(f"the local batch of {local_batch} sequences does not split into {m} equal micro-batches "
+                        "(unequal ones would weigh sequences unequally in the mean loss); make the batch a multiple "
+                        "of parallel.pp_microbatches")
+    return problems
+
+
+def resolve_microbatches(pp_microbatches: int, local_batch: int, micro_batch: int) -> int:
+    """`parallel.pp_microbatches`, where 0 means one per `training.micro_batch` sequences of the local batch."""
+    return pp_microbatches if pp_microbatches > 0 else max(1, local_batch // micro_batch)
+
+
+def split_model(model: Transformer, pp_rank: int, pp_size: int, virtual_stages: int,
+                style: Literal["loop", "v"]) -> list[tuple[int, Transformer]]:
+    """(stage index, module) for each stage `pp_rank` holds. Each module is a copy of `model` (materialised or on
+    meta) with only its stage's layers, keyed as in the full model so parameter names and checkpoints match; the first
+    stage keeps the embedding, the last the final norm and the output. Parts a stage drops are never copied."""
+    n_stages = pp_size * virtual_stages
+    if style == "v" and virtual_stages != 2:
+        raise ValueError(f"V placement holds exactly 2 stages per rank, got virtual_stages={virtual_stages}")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} is outside a pipeline of {pp_size} ranks")
+    n_layers = len(model.layers)
+    if n_stages > n_layers:
+        raise ValueError(f"the model has {n_layers} layers but the pipeline needs {n_stages} stages (pp={pp_size} x "
+                         f"{virtual_stages} per rank) of at least one layer each; lower parallel.pp or "
+                         "parallel.pp_virtual_stages, or use more layers")
+    if model.args.tie_embeddings and n_stages > 1:
+        raise ValueError("tied embeddings cannot be split over pipeline stages; set model.tie_embeddings false")
+    counts = layers_per_stage(n_layers, n_stages)
+    keys = list(model.layers.keys())
+    starts = [sum(counts[:s]) for s in range(n_stages)]
+    out = []
+    for s in rank_stages(pp_rank, pp_size, virtual_stages, style):
+        keep = set(keys[starts[s]: starts[s] + counts[s]])
+        first, last = s == 0, s == n_stages - 1
+        dropped = [m for k, m in model.layers.items() if k not in keep]
+        dropped += [] if first else [model.tok_embeddings]
+        dropped += [] if last else [model.norm, model.output]
+        # deepcopy's memo maps each dropped module to None: it is skipped, not copied and then thrown away.
+        stage = copy.deepcopy(model, {id(m): None for m in dropped if m is not None})
+        for k in [k for k in keys if k not in keep]:
+            del stage.layers[k]
+        if not first:
+            stage.tok_embeddings = None
+        if not last:
+            stage.norm, stage.output = None, None
+        out.append((s, stage))
+    return out
+
+
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of one micro-batch, in fp32 (as in train_step)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, schedule_name: str, n_microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device):
+    """Wrap this rank's stage modules in `PipelineStage`s and build the torch schedule; returns (stages, schedule).
+
+    Gradients: the schedule sums each micro-batch's gradient of its *mean* loss and, with scale_grads=True, divides
+    by the number of micro-batches after the last backward, which is train_step's `(loss / n).backward()` summed over
+    n micro-batches: the gradient of the mean loss over the batch (equal micro-batches, see pipeline_problems)."""
+    pp = pp_mesh.size()
+    expected = stages_per_rank(schedule_name, len(stages)) if schedule_name in SCHEDULES else len(stages)
+    if len(stages) != expected:
+        raise ValueError(f"{schedule_name} runs {expected} stage(s) per rank, got {len(stages)}; split the model "
+                         f"with virtual_stages={expected}")
+    problems = pipeline_problems(schedule_name, pp, len(stages), n_microbatches)
+    if problems:
+        raise ValueError("; ".join(problems))
+    num_stages = pp * len(stages)
+    group = pp_mesh.get_group()
+    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
+    cls = SCHEDULES[schedule_name]
+    target = pipeline_stages[0] if schedule_name in SINGLE_STAGE else pipeline_stages
+    schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return pipeline_stages, schedule
+
+
+def pipeline_step(schedule, inputs: torch.Tensor, targets: torch.Tensor, *, is_first: bool, is_last: bool,
+                  pp_mesh: DeviceMesh) -> torch.Tensor:
+    """One pipelined forward/backward over this rank's batch (every pp rank passes the same one; only the first stage
+    reads the inputs and the last the targets). Returns the mean loss over the batch on every pp rank."""
+    n = schedule._n_microbatches  # the schedules expose no public accessor
+    if inputs.shape[0] % n:
+        raise ValueError(f"a batch of {inputs.shape[0]} sequences does not split into {n} equal micro-batches")
+    losses: list[torch.Tensor] | None = [] if is_last else None
+    schedule.step(*((inputs,) if is_first else ()), target=targets if is_last else None, losses=losses,
+                  return_outputs=False)
+    loss = torch.zeros((), dtype=torch.float32, device=inputs.device)
+    if is_last:
+        # Summed in micro-batch order, then divided, exactly as train_step does.
+        for mb_loss in losses:
+            loss += mb_loss.detach()
+        loss /= len(losses)
+    # Only the rank that holds the last stage adds a non-zero term (it is rank p-1 looped, rank 0 in a V).
+    dist.all_reduce(loss, group=pp_mesh.get_group())
+    return loss
+
+
+def clip_grad_norm_pp(parameters: Iterable[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh) -> torch.Tensor:
+    """Global L2 norm of the gradients of every stage, and clip with it. Each rank holds different parameters, so the
+    squared local norms are summed over the pp group; clipping with a local norm would scale stages differently."""
+    params = [p for p in parameters if p.grad is not None]
+    local = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True)
+    if isinstance(local, DTensor):
+        # A TP/FSDP-sharded stage: the norm over the whole (unsharded) stage.
+        local = local.full_tensor()
+    sq = local.float() ** 2
+    dist.all_reduce(sq, group=pp_mesh.get_group())
+    total = sq.sqrt()
+    if 0 < max_norm < math.inf:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+def ideal_bubble(pp: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle share of a step with equal stage times: (p-1)/(v·m+p-1) (Narayanan et al. 2021; v=1 for GPipe/1F1B)."""
+    return (pp - 1) / (virtual_stages * n_microbatches + pp - 1)
+
+
+@dataclass
+class PipelineParts:
+    """This rank's share of the pipeline: its stage modules (in stage order), the torch stages and schedule."""
+
+    modules: nn.ModuleList
+    stage_ids: list[int]
+    stages: list[PipelineStage]
+    schedule: object
+    pp_mesh: DeviceMesh
+    has_first: bool
+    has_last: bool
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return pipeline_step(self.schedule, inputs, targets, is_first=self.has_first, is_last=self.has_last,
+                             pp_mesh=self.pp_mesh)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The stages' state merged under the full model's names (stages share no parameter)."""
+        out: dict[str, torch.Tensor] = {}
+        for m in self.modules:
+            out.update(m.state_dict())
+        return out
+
+
+def apply_pp(model: Transformer, pp_mesh: DeviceMesh, *, schedule: str, n_microbatches: int, virtual_stages: int = 2,
+             device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = pipeline_loss,
+             parallelize_fn: Callable[[nn.Module], nn.Module] | None = None) -> PipelineParts:
+    """Split `model` into this rank's stages and build the schedule. `parallelize_fn` (TP, recompute, FSDP) is applied
+    to each stage module before it is wrapped, so those run inside a stage; the caller may drop `model` afterwards."""
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    n_layers = len(model.layers)
+    problems = pipeline_problems(schedule, pp, virtual_stages, n_microbatches, n_layers=n_layers,
+                                 tie_embeddings=model.args.tie_embeddings)
+    if problems:
+        raise ValueError("; ".join(problems))
+    v = stages_per_rank(schedule, virtual_stages)
+    parts = split_model(model, pp_rank, pp, v, placement_style(schedule))
+    if parallelize_fn is not None:
+        parts = [(s, parallelize_fn(m)) for s, m in parts]
+    stages, sched = build_schedule(parts, pp_mesh, schedule, n_microbatches, loss_fn, device)
+    ids = [s for s, _ in parts]
+    counts = layers_per_stage(n_layers, pp * v)
+    interleaved = f", interleaved (p-1)/(v·m+p-1) = {ideal_bubble(pp, n_microbatches, v):.1%}" if v > 1 else ""
+    log.info("applied pipeline %s: pp=%d, %d stage(s) per rank (this rank: %s), layers per stage %s, %d micro-batches, "
+             "ideal bubble (p-1)/(m+p-1) = %.1f%%%s", schedule, pp, v, ids, counts, n_microbatches,
+             100 * ideal_bubble(pp, n_microbatches), interleaved)
+    return PipelineParts(nn.ModuleList([m for _, m in parts]), ids, stages, sched, pp_mesh,
+                         has_first=0 in ids, has_last=pp * v - 1 in ids)

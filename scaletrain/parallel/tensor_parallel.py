@@ -1,0 +1,115 @@
+"""Tensor parallel (Megatron-LM, Shoeybi et al. 2019) and sequence parallel (Korthikanti et al. 2022) as a plan:
+a dict from module name to a PyTorch ParallelStyle, applied with `parallelize_module` on the "tp" mesh."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicated parameters as DTensors on the tp mesh, replicated activations in and out (the norms without
+    sequence parallel). Left as plain tensors they would sit beside DTensor parameters, and gradient clipping's
+    foreach norm, FSDP's 2-D sharding and DCP all want every parameter of a model on the same mesh."""
+
+    @staticmethod
+    def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            # Every rank holds the same values (the model is materialised identically everywhere): no broadcast.
+            module.register_parameter(p_name, nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()],
+                                                                              run_check=False)))
+
+    @staticmethod
+    def _input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        x = x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor) else DTensor.from_local(
+            x, mesh, [Replicate()], run_check=False)
+        return (x, *inputs[1:])
+
+    @staticmethod
+    def _output_fn(mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return out.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate_params, self._input_fn, self._output_fn)
+
+
+def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The Megatron split, as torchtitan's llama plan: q/k/v and w1/w3 by output columns (each rank owns whole
+    heads and a slice of the MLP hidden size), wo and w2 by input rows, so each block needs one all-reduce forward
+    and one backward. The embedding and output are split by vocabulary.
+
+    With sequence parallel the residual stream stays a DTensor sharded on the sequence (Shard(1)): the norms run on
+    1/tp of the tokens, the all-reduces become reduce-scatter + all-gather, and `h.shape[1]` in the model is still
+    the full length, so its RoPE table slice is right. cos/sin reach each block as extra positional args: they are
+    plain replicated tensors, so the input plans mark them `None` (left alone)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    # Under SP, hand DTensors between modules (see above); without it, plain local tensors.
+    local = not sequence_parallel
+    norm_style = partial(SequenceParallel) if sequence_parallel else ReplicateParallel
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        # Rowwise on an embedding splits the vocabulary rows; each rank looks up its ids, masks the others and the
+        # partial sums are reduced (or reduce-scattered onto the sequence under SP).
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=local)
+    for name in model.layers:
+        p = f"layers.{name}."
+        plan[p + "attention_norm"] = norm_style()
+        if sequence_parallel:
+            # All-gather the normed sequence before attention (it needs every position); cos/sin untouched.
+            plan[p + "attention"] = PrepareModuleInput(input_layouts=(seq, None, None),
+                                                       desired_input_layouts=(Replicate(), None, None),
+                                                       use_local_output=True)
+        for w in ("wq", "wk", "wv"):
+            plan[p + f"attention.{w}"] = ColwiseParallel()
+        plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq, use_local_output=local)
+        plan[p + "ffn_norm"] = norm_style()
+        if sequence_parallel:
+            plan[p + "feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                                          use_local_output=True)
+        plan[p + "feed_forward.w1"] = ColwiseParallel()
+        plan[p + "feed_forward.w3"] = ColwiseParallel()
+        plan[p + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq, use_local_output=local)
+    if getattr(model, "norm", None) is not None:
+        plan["norm"] = norm_style()
+    if getattr(model, "output", None) is not None:
+        # Loss parallel keeps the logits sharded by vocabulary (a DTensor) so that cross-entropy never gathers the
+        # [tokens, vocab] matrix; otherwise they are gathered into a plain replicated tensor.
+        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                         use_local_output=not loss_parallel)
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
+    """Shard the model's existing weights over `tp_mesh` in place (call before FSDP)."""
+    if getattr(model.args, "tie_embeddings", False) and model.output is not None and model.tok_embeddings is not None:
+        # One tensor cannot be both row-split (embedding) and column-split (output) by vocabulary.
+        raise ValueError("tensor parallel does not support tied embeddings; set model.tie_embeddings = false")
+    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel=sequence_parallel,
+                                               loss_parallel=loss_parallel))
+    log.info("applied tensor parallel over %d ranks%s%s", tp_mesh.size(), ", sequence parallel" if sequence_parallel
+             else "", ", loss parallel" if loss_parallel else "")
+    return model
+
+
+def loss_context(tp_enabled: bool) -> contextlib.AbstractContextManager:
+    """Wrap the cross-entropy AND its backward in this: under TP the logits are vocabulary-sharded DTensors and
+    `loss_parallel()` computes the softmax with two small all-reduces instead of gathering them."""
+    return loss_parallel() if tp_enabled else contextlib.nullcontext()

@@ -1,0 +1,114 @@
+import pickle
+
+import pytest
+import torch
+
+from scaletrain.checkpoint import CheckpointManager, ModelState, OptimizerState, SchedulerState, TrainState
+from scaletrain.checkpoint.integrity import verify
+from scaletrain.checkpoint.interval import interval_steps, young_daly_interval_s
+from scaletrain.checkpoint.safe_load import UnsafeCheckpointError, read_metadata
+from scaletrain.config import CheckpointConfig, OptimizerConfig
+from scaletrain.optim import build_lr_scheduler, build_optimizer
+from tests.unit.test_model import tiny
+
+
+class FakeLoader:
+    def __init__(self):
+        self.next_sample = 0
+
+    def state_dict(self):
+        return {"next_sample": self.next_sample, "global_batch": 8}
+
+    def load_state_dict(self, sd):
+        self.next_sample = sd["next_sample"]
+
+
+def make_state(seed=0):
+    from scaletrain.checkpoint import LoaderState
+
+    model = tiny()
+    torch.manual_seed(seed)
+    for p in model.parameters():
+        p.data.normal_()
+    opt = build_optimizer(model, OptimizerConfig(), torch.device("cpu"))
+    sched = build_lr_scheduler(opt, OptimizerConfig(warmup_steps=5), 100)
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    opt.step()
+    sched.step()
+    train = TrainState()
+    loader = FakeLoader()
+    state = {"model": ModelState([model]), "optimizer": OptimizerState([model], [opt]),
+             "lr_scheduler": SchedulerState([sched]), "data": LoaderState(loader), "train": train}
+    return state, model, opt, sched, loader, train
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_then_load_restores_everything(tmp_path, async_save):
+    state, model, opt, sched, loader, train = make_state()
+    train.step, train.tokens, loader.next_sample = 7, 700, 56
+    mgr = CheckpointManager(CheckpointConfig(async_save=async_save), str(tmp_path / "ck"), state, rank=0,
+                            world_size=1)
+    mgr.save(7)
+    mgr.wait()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_opt = opt.state_dict()["state"][0]["exp_avg"].clone()
+    state2, model2, opt2, sched2, loader2, train2 = make_state(seed=1)
+    mgr2 = CheckpointManager(CheckpointConfig(), str(tmp_path / "ck"), state2, rank=0, world_size=1)
+    assert mgr2.load_latest() == 7
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], want_opt)
+    assert (train2.step, train2.tokens, loader2.next_sample) == (7, 700, 56)
+    assert sched2.last_epoch == sched.last_epoch and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_corrupted_and_half_written_checkpoints_fall_back(tmp_path):
+    state, *_ , train = make_state()
+    events = []
+    mgr = CheckpointManager(CheckpointConfig(async_save=False), str(tmp_path), state, rank=0, world_size=1,
+                            event=lambda kind, **kw: events.append((kind, kw)))
+    for step in (1, 2, 3):
+        train.step = step
+        mgr.save(step)
+    (tmp_path / "step-00000003" / "commit.json").unlink()  # a save that never committed
+    shard = next((tmp_path / "step-00000002").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))  # bit rot
+    assert "no commit marker" in verify(mgr.fs, mgr.path(3))
+    assert "checksum" in verify(mgr.fs, mgr.path(2))
+    train.step = 0
+    assert mgr.load_latest() == 1 and train.step == 1
+    rejected = [kw["step"] for kind, kw in events if kind == "checkpoint_rejected"]
+    assert rejected == [3, 2]
+
+
+def test_retention_keeps_last_k_and_every_mth(tmp_path):
+    state, *_ = make_state()
+    mgr = CheckpointManager(CheckpointConfig(async_save=False, keep_last=2, keep_every=4), str(tmp_path), state,
+                            rank=0, world_size=1)
+    for step in range(1, 10):
+        mgr.save(step)
+    assert mgr.committed_steps() == [4, 8, 9] or mgr.committed_steps() == [4, 8, 9]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000008", "step-00000009"]
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_crafted_metadata_is_refused(tmp_path):
+    state, *_ = make_state()
+    mgr = CheckpointManager(CheckpointConfig(async_save=False), str(tmp_path), state, rank=0, world_size=1)
+    mgr.save(1)
+    meta = tmp_path / "step-00000001" / ".metadata"
+    read_metadata(str(meta.parent))  # the genuine one loads
+    meta.write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(UnsafeCheckpointError, match="builtins.print"):
+        read_metadata(str(meta.parent))
+
+
+def test_young_daly_interval():
+    assert young_daly_interval_s(2.0, 3600.0) == pytest.approx(120.0)
+    assert interval_steps(2.0, 3600.0, step_time_s=0.5) == 240
