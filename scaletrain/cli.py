@@ -17,6 +17,7 @@ from scaletrain.errors import ConfigError, UserError
 USAGE = """\
 scaletrain train        --config FILE [--nproc N] [--section.key VALUE ...]
 scaletrain prepare-data --config FILE [--train-tokenizer --vocab-size N [--tokenizer-out PATH]] [--section.key VALUE ...]
+scaletrain convert      --to hf RUN_OR_CHECKPOINT OUT_DIR  |  --from hf HF_DIR [--out config.toml]
 scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" ... [--steps 10] [--rtol 1e-5]
 
 Any config key can be overridden as --section.key VALUE or --section.key=VALUE. Keys:
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, overrides)
         if args.command == "parity":
             return _parity(args, overrides)
+        if args.command == "convert":
+            return _convert(args, overrides)
         return _prepare_data(args, overrides)
     except ConfigError as e:
         print(f"error: {e.render()}", file=sys.stderr)
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scaletrain", add_help=False)
-    p.add_argument("command", choices=["train", "prepare-data", "parity"])
+    p.add_argument("command", choices=["train", "prepare-data", "parity", "convert"])
     p.add_argument("--config", default=None)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--train-tokenizer", action="store_true")
@@ -60,7 +63,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", nargs="+", default=[])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--to", choices=["hf"], default=None)
+    p.add_argument("--from", dest="from_", choices=["hf"], default=None)
+    p.add_argument("--out", default="hf_init.toml")
     return p
+
+
+def _convert(args: argparse.Namespace, rest: list[str]) -> int:
+    from scaletrain.convert import from_hf, to_hf
+
+    if args.to == "hf" and len(rest) == 2:
+        print(to_hf(Path(rest[0]), Path(rest[1])))
+        return 0
+    if args.from_ == "hf" and len(rest) == 1:
+        print(from_hf(Path(rest[0]), Path(args.out)))
+        return 0
+    raise ConfigError("usage: scaletrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR, or "
+                      "scaletrain convert --from hf HF_DIR [--out config.toml]")
 
 
 def _parity(args: argparse.Namespace, overrides: list[str]) -> int:

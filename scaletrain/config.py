@@ -43,6 +43,8 @@ class ModelConfig:
     """Share the input embedding with the output projection."""
     init_std: float = 0.02
     """Std of the normal init; output projections of each block are scaled down by depth."""
+    init_from: str = ""
+    """Start from existing weights: "hf:DIR" reads a Hugging Face Llama directory (safetensors only)."""
 
 
 @dataclass

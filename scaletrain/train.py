@@ -1,5 +1,5 @@
-"""The training loop, top to bottom: set up, then accumulate, clip, step, log, evaluate. It owns no mechanism;
-each piece lives in its own package and is tested there."""
+"""The training loop, top to bottom: set up, resume, then forward/backward, clip, step, log, evaluate, checkpoint.
+It owns no mechanism; each piece lives in its own package and is tested there."""
 
 from __future__ import annotations
 
@@ -7,17 +7,25 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import time
 from datetime import datetime
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from scaletrain.checkpoint import (
+    CheckpointManager,
+    LoaderState,
+    ModelState,
+    OptimizerState,
+    SchedulerState,
+    TrainState,
+)
+from scaletrain.checkpoint.interval import interval_steps
 from scaletrain.config import Config, TrainingConfig, to_dict
 from scaletrain.config_io import write_toml
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
@@ -33,8 +41,10 @@ from scaletrain.metrics import (
 )
 from scaletrain.models import build_meta_model, count_parameters, resolve_model_args
 from scaletrain.optim import build_lr_scheduler, build_optimizer
-from scaletrain.parallel import DistEnv, ParallelDims, apply_ddp, init_distributed
+from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object
+from scaletrain.parallel.parallelize import parallelize
+from scaletrain.step import StepRunner
 from scaletrain.validate import global_batch_sequences
 
 log = logging.getLogger("scaletrain")
@@ -45,90 +55,122 @@ def train(cfg: Config) -> dict:
     t_start = time.perf_counter()
     env = init_distributed(cfg.training.device)
     _setup_process(cfg.training, env)
-    mesh = ParallelDims(dp=env.world_size).build_mesh(env.device)
-    run_dir = _open_run_dir(cfg, env, mesh)
+    dims = ParallelDims.from_config(cfg.parallel, env.world_size)
+    world = dims.build_mesh(env.device.type)
+    run_dir = _open_run_dir(cfg, env, world)
     writer = MetricsWriter(run_dir, enabled=env.is_main, tensorboard=cfg.metrics.tensorboard)
+    preempted = _PreemptionFlag()
 
-    # Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards.
+    # Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
+    # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     global_batch = global_batch_sequences(cfg.training, cfg.data.seq_len)
-    loader = _main_first(env, mesh, lambda: build_loader(
-        cfg.data, tokenizer, global_batch, env.rank, env.world_size, cfg.training.seed, log.info))
+    loader = _main_first(env, world, lambda: build_loader(
+        cfg.data, tokenizer, global_batch, dims.dp_rank, dims.dp_size, cfg.training.seed, log.info))
 
-    # Model: built on meta, materialised on the device, then wrapped for data parallelism.
+    # Model: built on meta, materialised with a fixed seed, then parallelised (and wrapped) from outside.
     args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len)
-    model = build_meta_model(args)
-    model.to_empty(device=env.device)
-    torch.manual_seed(cfg.training.seed)
-    model.init_weights(env.device)
+    model = _build_model(args, cfg, env.device)
     n_params = count_parameters(model)
-    if mesh is not None:
-        model = apply_ddp(model, mesh, bucket_mb=cfg.parallel.ddp_bucket_mb)
-    optimizer = build_optimizer(model, cfg.optimizer, env.device)
-    scheduler = build_lr_scheduler(optimizer, cfg.optimizer, cfg.training.steps)
-    autocast = _autocast(cfg.training.precision, env.device)
+    local_batch = global_batch // dims.dp_size
+    pm = parallelize(model, dims, cfg.parallel, device=env.device,
+                     n_microbatches=cfg.parallel.pp_microbatches or max(1, local_batch // cfg.training.micro_batch))
+    del model
+    optimizers = [_build_optimizer(part, cfg, env.device, dims) for part in pm.parts]
+    schedulers = [build_lr_scheduler(o, cfg.optimizer, cfg.training.steps) for o in optimizers]
+    runner = _step_runner(pm, dims, cfg, env.device)
 
-    # Rank 0 measures a CPU's peak (and caches it) alone, so that ranks sharing the cores do not skew it.
-    peak, peak_source = _main_first(env, mesh, lambda: device_peak_flops(
+    # Everything that resumes, in one dict for DCP; the newest intact checkpoint (if any) is loaded into it.
+    train_state = TrainState(dist.group.WORLD if world is not None else None)
+    ckpt = None
+    if cfg.checkpoint.enabled:
+        state = {"model": ModelState(pm.parts), "optimizer": OptimizerState(pm.parts, _inner(optimizers)),
+                 "lr_scheduler": SchedulerState(schedulers), "data": LoaderState(loader), "train": train_state}
+        ckpt = CheckpointManager(cfg.checkpoint, cfg.checkpoint.storage or str(run_dir / "checkpoints"), state,
+                                 rank=env.rank, world_size=env.world_size, event=writer.event)
+        ckpt.load_latest()
+    start = train_state.step
+
+    peak, peak_source = _main_first(env, world, lambda: device_peak_flops(
         env.device, cfg.training.precision, cfg.metrics.peak_tflops, resolve_cache_dir(cfg.data)))
     flops_tok = flops_per_token(n_params["non_embedding"], args.n_layers, args.dim, cfg.data.seq_len)
     tokens_per_step = global_batch * cfg.data.seq_len
-    accum = global_batch // (cfg.training.micro_batch * env.world_size)
-    log.info("model %s: %s parameters (%s without the embedding)", cfg.model.preset, f"{n_params['total']:,}",
-             f"{n_params['non_embedding']:,}")
-    log.info("precision %s on %s x%d (%s); global batch %d sequences = %d tokens; micro-batch %d, %d accumulation "
-             "step(s); MFU peak: %s", cfg.training.precision, env.device.type, env.world_size,
-             "deterministic" if cfg.training.deterministic else "non-deterministic", global_batch, tokens_per_step,
-             cfg.training.micro_batch, accum, peak_source)
-    writer.event("start", step=0, world_size=env.world_size, precision=cfg.training.precision,
-                 device=env.device.type, parameters=n_params["total"], peak_flops_source=peak_source)
+    log.info("model %s: %s parameters (%s without the embedding); layout %s", cfg.model.preset,
+             f"{n_params['total']:,}", f"{n_params['non_embedding']:,}", _layout(dims, cfg))
+    log.info("precision %s on %s x%d (%s); global batch %d sequences = %d tokens, micro-batch %d; MFU peak: %s",
+             cfg.training.precision, env.device.type, env.world_size,
+             "deterministic" if cfg.training.deterministic else "non-deterministic", global_batch,
+             tokens_per_step, cfg.training.micro_batch, peak_source)
+    writer.event("start", step=start, world_size=env.world_size, precision=cfg.training.precision,
+                 device=env.device.type, parameters=n_params["total"], layout=_layout(dims, cfg),
+                 peak_flops_source=peak_source, resumed=start > 0)
 
-    evals = {0: _evaluate(model, loader, cfg.training, autocast, mesh, env.device)} if cfg.training.eval_interval else {}
-    for s, v in evals.items():
-        writer.event("eval", step=s, val_loss=v, val_ppl=math.exp(min(v, 50)))
+    evals = {}
+    if cfg.training.eval_interval and start == 0:
+        evals[0] = _evaluate(runner, loader, cfg.training, dims, env.device)
+        writer.event("eval", step=0, val_loss=evals[0], val_ppl=math.exp(min(evals[0], 50)))
+    interval = cfg.checkpoint.interval if isinstance(cfg.checkpoint.interval, int) else 0
     last: dict = {}
-    step = 0
+    step = start
     window_t0, window_steps = time.perf_counter(), 0
     try:
-        with Progress(cfg.training.steps, 0, enabled=env.is_main and cfg.metrics.progress) as progress:
-            for step in range(1, cfg.training.steps + 1):
+        with Progress(cfg.training.steps, start, enabled=env.is_main and cfg.metrics.progress) as progress:
+            for step in range(start + 1, cfg.training.steps + 1):
                 inputs, targets = loader.next_batch()
-                lr = scheduler.get_last_lr()[0]
-                loss, grad_norm = train_step(model, optimizer, scheduler, inputs.to(env.device),
-                                             targets.to(env.device), micro_batch=cfg.training.micro_batch,
-                                             autocast=autocast, grad_clip=cfg.training.grad_clip)
+                lr = schedulers[0].get_last_lr()[0]
+                loss = runner.forward_backward(inputs.to(env.device), targets.to(env.device))
+                grad_norm = runner.clip()
+                for opt, sched in zip(optimizers, schedulers, strict=True):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    sched.step()
+                train_state.step, train_state.tokens = step, step * tokens_per_step
                 window_steps += 1
+
                 is_eval = cfg.training.eval_interval and (step % cfg.training.eval_interval == 0
                                                           or step == cfg.training.steps)
-                if step % cfg.metrics.log_interval and step != cfg.training.steps and not is_eval:
-                    progress.update(step, last.get("loss", float("nan")), last.get("tokens_per_s", 0.0), lr)
-                    continue
-                now = time.perf_counter()
-                elapsed = now - window_t0
-                tps = window_steps * tokens_per_step / elapsed
-                last = {
-                    "loss": all_reduce_mean(loss, mesh).item(), "lr": lr, "grad_norm": grad_norm.item(),
-                    "tokens": step * tokens_per_step, "tokens_per_s": tps,
-                    "mfu": mfu(tps, flops_tok, peak * env.world_size), "mem_peak_mib": peak_memory_mib(env.device),
-                    "step_time_s": elapsed / window_steps,
-                }
-                if is_eval:
-                    t_eval = time.perf_counter()
-                    evals[step] = _evaluate(model, loader, cfg.training, autocast, mesh, env.device)
-                    now += time.perf_counter() - t_eval  # evaluation is not training time
-                    last.update(val_loss=evals[step], val_ppl=math.exp(min(evals[step], 50)))
-                    writer.event("eval", step=step, val_loss=evals[step], val_ppl=last["val_ppl"])
-                writer.log(step, last)
-                _log_line(step, cfg.training.steps, last)
-                progress.update(step, last["loss"], tps, lr)
-                # Logging costs count in the next window: tokens/s is wall-clock honest.
-                window_t0, window_steps = now, 0
+                if step % cfg.metrics.log_interval == 0 or step == cfg.training.steps or is_eval:
+                    now = time.perf_counter()
+                    elapsed = now - window_t0
+                    tps = window_steps * tokens_per_step / elapsed
+                    last = {
+                        "loss": all_reduce_mean(loss, dims.submesh("dp_cp")).item(), "lr": lr,
+                        "grad_norm": grad_norm.item(), "tokens": step * tokens_per_step, "tokens_per_s": tps,
+                        "mfu": mfu(tps, flops_tok, peak * env.world_size),
+                        "mem_peak_mib": peak_memory_mib(env.device), "step_time_s": elapsed / window_steps,
+                    }
+                    if is_eval:
+                        t_eval = time.perf_counter()
+                        evals[step] = _evaluate(runner, loader, cfg.training, dims, env.device)
+                        now += time.perf_counter() - t_eval  # evaluation is not training time
+                        last.update(val_loss=evals[step], val_ppl=math.exp(min(evals[step], 50)))
+                        writer.event("eval", step=step, val_loss=evals[step], val_ppl=last["val_ppl"])
+                    writer.log(step, last)
+                    _log_line(step, cfg.training.steps, last)
+                    # Logging costs count in the next window: tokens/s is wall-clock honest.
+                    window_t0, window_steps = now, 0
+                progress.update(step, last.get("loss", float("nan")), last.get("tokens_per_s", 0.0), lr)
+
+                if ckpt is not None and preempted.agreed(world):
+                    ckpt.save(step, blocking=True)
+                    writer.event("preempted", step=step, signal="SIGTERM")
+                    log.warning("SIGTERM: saved a checkpoint at step %d and stopping", step)
+                    break
+                if ckpt is not None and step < cfg.training.steps:
+                    if cfg.checkpoint.interval == "auto" and step == _AUTO_PROBE_STEP:
+                        interval = _auto_interval(ckpt, step, last, cfg, writer)
+                    elif interval and step % interval == 0:
+                        ckpt.save(step)
     except KeyboardInterrupt:
         writer.event("interrupted", step=step)
         writer.close()
         raise
-    summary = _summary(cfg, run_dir, last, evals, time.perf_counter() - t_start, env)
-    writer.event("end", step=cfg.training.steps, **{k: v for k, v in summary.items() if k != "run_dir"})
+    if ckpt is not None:
+        if step == cfg.training.steps and step not in ckpt.committed_steps():
+            ckpt.save(step, blocking=True)
+        ckpt.close()
+    summary = _summary(cfg, run_dir, last, evals, time.perf_counter() - t_start, env, step)
+    writer.event("end", step=step, **{k: v for k, v in summary.items() if k != "run_dir"})
     writer.close()
     if env.is_main:
         print_summary({k: _fmt(v) for k, v in summary.items() if k != "run_dir"})
@@ -136,46 +178,99 @@ def train(cfg: Config) -> dict:
     return summary
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, inputs: torch.Tensor,
-               targets: torch.Tensor, *, micro_batch: int, autocast, grad_clip: float):
-    """One optimizer step over this rank's share of the global batch, split into micro-batches.
+def _build_model(args, cfg: Config, device: torch.device) -> nn.Module:
+    """Materialise the whole model with the seed before sharding, so that every parallel layout starts from the
+    same weights as the single-process run (what makes layouts comparable step by step)."""
+    model = build_meta_model(args)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.training.seed)
+    model.init_weights(device)
+    if cfg.model.init_from.startswith("hf:"):
+        from scaletrain.checkpoint.hf import load_hf_weights
 
-    Each micro-batch loss is divided by the number of micro-batches, so the summed gradient is the mean over the
-    rank's sequences; DDP then averages over ranks, giving the mean over the global batch. DDP's all-reduce runs
-    only on the last micro-batch (no_sync before it)."""
-    xs, ys = inputs.split(micro_batch), targets.split(micro_batch)
-    n = len(xs)
-    loss_sum = torch.zeros((), device=inputs.device)
-    for i, (x, y) in enumerate(zip(xs, ys)):
-        sync = contextlib.nullcontext() if i == n - 1 or not isinstance(model, DDP) else model.no_sync()
-        with sync:
-            with autocast:
-                logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-            (loss / n).backward()
-        loss_sum += loss.detach()
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf, foreach=True)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return loss_sum / n, grad_norm
+        load_hf_weights(model, Path(cfg.model.init_from[3:]))
+        log.info("initialised from Hugging Face weights in %s", cfg.model.init_from[3:])
+    return model
+
+
+def _build_optimizer(part: nn.Module, cfg: Config, device: torch.device, dims: ParallelDims):
+    if cfg.parallel.data_parallel == "zero1" and dims.size("dp_cp") > 1:
+        from scaletrain.parallel.data_parallel import build_zero1_optimizer
+
+        return build_zero1_optimizer(part, cfg.optimizer, device, dims.submesh("dp_cp"))
+    return build_optimizer(part, cfg.optimizer, device)
+
+
+def _inner(optimizers: list) -> list:
+    """ZeRO-1 keeps its rank's AdamW over its share of parameters; checkpoints save that share by parameter name."""
+    return [getattr(o, "optim", o) for o in optimizers]
+
+
+def _step_runner(pm, dims: ParallelDims, cfg: Config, device: torch.device) -> StepRunner:
+    from scaletrain.parallel.tensor_parallel import loss_context
+
+    cp_shard = None
+    if dims.cp_enabled:
+        from scaletrain.parallel.context_parallel import cp_shard_batch
+
+        def cp_shard(x, y):
+            return cp_shard_batch(x, y, dims.submesh("cp"), cfg.parallel.cp_load_balance)
+
+    return StepRunner(pm.parts, cfg.training.micro_batch, _autocast(cfg.training.precision, device),
+                      cfg.training.grad_clip, loss_context=lambda: loss_context(pm.loss_parallel),
+                      cp_shard=cp_shard, pipeline=pm.pipeline, pp_mesh=dims.submesh("pp") if dims.pp_enabled else None)
 
 
 @torch.no_grad()
-def _evaluate(model: nn.Module, loader, t: TrainingConfig, autocast, mesh: DeviceMesh | None,
-              device: torch.device) -> float:
-    """Mean validation loss per token over the held-out sequences (sharded over ranks)."""
-    model.eval()
+def _evaluate(runner: StepRunner, loader, t: TrainingConfig, dims: ParallelDims, device: torch.device) -> float:
+    """Mean validation loss per token over the held-out sequences (sharded over data-parallel ranks)."""
+    for part in runner.parts:
+        part.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in loader.val_batches(t.eval_sequences, t.micro_batch):
-        with autocast:
-            logits = model(x.to(device))
-        total[0] += F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten(), reduction="sum")
-        total[1] += y.numel()
-    model.train()
+        loss_sum, n = runner.eval_loss_sum(x.to(device), y.to(device))
+        total[0] += loss_sum
+        total[1] += n
+    for part in runner.parts:
+        part.train()
+    mesh = dims.submesh("dp_cp")
     if mesh is not None:
         dist.all_reduce(total, group=mesh.get_group())
     return (total[0] / total[1]).item()
+
+
+_AUTO_PROBE_STEP = 5
+
+
+def _auto_interval(ckpt: CheckpointManager, step: int, last: dict, cfg: Config, writer: MetricsWriter) -> int:
+    """Save once to measure what a save blocks (delta), then pick the Young/Daly interval from it."""
+    delta = ckpt.save(step)
+    step_time = last.get("step_time_s") or 1.0
+    interval = interval_steps(delta, cfg.checkpoint.mtbf_hours * 3600, step_time)
+    log.info("checkpoint.interval = auto: a save blocks %.3fs, MTBF %.1fh, step %.3fs -> every %d steps", delta,
+             cfg.checkpoint.mtbf_hours, step_time, interval)
+    writer.event("checkpoint_interval", step=step, blocking_s=delta, mtbf_hours=cfg.checkpoint.mtbf_hours,
+                 interval_steps=interval)
+    return interval
+
+
+class _PreemptionFlag:
+    """SIGTERM (preemption) sets a flag; ranks agree on it at a step boundary, so they all save the same step."""
+
+    def __init__(self):
+        self.flag = False
+        with contextlib.suppress(ValueError):  # not the main thread (e.g. inside a test harness)
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.flag = True
+
+    def agreed(self, world: DeviceMesh | None) -> bool:
+        if world is None:
+            return self.flag
+        t = torch.tensor([float(self.flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
 
 def _setup_process(t: TrainingConfig, env: DistEnv) -> None:
@@ -198,13 +293,13 @@ def _autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-def _open_run_dir(cfg: Config, env: DistEnv, mesh: DeviceMesh | None) -> Path:
+def _open_run_dir(cfg: Config, env: DistEnv, world: DeviceMesh | None) -> Path:
     """Resolve the run directory on rank 0 (a default one carries a timestamp), create it, write config.toml."""
     if not cfg.run.name:
         cfg.run.name = "run"
     if not cfg.run.dir:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        cfg.run.dir = str(broadcast_object(f"runs/{cfg.run.name}-{stamp}", mesh))
+        cfg.run.dir = str(broadcast_object(f"runs/{cfg.run.name}-{stamp}", world))
     run_dir = Path(cfg.run.dir)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +307,7 @@ def _open_run_dir(cfg: Config, env: DistEnv, mesh: DeviceMesh | None) -> Path:
     return run_dir
 
 
-def _main_first(env: DistEnv, mesh: DeviceMesh | None, fn):
+def _main_first(env: DistEnv, world: DeviceMesh | None, fn):
     """Run fn on rank 0, then on the others; a UserError on rank 0 is raised on every rank instead of leaving
     them waiting at a barrier until the timeout."""
     result, error = None, None
@@ -221,10 +316,18 @@ def _main_first(env: DistEnv, mesh: DeviceMesh | None, fn):
             result = fn()
         except UserError as e:
             error = str(e)
-    error = broadcast_object(error, mesh)
+    error = broadcast_object(error, world)
     if error is not None:
         raise UserError(error)
     return result if env.is_main else fn()
+
+
+def _layout(dims: ParallelDims, cfg: Config) -> str:
+    sizes = [f"{n}{getattr(dims, n)}" for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1]
+    extra = [cfg.parallel.data_parallel] if dims.dp_size * dims.cp > 1 else []
+    extra += [cfg.parallel.pp_schedule] if dims.pp > 1 else []
+    extra += ["sequence-parallel"] if cfg.parallel.sequence_parallel else []
+    return " x ".join(sizes) + (f" ({', '.join(extra)})" if extra else "") if sizes else "single process"
 
 
 def _log_line(step: int, total: int, m: dict) -> None:
@@ -233,10 +336,10 @@ def _log_line(step: int, total: int, m: dict) -> None:
              total, m["loss"], val, m["lr"], m["grad_norm"], m["tokens_per_s"], 100 * m["mfu"], m["mem_peak_mib"])
 
 
-def _summary(cfg: Config, run_dir: Path, last: dict, evals: dict, wall: float, env: DistEnv) -> dict:
+def _summary(cfg: Config, run_dir: Path, last: dict, evals: dict, wall: float, env: DistEnv, step: int) -> dict:
     steps = sorted(evals)
     return {
-        "steps": cfg.training.steps,
+        "steps": step,
         "tokens": last.get("tokens", 0),
         "final_loss": last.get("loss"),
         "first_val_loss": evals[steps[0]] if steps else None,

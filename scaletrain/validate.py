@@ -16,7 +16,8 @@ from scaletrain.errors import UserError
 def validate(cfg: Config, world_size: int) -> list[str]:
     problems = _model(cfg.model)
     problems += _data(cfg.data)
-    problems += _training(cfg.training, cfg.data.seq_len, world_size)
+    dp_size = _dp_size(cfg, world_size)
+    problems += _training(cfg.training, cfg.data.seq_len, dp_size)
     problems += _optimizer(cfg.optimizer)
     if cfg.training.eval_interval > 0 and cfg.data.val_fraction == 0:
         problems.append("training.eval_interval > 0 needs held-out data: set data.val_fraction > 0, or "
@@ -25,9 +26,63 @@ def validate(cfg: Config, world_size: int) -> list[str]:
         problems.append("metrics.log_interval must be >= 1")
     if cfg.parallel.ddp_bucket_mb < 1:
         problems.append("parallel.ddp_bucket_mb must be >= 1")
-    problems += _run(cfg.run)
+    problems += _checkpoint(cfg.checkpoint)
+    problems += _run(cfg.run, cfg.checkpoint)
+    if not problems:
+        problems += _parallel(cfg, world_size, dp_size)
     if not problems:
         problems += _fits_in_memory(cfg, world_size)
+    return problems
+
+
+def _dp_size(cfg: Config, world_size: int) -> int:
+    p = cfg.parallel
+    others = max(1, p.pp * p.cp * p.tp)
+    return world_size // others if world_size % others == 0 else world_size
+
+
+def _parallel(cfg: Config, world_size: int, dp_size: int) -> list[str]:
+    """The layout: sizes that tile the world, divisibility for tp/cp, pipeline micro-batch rules."""
+    from scaletrain.models.presets import resolve_model_args
+    from scaletrain.parallel.mesh import validate_parallel
+    from scaletrain.parallel.pipeline import pipeline_problems
+
+    p = cfg.parallel
+    vocab = _tokenizer_vocab(cfg.data.tokenizer)
+    args = resolve_model_args(cfg.model, vocab, cfg.data.seq_len)
+    problems = validate_parallel(p, world_size, args.n_heads, args.n_kv_heads, args.vocab_size,
+                                 ffn_hidden=args.ffn_hidden, seq_len=cfg.data.seq_len)
+    if p.cp > 1:
+        chunks = 2 * p.cp if p.cp_load_balance else p.cp
+        if cfg.data.seq_len % chunks:
+            problems.append(f"data.seq_len {cfg.data.seq_len} must be a multiple of {chunks} for cp = {p.cp} "
+                            f"({'zig-zag: 2 chunks per rank' if p.cp_load_balance else 'one chunk per rank'}); "
+                            f"use {max(1, round(cfg.data.seq_len / chunks)) * chunks}")
+    if p.pp > 1:
+        local = global_batch_sequences(cfg.training, cfg.data.seq_len) // max(dp_size, 1)
+        m = p.pp_microbatches or max(1, local // cfg.training.micro_batch)
+        problems += pipeline_problems(p.pp_schedule, p.pp, p.pp_virtual_stages, m, n_layers=args.n_layers,
+                                      local_batch=local, tie_embeddings=args.tie_embeddings)
+    return problems
+
+
+def _tokenizer_vocab(spec: str) -> int:
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(spec).vocab_size
+    except UserError:
+        return 257
+
+
+def _checkpoint(c) -> list[str]:
+    problems = []
+    if isinstance(c.interval, int) and c.interval < 0:
+        problems.append("checkpoint.interval must be >= 0 (0: only at the end and on SIGTERM) or 'auto'")
+    if c.keep_last < 0 or c.keep_every < 0:
+        problems.append("checkpoint.keep_last and checkpoint.keep_every must be >= 0")
+    if c.mtbf_hours <= 0:
+        problems.append("checkpoint.mtbf_hours must be > 0")
     return problems
 
 
@@ -64,6 +119,14 @@ def _model(m: ModelConfig) -> list[str]:
         problems.append("model.rope_theta must be > 0")
     if m.init_std <= 0:
         problems.append("model.init_std must be > 0")
+    if m.init_from:
+        hf = Path(m.init_from[3:])
+        if not m.init_from.startswith("hf:"):
+            problems.append(f"model.init_from '{m.init_from}' is not understood; write hf:DIR for a Hugging Face "
+                            "Llama directory")
+        elif not (hf / "config.json").is_file() or not any(hf.glob("*.safetensors")):
+            problems.append(f"model.init_from: '{hf}' needs config.json and .safetensors weights (pickle files are "
+                            "never loaded)")
     return problems
 
 
@@ -95,7 +158,7 @@ def _data(d: DataConfig) -> list[str]:
     return problems
 
 
-def _training(t: TrainingConfig, seq_len: int, world_size: int) -> list[str]:
+def _training(t: TrainingConfig, seq_len: int, dp_size: int) -> list[str]:
     problems = []
     if t.steps < 1:
         problems.append(f"training.steps must be >= 1, got {t.steps}")
@@ -106,11 +169,11 @@ def _training(t: TrainingConfig, seq_len: int, world_size: int) -> list[str]:
         problems.append(f"training.global_batch_tokens {t.global_batch_tokens} is not a multiple of data.seq_len "
                         f"{seq_len}; use {max(1, t.global_batch_tokens // seq_len) * seq_len}")
     gb = global_batch_sequences(t, max(seq_len, 1))
-    per_step = t.micro_batch * world_size
+    per_step = t.micro_batch * dp_size
     if gb < 1 or gb % per_step:
         fix = max(1, round(gb / per_step)) * per_step
         problems.append(f"the global batch of {gb} sequences is not divisible by training.micro_batch "
-                        f"{t.micro_batch} x {world_size} data-parallel ranks; use training.global_batch {fix}, "
+                        f"{t.micro_batch} x {dp_size} data-parallel ranks; use training.global_batch {fix}, "
                         f"or change training.micro_batch")
     if t.grad_clip < 0:
         problems.append("training.grad_clip must be >= 0 (0 disables clipping)")
@@ -140,14 +203,15 @@ def _optimizer(o: OptimizerConfig) -> list[str]:
     return problems
 
 
-def _run(r: RunConfig) -> list[str]:
+def _run(r: RunConfig, c) -> list[str]:
     if not r.dir:
         return []
     path = Path(r.dir)
+    resumable = c.enabled and not c.storage and any((path / "checkpoints").glob("step-*/commit.json"))
     for marker in ("events.jsonl", "metrics.jsonl"):
-        if (path / marker).exists():
-            return [f"run.dir '{r.dir}' already holds a run ({marker}); it is never overwritten: choose a new "
-                    "--run.dir, or move that directory away"]
+        if (path / marker).exists() and not resumable:
+            return [f"run.dir '{r.dir}' already holds a run ({marker}) with no checkpoint to resume from; it is "
+                    "never overwritten: choose a new --run.dir, or move that directory away"]
     if path.exists() and not path.is_dir():
         return [f"run.dir '{r.dir}' is a file, not a directory; choose another --run.dir"]
     ancestor = path

@@ -1,17 +1,29 @@
-"""Data parallelism: replicate the model and average gradients across ranks."""
+"""Data parallelism — DDP, ZeRO-1, ZeRO-2, FSDP, HSDP — and `parallelize`, which applies every parallelism to a
+built model in the one order that works."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 
+import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scaletrain.config import OptimizerConfig, ParallelConfig
+from scaletrain.optim import build_optimizer
+from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.tensor_parallel import apply_tp
 
 log = logging.getLogger(__name__)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, bucket_mb: int) -> nn.Module:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: int) -> nn.Module:
     """Wrap in DDP (Li et al. 2020): bucketed gradient all-reduce overlapped with backward.
 
     Buffers are not broadcast: the only buffer (RoPE tables) is computed identically on every rank.
@@ -27,3 +39,93 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, bucket_mb: int) -> nn.Mo
     )
     log.info("applied DDP over %d ranks, %d MiB buckets", dp_mesh.size(), bucket_mb)
     return wrapped
+
+
+def build_zero1_optimizer(model: nn.Module, opt_cfg: OptimizerConfig, device: torch.device,
+                          dp_mesh: DeviceMesh) -> ZeroRedundancyOptimizer:
+    """ZeRO-1 (Rajbhandari et al. 2020): each rank keeps AdamW state only for its share of the parameters, steps
+    them, and broadcasts the updated values. Gradients stay whole (DDP all-reduces them).
+
+    The param groups and AdamW settings are taken from `build_optimizer` (the single source: no decay on 1-D
+    tensors), so ZeRO-1 trains exactly what the unsharded optimizer trains. ZeroRedundancyOptimizer accepts param
+    groups: it partitions each group's parameters greedily by size (the running per-rank total carries across
+    groups) and gives every rank's local AdamW the same groups, some possibly empty. Not supported with groups:
+    `overlap_with_ddp` and a hand-made `params_per_rank`, neither used here."""
+    reference = build_optimizer(model, opt_cfg, device)  # allocates no state until its first step
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in reference.param_groups]
+    accepted = inspect.signature(torch.optim.AdamW).parameters
+    defaults = {k: v for k, v in reference.defaults.items() if k in accepted and k != "weight_decay"}
+    opt = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=dp_mesh.get_group(), **defaults)
+    local = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
+    total = sum(p.numel() for g in groups for p in g["params"])
+    log.info("applied ZeRO-1 over %d ranks: this rank holds AdamW state for %.1f%% of the parameters",
+             dp_mesh.size(), 100 * local / max(total, 1))
+    return opt
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
+               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """FSDP2 `fully_shard`: one unit per transformer block plus the root (embedding, final norm, output), so one
+    block's parameters are gathered at a time. Parameters, gradients and optimizer state are sharded (ZeRO-3).
+
+    reshard_after_forward=False keeps each block's gathered parameters from its forward until its backward: no
+    second all-gather, at the memory cost of a whole unsharded model — ZeRO-2. A 2-D mesh (replicate, shard)
+    gives HSDP: sharded inside a group, gradients all-reduced across groups."""
+    kw = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's backward runs right after the forward: resharding it would only re-gather it.
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
+    # FSDP keeps the root's parameters gathered after forward whatever the flag (backward needs them at once).
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    kind = "HSDP" if mesh.ndim == 2 else ("FSDP (ZeRO-3)" if reshard_after_forward else "ZeRO-2 (FSDP2)")
+    log.info("applied %s over mesh %s, %d block units + root", kind, dict(zip(mesh.mesh_dim_names, mesh.shape)),
+             len(blocks))
+    return model
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, *, loss_parallel: bool = True
+                ) -> nn.Module:
+    """Apply the configured parallelisms to a model materialised in full on every rank (same seed, same weights),
+    in this order, and return the model to train (a DDP wrapper for ddp/zero1; the same module otherwise).
+
+    1. Pipeline split (first): stages are separate modules; everything below applies to each stage.
+    2. TP/SP before FSDP: `parallelize_module` replaces plain weights with DTensors sharded on "tp"; `fully_shard`
+       then shards those DTensors again over the data-parallel mesh, making 2-D [dp, tp] parameters whose
+       all-gather rebuilds exactly the TP-local shard the TP forward computes with. The other way round TP would
+       meet FSDP's flat shards and hooks, which it cannot split by heads. (Recompute and compile, when they land,
+       go between TP and FSDP, as in torchtitan: they wrap blocks that FSDP then shards as units.)
+    3. Context parallel swaps each attention kernel; it changes no parameter, so it composes with either.
+    4. Data parallel last: DDP and FSDP register hooks on the final parameters and sub-modules.
+    The ZeRO-1 optimizer is built by `build_zero1_optimizer`, not here."""
+    if dims.mesh is None:  # one process: nothing to shard
+        return model
+    # [pipeline] parallel/pipeline.py (in progress) splits the model into stages here; each stage then goes
+    # through the steps below with its own sub-mesh of "pp".
+    if dims.tp_enabled:
+        apply_tp(model, dims.submesh("tp"), sequence_parallel=pcfg.sequence_parallel, loss_parallel=loss_parallel)
+    # [context parallel] parallel/context_parallel.py (in progress) swaps Attention.sdpa for ring attention over
+    # dims.submesh("cp") here.
+    mode = pcfg.data_parallel
+    if mode in ("ddp", "zero1"):
+        if dims.size("dp_cp") > 1:
+            model = apply_ddp(model, dims.submesh("dp_cp"), pcfg.ddp_bucket_mb)
+    elif mode == "hsdp":
+        apply_fsdp(model, dims.hsdp_mesh(), reshard_after_forward=True)
+    elif dims.size("dp_shard_cp") > 1:
+        apply_fsdp(model, dims.submesh("dp_shard_cp"), reshard_after_forward=mode == "fsdp")
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, on CPU, on every rank, under the unwrapped model's names (DDP's "module." prefix
+    dropped, TP/FSDP shards gathered). A collective: call it on all ranks. Not `cpu_offload=True`: with a full state
+    dict that option leaves every rank but 0 with an empty dict."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in sd.items()}
+
+
+def grad_norm_value(norm: torch.Tensor) -> torch.Tensor:
+    """`clip_grad_norm_` returns a DTensor when parameters are sharded (FSDP, TP): the plain replicated value, as a
+    float tensor. Also turns the loss-parallel loss (a replicated DTensor) into a plain tensor."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

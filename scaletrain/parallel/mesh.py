@@ -76,6 +76,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, pcfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -98,22 +99,35 @@ class ParallelDims:
         """Build the world mesh with every dim of MESH_DIMS (those of size 1 too, so `mesh["tp"]` always exists)
         and the flattened dims of FLAT_DIMS. One process needs no mesh: None, and every accessor copes."""
         if self.world_size == 1:
-            self.mesh = None
+            self.mesh, self._flat = None, {}
             return None
         mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
-        for name, dims in FLAT_DIMS.items():
-            mesh[dims]._flatten(mesh_dim_name=name)
+        # Kept here rather than sliced back out of the root mesh by name (PyTorch deprecates that for flattened
+        # dims).
+        self._flat = {name: mesh[dims]._flatten(mesh_dim_name=name) for name, dims in FLAT_DIMS.items()}
         self.mesh = mesh
         return mesh
 
     def submesh(self, name: str) -> DeviceMesh | None:
         """The 1-D mesh of one dim or flattened dim, or None on one process (e.g. `all_reduce_mean(loss,
         dims.submesh("dp_cp"))`)."""
-        return None if self.mesh is None else self.mesh[name]
+        if self.mesh is None:
+            return None
+        return self._flat[name] if name in self._flat else self.mesh[name]
+
+    def hsdp_mesh(self) -> DeviceMesh:
+        """The 2-D (dp_replicate, dp_shard_cp) mesh of HSDP: replicas outside, shards inside."""
+        assert self.mesh is not None, "build_mesh first"
+        if self.cp == 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        # Same ranks as dp_cp, re-split in two: the replicate groups, and the shard groups folding in cp.
+        return self._flat["dp_cp"]._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp),
+                                              ("dp_replicate", "dp_shard_cp"))
 
     def local_rank(self, name: str) -> int:
         """This process's coordinate along a dim or flattened dim (0 on one process)."""
-        return 0 if self.mesh is None else self.mesh[name].get_local_rank()
+        mesh = self.submesh(name)
+        return 0 if mesh is None else mesh.get_local_rank()
 
     # What the data loader needs: which slice of the global batch this rank reads, and of how many.
     @property

@@ -253,6 +253,22 @@ class PipelineParts:
         return pipeline_step(self.schedule, inputs, targets, is_first=self.has_first, is_last=self.has_last,
                              pp_mesh=self.pp_mesh)
 
+    @torch.no_grad()
+    def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Summed loss over the batch's tokens (forward only) and the token count, on every pp rank."""
+        n = self.schedule._n_microbatches
+        if inputs.shape[0] % n:
+            raise ValueError(f"a batch of {inputs.shape[0]} sequences does not split into {n} equal micro-batches")
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        self.schedule.eval(*((inputs,) if self.has_first else ()), target=targets if self.has_last else None,
+                           losses=losses)
+        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+        if self.has_last:
+            # Each micro-batch loss is a mean over its (equally many) tokens.
+            total += torch.stack(losses).float().sum() * (targets.numel() // n)
+        dist.all_reduce(total, group=self.pp_mesh.get_group())
+        return total, targets.numel()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The stages' state merged under the full model's names (stages share no parameter)."""
         out: dict[str, torch.Tensor] = {}

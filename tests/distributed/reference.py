@@ -11,7 +11,7 @@ import torch
 from scaletrain.config import OptimizerConfig
 from scaletrain.models import ModelArgs, Transformer, build_meta_model
 from scaletrain.optim import build_lr_scheduler, build_optimizer
-from scaletrain.train import train_step
+from scaletrain.step import train_step
 
 OPT = OptimizerConfig(lr=3e-3, warmup_steps=2, schedule="cosine", weight_decay=0.1)
 STEPS = 10

@@ -1,0 +1,90 @@
+"""`scaletrain convert`: a run's newest checkpoint to a Hugging Face Llama directory, and an HF Llama directory
+to a config that starts training from its weights (`model.init_from = "hf:DIR"`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import tomli_w
+import torch
+import torch.distributed.checkpoint as dcp
+
+from scaletrain.checkpoint.hf import args_from_hf_config, export_hf, read_hf_dir, verify_with_transformers
+from scaletrain.checkpoint.integrity import COMMIT, verify
+from scaletrain.checkpoint.safe_load import make_reader
+from scaletrain.checkpoint.state import ModelState
+from scaletrain.config import Config
+from scaletrain.config_io import read_toml, to_dataclass
+from scaletrain.errors import ConfigError, UserError
+
+log = logging.getLogger("scaletrain")
+
+
+def _newest_intact(ckpt_root: Path) -> Path:
+    import fsspec
+
+    fs = fsspec.filesystem("file")
+    for path in sorted(ckpt_root.glob("step-*"), reverse=True):
+        reason = verify(fs, str(path))
+        if reason is None:
+            return path
+        log.warning("skipping %s: %s", path, reason)
+    raise UserError(f"no committed, intact checkpoint under {ckpt_root}")
+
+
+def _run_config(run_dir: Path) -> Config:
+    cfg, problems = to_dataclass(Config, read_toml(str(run_dir / "config.toml")))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def load_run_model(src: Path):
+    """The model of a run directory (or one of its checkpoint directories), on CPU in fp32, with the weights of
+    the newest intact checkpoint."""
+    from scaletrain.data import load_tokenizer
+    from scaletrain.models import build_meta_model, resolve_model_args
+
+    if (src / COMMIT).exists():
+        ckpt, run_dir = src, src.parent.parent
+    else:
+        run_dir = src
+        ckpt = _newest_intact(Path(_run_config(src).checkpoint.storage or src / "checkpoints"))
+    if not (run_dir / "config.toml").is_file():
+        raise UserError(f"{run_dir} has no config.toml; give a run directory or a checkpoint inside one")
+    cfg = _run_config(run_dir)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_meta_model(resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    dcp.load({"model": ModelState([model])}, storage_reader=make_reader(str(ckpt)), no_dist=True)
+    return model, cfg, tokenizer, ckpt
+
+
+def to_hf(src: Path, out: Path) -> str:
+    model, cfg, tokenizer, ckpt = load_run_model(src)
+    tok_file = Path(cfg.data.tokenizer) if cfg.data.tokenizer != "byte" else None
+    export_hf(model.eval(), out, tok_file, tokenizer.eod_id)
+    diff = verify_with_transformers(model, out)
+    checked = (f"transformers.LlamaForCausalLM logits match (max abs diff {diff:.1e})" if diff is not None
+               else "not checked against transformers (not installed)")
+    return f"exported {ckpt} to {out}; {checked}"
+
+
+def from_hf(hf_dir: Path, out_toml: Path) -> str:
+    if out_toml.exists():
+        raise UserError(f"{out_toml} exists; choose another --out (nothing is overwritten)")
+    cfg_json, _ = read_hf_dir(hf_dir)
+    model = {"preset": "debug", **args_from_hf_config(cfg_json), "init_from": f"hf:{hf_dir}"}
+    data = {"tokenizer": str(hf_dir / "tokenizer.json")} if (hf_dir / "tokenizer.json").exists() else {}
+    header = ("# Start training from the Hugging Face Llama weights in " + str(hf_dir) + ".\n"
+              "# The model fields below come from its config.json and override the preset.\n")
+    out_toml.write_text(header + tomli_w.dumps({"model": model, **({"data": data} if data else {})}))
+    return f"wrote {out_toml}; train with: scaletrain train --config {out_toml}"
+
+
+def verify_import(model: torch.nn.Module, hf_dir: Path) -> None:
+    from scaletrain.checkpoint.hf import load_hf_weights
+
+    load_hf_weights(model, hf_dir)

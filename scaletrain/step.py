@@ -1,0 +1,99 @@
+"""One optimizer step's forward/backward and gradient clipping, whatever the parallel layout: micro-batches with
+gradient accumulation (DDP syncs only on the last), context-parallel sequence sharding, the tensor-parallel loss,
+or a pipeline schedule. The train loop calls `forward_backward`, `clip`, then steps its optimizers."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Token-level cross-entropy in fp32 (bf16 logits lose too much in the log-sum-exp)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+
+
+@dataclass
+class StepRunner:
+    parts: list[nn.Module]
+    micro_batch: int
+    autocast: contextlib.AbstractContextManager
+    grad_clip: float
+    loss_context: object = contextlib.nullcontext  # a callable returning a context (TP's loss_parallel)
+    cp_shard: object = None  # (inputs, targets) -> (inputs, targets, positions) under context parallel
+    pipeline: object = None  # PipelineParts under pipeline parallel
+    pp_mesh: object = None
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss over this rank's share of the global batch, gradients accumulated into .grad.
+
+        Each micro-batch loss is divided by the number of micro-batches, so the summed gradient is the mean over
+        the rank's sequences; data parallelism then averages over ranks: the mean over the global batch."""
+        if self.pipeline is not None:
+            return self.pipeline.step(inputs, targets)
+        positions = None
+        if self.cp_shard is not None:
+            inputs, targets, positions = self.cp_shard(inputs, targets)
+        model = self.parts[0]
+        xs, ys = inputs.split(self.micro_batch), targets.split(self.micro_batch)
+        n = len(xs)
+        loss_sum = torch.zeros((), device=inputs.device)
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            sync = contextlib.nullcontext() if i == n - 1 or not isinstance(model, DDP) else model.no_sync()
+            with sync, self.loss_context():
+                with self.autocast:
+                    logits = model(x, positions=positions) if positions is not None else model(x)
+                loss = cross_entropy(logits, y)
+                (loss / n).backward()
+            loss_sum += _local(loss.detach())
+        return loss_sum / n
+
+    def clip(self) -> torch.Tensor:
+        """The global gradient norm (over every shard and stage), clipping to grad_clip when it is > 0."""
+        params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        if self.pp_mesh is not None:
+            from scaletrain.parallel.pipeline import clip_grad_norm_pp
+
+            return clip_grad_norm_pp(params, max_norm, self.pp_mesh)
+        return _local(nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+
+    @torch.no_grad()
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Summed validation loss and token count over a batch (forward only)."""
+        if self.pipeline is not None:
+            return self.pipeline.eval_sum(inputs, targets)
+        positions = None
+        if self.cp_shard is not None:
+            inputs, targets, positions = self.cp_shard(inputs, targets)
+        model = self.parts[0]
+        with self.loss_context():
+            with self.autocast:
+                logits = model(inputs, positions=positions) if positions is not None else model(inputs)
+            total = _local(cross_entropy(logits, targets, reduction="sum"))
+        return total, targets.numel()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (a loss or norm under TP/FSDP) as a plain tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, inputs: torch.Tensor,
+               targets: torch.Tensor, *, micro_batch: int, autocast, grad_clip: float):
+    """One optimizer step of a single (unsplit) model: what the single-process reference of every parallel
+    equivalence test runs."""
+    runner = StepRunner([model], micro_batch, autocast, grad_clip)
+    loss = runner.forward_backward(inputs, targets)
+    norm = runner.clip()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss, norm

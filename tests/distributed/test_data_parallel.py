@@ -1,0 +1,202 @@
+"""Data-parallel layouts (DDP, ZeRO-1, ZeRO-2, FSDP, HSDP) against the single-process reference: same losses, grad
+norms and final weights over 10 steps, plus checks that each layout really shards what it promises.
+
+Each spawn runs several layouts of one world size; rank 0 writes what it measured to a JSON file that the
+parametrized tests read, so each layout passes or fails on its own."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scaletrain.config import ParallelConfig
+from scaletrain.optim import build_lr_scheduler, build_optimizer
+from scaletrain.parallel.data_parallel import build_zero1_optimizer, full_state_dict, grad_norm_value, parallelize
+from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
+from scaletrain.parallel.tensor_parallel import loss_context
+from tests.distributed.reference import OPT, assert_close_run, full_model, global_batches, reference_run, tiny_args
+from tests.distributed.spawn import spawn
+
+CPU = torch.device("cpu")
+
+
+def train_step(model: nn.Module, optimizer, scheduler, inputs: torch.Tensor, targets: torch.Tensor, *,
+               micro_batch: int, grad_clip: float, tp: bool):
+    """scaletrain.train.train_step plus the two things tensor parallel needs from it: the cross-entropy and its
+    backward under `loss_context` (loss parallel), and the loss and grad norm, which are DTensors under TP/FSDP,
+    turned into plain tensors. To be replaced by train_step itself once it does the same."""
+    xs, ys = inputs.split(micro_batch), targets.split(micro_batch)
+    n = len(xs)
+    loss_sum = torch.zeros(())
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        sync = contextlib.nullcontext() if i == n - 1 or not isinstance(model, DDP) else model.no_sync()
+        with sync, loss_context(tp):
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            (loss / n).backward()
+        loss_sum += grad_norm_value(loss.detach())
+    norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss_sum / n, grad_norm_value(norm)
+
+
+def _facts(model: nn.Module, dims: ParallelDims, optimizer) -> dict:
+    """What the layout did to the model, for the tests to check it shards what it promises."""
+    inner = model.module if isinstance(model, DDP) else model
+    wq = inner.layers["0"].attention.wq.weight
+    facts = {"ddp": isinstance(model, DDP), "dtensor": isinstance(wq, DTensor),
+             "wq_local_numel": (wq.to_local() if isinstance(wq, DTensor) else wq).numel(), "wq_numel": wq.numel(),
+             "placements": [repr(p) for p in wq.placements] if isinstance(wq, DTensor) else [],
+             "norm_dtensor": isinstance(inner.layers["0"].attention_norm.weight, DTensor)}
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's AdamW in .optim
+    facts["opt_local_numel"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                                   for g in local.param_groups for p in g["params"])
+    facts["numel"] = sum(p.numel() for p in inner.parameters())
+    return facts
+
+
+def _watch_resharding(model: nn.Module) -> list[bool]:
+    """Record, when block 1 runs forward, whether block 0's weights are still gathered (plain tensors: ZeRO-2 keeps
+    them until backward) or already resharded (DTensors: FSDP frees them after forward)."""
+    inner = model.module if isinstance(model, DDP) else model
+    seen: list[bool] = []
+
+    def hook(mod, args):
+        if torch.is_grad_enabled():
+            seen.append(not isinstance(inner.layers["0"].attention.wq.weight, DTensor))
+
+    inner.layers["1"].register_forward_pre_hook(hook)
+    return seen
+
+
+def _train_layout(pcfg: ParallelConfig, world_size: int, args, batches) -> dict:
+    dims = ParallelDims.from_config(pcfg, world_size)
+    dims.build_mesh("cpu")
+    model = parallelize(full_model(args), dims, pcfg)
+    if pcfg.data_parallel == "zero1":
+        opt = build_zero1_optimizer(model, OPT, CPU, dims.submesh("dp_cp"))
+    else:
+        opt = build_optimizer(model, OPT, CPU)
+    sched = build_lr_scheduler(opt, OPT, len(batches))
+    gathered_in_forward = _watch_resharding(model)
+    # Each data-parallel rank takes its contiguous slice of the global batch, in two micro-batches.
+    local = batches[0][0].shape[0] // dims.dp_size
+    rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
+    losses, norms = [], []
+    for x, y in batches:
+        loss, norm = train_step(model, opt, sched, x[rows], y[rows], micro_batch=local // 2, grad_clip=1.0,
+                                tp=dims.tp_enabled)
+        losses.append(all_reduce_mean(loss, dims.submesh("dp_cp")).item())
+        norms.append(norm.item())
+    facts = _facts(model, dims, opt)
+    facts["kept_gathered"] = any(gathered_in_forward)
+    return {"losses": losses, "norms": norms, "state": full_state_dict(model), "facts": facts}
+
+
+def layouts_worker(rank: int, world_size: int, layouts: dict[str, dict], out: str) -> None:
+    """Train every layout of `layouts` (name -> ParallelConfig fields) and compare it with the reference."""
+    args = tiny_args()
+    batches = global_batches(args)
+    ref = reference_run(full_model(args), batches)
+    results = {}
+    for name, fields in layouts.items():
+        got = _train_layout(ParallelConfig(**fields), world_size, args, batches)
+        error = None
+        try:
+            assert_close_run(got["losses"], got["norms"], got["state"], ref, rtol=1e-5)
+        except AssertionError as e:
+            error = f"rank {rank}: {e}"
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error)
+        results[name] = {
+            "error": next((e for e in errors if e), None),
+            "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])),
+            "norm_rel": max(abs(a - b) / abs(b) for a, b in zip(got["norms"], ref["grad_norms"])),
+            "param_abs": max((got["state"][k] - v).abs().max().item() for k, v in ref["state"].items()),
+            "facts": got["facts"],
+        }
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+def run_layouts(tmp_path_factory, world_size: int, layouts: dict[str, dict]) -> dict:
+    out = tmp_path_factory.mktemp(f"layouts{world_size}") / "results.json"
+    spawn(layouts_worker, world_size, layouts, str(out))
+    with open(out) as f:
+        return json.load(f)
+
+
+def check_equivalent(results: dict, name: str) -> dict:
+    r = results[name]
+    print(f"{name}: max relative diff loss {r['loss_rel']:.1e}, grad norm {r['norm_rel']:.1e}; "
+          f"max abs param diff {r['param_abs']:.1e}")
+    assert r["error"] is None, r["error"]
+    return r["facts"]
+
+
+LAYOUTS_2 = {
+    "ddp": dict(data_parallel="ddp"),
+    "zero1": dict(data_parallel="zero1"),
+    "zero2": dict(data_parallel="zero2"),
+    "fsdp": dict(data_parallel="fsdp"),
+}
+LAYOUTS_4 = {
+    "fsdp": dict(data_parallel="fsdp"),
+    "hsdp": dict(data_parallel="hsdp", dp_replicate=2, dp_shard=2),
+}
+
+
+@pytest.fixture(scope="module")
+def results_2(tmp_path_factory):
+    return run_layouts(tmp_path_factory, 2, LAYOUTS_2)
+
+
+@pytest.fixture(scope="module")
+def results_4(tmp_path_factory):
+    return run_layouts(tmp_path_factory, 4, LAYOUTS_4)
+
+
+def test_ddp_matches_reference(results_2):
+    facts = check_equivalent(results_2, "ddp")
+    assert facts["ddp"] and not facts["dtensor"]
+    assert facts["opt_local_numel"] == facts["numel"]
+
+
+def test_zero1_matches_reference_and_shards_optimizer_state(results_2):
+    facts = check_equivalent(results_2, "zero1")
+    assert facts["ddp"]
+    # Parameters are split whole between ranks, greedily by size: about half each.
+    assert 0.3 * facts["numel"] < facts["opt_local_numel"] < 0.7 * facts["numel"]
+
+
+@pytest.mark.parametrize("mode", ["zero2", "fsdp"])
+def test_sharded_data_parallel_matches_reference(results_2, mode):
+    facts = check_equivalent(results_2, mode)
+    assert facts["dtensor"] and facts["placements"] == [repr(Shard(0))]
+    assert facts["wq_local_numel"] * 2 == facts["wq_numel"]
+    assert facts["opt_local_numel"] * 2 == facts["numel"]
+    # ZeRO-2 keeps a block's gathered weights from its forward to its backward; FSDP frees them after forward.
+    assert facts["kept_gathered"] == (mode == "zero2")
+
+
+def test_fsdp_4_matches_reference(results_4):
+    facts = check_equivalent(results_4, "fsdp")
+    assert facts["wq_local_numel"] * 4 == facts["wq_numel"]
+
+
+def test_hsdp_2x2_matches_reference(results_4):
+    facts = check_equivalent(results_4, "hsdp")
+    # Replicated across the 2 groups, sharded in 2 within each.
+    assert facts["placements"] == [repr(Replicate()), repr(Shard(0))]
+    assert facts["wq_local_numel"] * 2 == facts["wq_numel"]
