@@ -195,9 +195,12 @@ def validate_parallel(pcfg: ParallelConfig, world_size: int, n_heads: int, n_kv_
         problems.append("parallel.data_parallel = 'hsdp' with dp_replicate = 1 is plain sharding: use "
                         "data_parallel = 'fsdp', or set dp_replicate > 1")
     tp = pcfg.tp
-    if tp > 1 and mode in ("ddp", "zero1"):
-        problems.append(f"parallel.data_parallel = '{mode}' cannot be combined with tp = {tp}: DDP does not handle "
-                        "the DTensor parameters that tensor parallel creates; use data_parallel = 'fsdp' or 'zero2'")
+    dp_cp = pcfg.dp_replicate * _resolved_dp_shard(pcfg, world_size) * pcfg.cp
+    if tp > 1 and mode in ("ddp", "zero1") and dp_cp > 1:
+        # With no data-parallel ranks (dp_cp = 1) no DDP is applied, so pure TP runs whatever the mode says.
+        problems.append(f"parallel.data_parallel = '{mode}' cannot be combined with tp = {tp} over {dp_cp} "
+                        "data-parallel ranks: DDP does not handle the DTensor parameters that tensor parallel "
+                        "creates; use data_parallel = 'fsdp' or 'zero2' with tp")
     if tp > 1:
         divisible = [
             ("model.n_heads", n_heads, "attention is split by whole query heads"),

@@ -1,0 +1,115 @@
+"""Checkpoints end to end: kill -9 and resume bit for bit, SIGTERM saves and exits, Hugging Face round trip."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from scaletrain.convert import load_run_model
+from tests.helpers import DEBUG, QUICK, ROOT, read_jsonl, run_cli
+
+DET = [*QUICK, "--training.deterministic", "true", "--training.eval_interval", "0", "--metrics.log_interval", "1",
+       "--checkpoint.interval", "3"]
+
+
+def _start(run, *extra):
+    return subprocess.Popen([sys.executable, "-m", "scaletrain", "train", "--config", DEBUG, "--run.dir", str(run),
+                             *DET, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ.copy())
+
+
+def _wait_for(predicate, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def _steps(run):
+    return len(read_jsonl(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
+
+
+def _per_step(run):
+    out = {}
+    for m in read_jsonl(run / "metrics.jsonl"):
+        out[m["step"]] = (m["loss"], m["grad_norm"])  # a recomputed step overwrites its first record
+    return out
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
+    ref = tmp_path / "ref"
+    run_cli("train", "--config", DEBUG, "--run.dir", str(ref), *DET, "--training.steps", "12")
+    killed = tmp_path / "killed"
+    k = random.Random().randint(4, 10)
+    proc = _start(killed, "--training.steps", "12")
+    _wait_for(lambda: _steps(killed) >= k and any((killed / "checkpoints").glob("step-*/commit.json")))
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = run_cli("train", "--config", DEBUG, "--run.dir", str(killed), *DET, "--training.steps", "12")
+    assert "resumed from" in resumed.stderr, f"killed at step {k}"
+    assert _per_step(killed) == _per_step(ref), f"killed at step {k}"
+    a, b = load_run_model(ref)[0].state_dict(), load_run_model(killed)[0].state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a), f"killed at step {k}"
+    loaded = [e for e in read_jsonl(killed / "events.jsonl") if e["kind"] == "checkpoint_loaded"]
+    assert len(loaded) == 1 and loaded[0]["step"] % 3 == 0
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, "--training.steps", "100000", "--checkpoint.interval", "0")
+    _wait_for(lambda: _steps(run) >= 3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    events = read_jsonl(run / "events.jsonl")
+    pre = [e for e in events if e["kind"] == "preempted"]
+    assert len(pre) == 1
+    commits = sorted((run / "checkpoints").glob("step-*/commit.json"))
+    assert json.loads(commits[-1].read_text())["step"] == pre[0]["step"]
+    # The next start resumes from it.
+    run_cli("train", "--config", DEBUG, "--run.dir", str(run), *DET, "--training.steps", str(pre[0]["step"] + 2))
+    start = [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "start"][-1]
+    assert start["resumed"] and start["step"] == pre[0]["step"]
+
+
+def test_hugging_face_export_and_import_give_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    run = tmp_path / "run"
+    run_cli("train", "--config", DEBUG, "--run.dir", str(run), *QUICK, "--training.steps", "3",
+            "--training.eval_interval", "0")
+    out = tmp_path / "hf"
+    proc = run_cli("convert", "--to", "hf", str(run), str(out))
+    assert "logits match" in proc.stdout
+    model = load_run_model(run)[0].eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    x = torch.randint(0, model.args.vocab_size, (2, 32))
+    with torch.no_grad():
+        assert (hf(x).logits - model(x)).abs().max() <= 1e-5
+    # Import: a config that starts training from those weights; step-0 weights equal the export.
+    cfg = tmp_path / "from_hf.toml"
+    run_cli("convert", "--from", "hf", str(out), "--out", str(cfg))
+    run2 = tmp_path / "run2"
+    run_cli("train", "--config", str(cfg), "--run.dir", str(run2), *QUICK, "--training.steps", "1",
+            "--optimizer.lr", "1e-12", "--training.eval_interval", "0", "--data.seq_len", "64",
+            "--training.global_batch", "8", "--training.micro_batch", "4")
+    imported = load_run_model(run2)[0].eval()
+    with torch.no_grad():
+        assert (hf(x).logits - imported(x)).abs().max() <= 1e-5
+
+
+def test_hf_import_refuses_pickle_weights(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    torch.save({"x": torch.zeros(1)}, hf / "pytorch_model.bin")
+    proc = run_cli("convert", "--from", "hf", str(hf), "--out", str(tmp_path / "c.toml"), check=False)
+    assert proc.returncode == 1 and "pickle files, which are never loaded" in proc.stderr
