@@ -80,7 +80,12 @@ def run_parity(config: str | None, layouts: list[str], steps: int, overrides: li
         ref_loss, ref_gn = [m["loss"] for m in ref], [m["grad_norm"] for m in ref]
         out(f"reference (1 process): final loss {ref_loss[-1]:.6f}")
         for i, (layout, nproc, layout_args) in enumerate(parsed):
-            got = _run(base + layout_args, nproc, Path(tmp) / f"layout{i}")
+            try:
+                got = _run(base + layout_args, nproc, Path(tmp) / f"layout{i}")
+            except ConfigError as e:
+                results.append(ParityResult(layout, nproc, math.inf, math.inf, False))
+                out(f"{layout:40s} nproc {nproc}  FAILED: {e.problems[0]}")
+                continue
             dl = _max_rel([m["loss"] for m in got], ref_loss)
             dg = _max_rel([m["grad_norm"] for m in got], ref_gn)
             results.append(ParityResult(layout, nproc, dl, dg, dl <= rtol and dg <= rtol))

@@ -120,6 +120,8 @@ def train(cfg: Config) -> dict:
                 lr = schedulers[0].get_last_lr()[0]
                 loss = runner.forward_backward(inputs.to(env.device), targets.to(env.device))
                 grad_norm = runner.clip()
+                if ckpt is not None:
+                    ckpt.before_update()  # a save in flight must have copied the weights before they change
                 for opt, sched in zip(optimizers, schedulers, strict=True):
                     opt.step()
                     opt.zero_grad(set_to_none=True)

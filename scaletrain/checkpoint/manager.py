@@ -13,10 +13,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import fsspec
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from scaletrain.checkpoint.integrity import read_commit, verify, write_commit
 from scaletrain.checkpoint.safe_load import make_reader, read_metadata
@@ -38,6 +40,8 @@ class CheckpointManager:
         # Background saves talk over their own gloo group, never interleaving with the training collectives.
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
         self.pending: tuple[int, Future] | None = None
+        self.staging: Future | None = None
+        self.stager = None
         self.last_stall_s = 0.0
 
     # -- saving ------------------------------------------------------------------------------------------------
@@ -55,16 +59,37 @@ class CheckpointManager:
         writer = FsspecWriter(path) if "://" in path else FileSystemWriter(path)
         no_dist = self.group is None
         if self.cfg.async_save and not blocking:
-            fut = dcp.async_save(self.state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
-            self.pending = (step, getattr(fut, "upload_completion", fut))
+            # Stage 1 (the copy to host memory) runs in a thread beside the next forward/backward, which does not
+            # change the weights; before_update() waits for it before the optimizer does.
+            if self.stager is None:
+                cuda = torch.cuda.is_available()
+                self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                           use_async_staging=True, use_non_blocking_copy=cuda))
+            resp = dcp.async_save(self.state, storage_writer=writer, process_group=self.group, no_dist=no_dist,
+                                  async_stager=self.stager)
+            self.staging = getattr(resp, "staging_completion", None)
+            self.pending = (step, getattr(resp, "upload_completion", resp))
         else:
             dcp.save(self.state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
             self._commit(step)
         self.last_stall_s = time.perf_counter() - t0
         return self.last_stall_s
 
+    def before_update(self) -> float:
+        """Block until stage 1 of the save in flight has copied the state (call before the optimizer changes it);
+        return the seconds waited."""
+        if self.staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.staging.result()
+        self.staging = None
+        waited = time.perf_counter() - t0
+        self.last_stall_s += waited
+        return waited
+
     def wait(self) -> None:
         """Finish the save in flight (if any) and commit it."""
+        self.before_update()
         if self.pending is None:
             return
         step, fut = self.pending
@@ -140,6 +165,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None

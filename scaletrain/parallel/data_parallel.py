@@ -1,5 +1,5 @@
-"""Data parallelism — DDP, ZeRO-1, ZeRO-2, FSDP, HSDP — and `parallelize`, which applies every parallelism to a
-built model in the one order that works."""
+"""Data parallelism — DDP, ZeRO-1, ZeRO-2, FSDP, HSDP — each one function on a model and its data-parallel mesh
+(parallel/parallelize.py picks the mesh and fixes the order), plus gathering helpers for sharded models."""
 
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scaletrain.config import OptimizerConfig, ParallelConfig
+from scaletrain.config import OptimizerConfig
 from scaletrain.optim import build_optimizer
-from scaletrain.parallel.mesh import ParallelDims
-from scaletrain.parallel.tensor_parallel import apply_tp
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +24,8 @@ log = logging.getLogger(__name__)
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: int) -> nn.Module:
     """Wrap in DDP (Li et al. 2020): bucketed gradient all-reduce overlapped with backward.
 
-    Buffers are not broadcast: the only buffer (RoPE tables) is computed identically on every rank.
+    Buffers are not re-broadcast before every forward: the only buffer (the RoPE table) is computed identically on
+    every rank (DDP still copies rank 0's once at construction, like the parameters: the same values anyway).
     """
     device_ids = [model.rope.device.index] if model.rope.device.type == "cuda" else None
     wrapped = DDP(
@@ -34,7 +33,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: int) -> nn.Modul
         process_group=dp_mesh.get_group(),
         device_ids=device_ids,
         bucket_cap_mb=bucket_mb,
-        broadcast_buffers=False,
+        forward_sync_buffers=False,
         gradient_as_bucket_view=True,
     )
     log.info("applied DDP over %d ranks, %d MiB buckets", dp_mesh.size(), bucket_mb)
@@ -81,39 +80,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     kind = "HSDP" if mesh.ndim == 2 else ("FSDP (ZeRO-3)" if reshard_after_forward else "ZeRO-2 (FSDP2)")
     log.info("applied %s over mesh %s, %d block units + root", kind, dict(zip(mesh.mesh_dim_names, mesh.shape)),
              len(blocks))
-    return model
-
-
-def parallelize(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, *, loss_parallel: bool = True
-                ) -> nn.Module:
-    """Apply the configured parallelisms to a model materialised in full on every rank (same seed, same weights),
-    in this order, and return the model to train (a DDP wrapper for ddp/zero1; the same module otherwise).
-
-    1. Pipeline split (first): stages are separate modules; everything below applies to each stage.
-    2. TP/SP before FSDP: `parallelize_module` replaces plain weights with DTensors sharded on "tp"; `fully_shard`
-       then shards those DTensors again over the data-parallel mesh, making 2-D [dp, tp] parameters whose
-       all-gather rebuilds exactly the TP-local shard the TP forward computes with. The other way round TP would
-       meet FSDP's flat shards and hooks, which it cannot split by heads. (Recompute and compile, when they land,
-       go between TP and FSDP, as in torchtitan: they wrap blocks that FSDP then shards as units.)
-    3. Context parallel swaps each attention kernel; it changes no parameter, so it composes with either.
-    4. Data parallel last: DDP and FSDP register hooks on the final parameters and sub-modules.
-    The ZeRO-1 optimizer is built by `build_zero1_optimizer`, not here."""
-    if dims.mesh is None:  # one process: nothing to shard
-        return model
-    # [pipeline] parallel/pipeline.py (in progress) splits the model into stages here; each stage then goes
-    # through the steps below with its own sub-mesh of "pp".
-    if dims.tp_enabled:
-        apply_tp(model, dims.submesh("tp"), sequence_parallel=pcfg.sequence_parallel, loss_parallel=loss_parallel)
-    # [context parallel] parallel/context_parallel.py (in progress) swaps Attention.sdpa for ring attention over
-    # dims.submesh("cp") here.
-    mode = pcfg.data_parallel
-    if mode in ("ddp", "zero1"):
-        if dims.size("dp_cp") > 1:
-            model = apply_ddp(model, dims.submesh("dp_cp"), pcfg.ddp_bucket_mb)
-    elif mode == "hsdp":
-        apply_fsdp(model, dims.hsdp_mesh(), reshard_after_forward=True)
-    elif dims.size("dp_shard_cp") > 1:
-        apply_fsdp(model, dims.submesh("dp_shard_cp"), reshard_after_forward=mode == "fsdp")
     return model
 
 

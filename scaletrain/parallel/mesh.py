@@ -120,9 +120,12 @@ class ParallelDims:
         assert self.mesh is not None, "build_mesh first"
         if self.cp == 1:
             return self.mesh["dp_replicate", "dp_shard"]
-        # Same ranks as dp_cp, re-split in two: the replicate groups, and the shard groups folding in cp.
-        return self._flat["dp_cp"]._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp),
-                                              ("dp_replicate", "dp_shard_cp"))
+        # Same ranks as dp_cp, re-split in two: the replicate groups, and the shard groups folding in cp. Built
+        # once (it creates process groups, a collective call).
+        if "hsdp" not in self._flat:
+            self._flat["hsdp"] = self._flat["dp_cp"]._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp),
+                                                                ("dp_replicate", "dp_shard_cp"))
+        return self._flat["hsdp"]
 
     def local_rank(self, name: str) -> int:
         """This process's coordinate along a dim or flattened dim (0 on one process)."""
@@ -184,7 +187,8 @@ def _size_problems(pcfg: ParallelConfig, world_size: int) -> list[str]:
 
 
 def validate_parallel(pcfg: ParallelConfig, world_size: int, n_heads: int, n_kv_heads: int, vocab_size: int, *,
-                      ffn_hidden: int | None = None, seq_len: int | None = None) -> list[str]:
+                      ffn_hidden: int | None = None, seq_len: int | None = None,
+                      tie_embeddings: bool = False) -> list[str]:
     """Every problem of the parallel layout at once, each with its fix; [] when the layout runs."""
     problems = _size_problems(pcfg, world_size)
     mode = pcfg.data_parallel
@@ -208,11 +212,15 @@ def validate_parallel(pcfg: ParallelConfig, world_size: int, n_heads: int, n_kv_
             ("the vocabulary size", vocab_size, "the embedding and the output layer are split by vocabulary rows"),
             ("model.ffn_hidden", ffn_hidden, "the MLP is split along its hidden size (w1/w3 columns, w2 rows)"),
         ]
-        if pcfg.sequence_parallel:
-            divisible.append(("data.seq_len", seq_len, "sequence parallel splits every sequence over the tp ranks"))
+        if pcfg.sequence_parallel and seq_len is not None and pcfg.cp >= 1 and seq_len % pcfg.cp == 0:
+            what = "data.seq_len" if pcfg.cp == 1 else f"the {seq_len // pcfg.cp} tokens per cp rank of data.seq_len"
+            divisible.append((what, seq_len // pcfg.cp, "sequence parallel splits every sequence over the tp ranks"))
         for what, n, why in divisible:
             if n is not None and n % tp:
                 problems.append(f"parallel.tp = {tp} does not divide {what} {n} ({why}); choose a tp that divides it")
+    if tp > 1 and tie_embeddings:
+        problems.append("tensor parallel splits the embedding by vocabulary rows and the output layer by vocabulary "
+                        "columns, so one tied matrix cannot serve both; set model.tie_embeddings = false or tp = 1")
     if pcfg.sequence_parallel and tp == 1:
         problems.append("parallel.sequence_parallel splits the norms' activations over the tensor-parallel ranks and "
                         "needs tp > 1; set parallel.tp > 1 or sequence_parallel = false")

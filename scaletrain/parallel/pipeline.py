@@ -175,9 +175,11 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, sch
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device):
     """Wrap this rank's stage modules in `PipelineStage`s and build the torch schedule; returns (stages, schedule).
 
-    Gradients: the schedule sums each micro-batch's gradient of its *mean* loss and, with scale_grads=True, divides
-    by the number of micro-batches after the last backward, which is train_step's `(loss / n).backward()` summed over
-    n micro-batches: the gradient of the mean loss over the batch (equal micro-batches, see pipeline_problems)."""
+    Gradients: each micro-batch's mean loss is divided by the number of micro-batches n *before* its backward, and
+    the schedule's own scaling is off (scale_grads=False). Summed over micro-batches this is the gradient of the mean
+    loss over the batch (equal micro-batches, see pipeline_problems), computed as train_step computes it, with
+    `(loss / n).backward()`. The schedule's default (scale_grads=True: backward of the unscaled loss, then divide
+    the summed gradients by n) has the same value but rounds differently unless n is a power of two."""
     pp = pp_mesh.size()
     expected = stages_per_rank(schedule_name, len(stages)) if schedule_name in SCHEDULES else len(stages)
     if len(stages) != expected:
@@ -191,8 +193,19 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, sch
     pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
     cls = SCHEDULES[schedule_name]
     target = pipeline_stages[0] if schedule_name in SINGLE_STAGE else pipeline_stages
-    schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                   scale_grads=True)
     return pipeline_stages, schedule
+
+
+class _MicrobatchMean:
+    """loss_fn(...) / n: one micro-batch's share of the batch's mean loss."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n: int):
+        self.loss_fn, self.n = loss_fn, n
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) / self.n
 
 
 def pipeline_step(schedule, inputs: torch.Tensor, targets: torch.Tensor, *, is_first: bool, is_last: bool,
@@ -207,7 +220,7 @@ def pipeline_step(schedule, inputs: torch.Tensor, targets: torch.Tensor, *, is_f
                   return_outputs=False)
     loss = torch.zeros((), dtype=torch.float32, device=inputs.device)
     if is_last:
-        # Summed in micro-batch order, then divided, exactly as train_step does.
+        # The schedule's losses are already divided by n (see build_schedule): their sum is the mean.
         for mb_loss in losses:
             loss += mb_loss.detach()
         loss /= len(losses)
@@ -248,6 +261,8 @@ class PipelineParts:
     pp_mesh: DeviceMesh
     has_first: bool
     has_last: bool
+    n_stages: int
+    placement: Literal["loop", "v"]
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return pipeline_step(self.schedule, inputs, targets, is_first=self.has_first, is_last=self.has_last,
@@ -255,18 +270,34 @@ class PipelineParts:
 
     @torch.no_grad()
     def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Summed loss over the batch's tokens (forward only) and the token count, on every pp rank."""
-        n = self.schedule._n_microbatches
-        if inputs.shape[0] % n:
-            raise ValueError(f"a batch of {inputs.shape[0]} sequences does not split into {n} equal micro-batches")
-        losses: list[torch.Tensor] | None = [] if self.has_last else None
-        self.schedule.eval(*((inputs,) if self.has_first else ()), target=targets if self.has_last else None,
-                           losses=losses)
+        """Summed loss over the batch's tokens (forward only) and the token count, on every pp rank.
+
+        A forward-only pass of its own rather than `schedule.eval()`: in torch 2.13 the zero-bubble runtime still
+        runs its backward actions in eval mode and the V schedules fail at the hand-off between their two local
+        stages. Chunks go through the stages GPipe-style; any batch size works (the last chunk may be smaller)."""
+        me, group = self.pp_mesh.get_local_rank(), self.pp_mesh.get_group()
+        pp = self.pp_mesh.size()
+        per_rank = self.n_stages // pp
+        owner = {s: r for r in range(pp) for s in rank_stages(r, pp, per_rank, self.placement)}
+        modules = dict(zip(self.stage_ids, self.modules))
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)
-        if self.has_last:
-            # Each micro-batch loss is a mean over its (equally many) tokens.
-            total += torch.stack(losses).float().sum() * (targets.numel() // n)
-        dist.all_reduce(total, group=self.pp_mesh.get_group())
+        chunk = -(-inputs.shape[0] // self.schedule._n_microbatches)
+        sends: list = []
+        # Each rank works through (chunk, stage) in order with non-blocking sends: every receive waits only on
+        # work that comes earlier in that order, so no two ranks wait on each other.
+        for x, y in zip(inputs.split(chunk), targets.split(chunk)):
+            h = x
+            for s in sorted(modules):
+                if s > 0 and owner[s - 1] != me:
+                    h = _recv_activation(owner[s - 1], group, inputs.device)
+                h = modules[s](h)
+                if s == self.n_stages - 1:
+                    total += F.cross_entropy(h.flatten(0, 1).float(), y.flatten(), reduction="sum")
+                elif owner[s + 1] != me:
+                    sends += _send_activation(h, owner[s + 1], group)
+        for work, _ in sends:
+            work.wait()
+        dist.all_reduce(total, group=group)
         return total, targets.numel()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -299,5 +330,28 @@ def apply_pp(model: Transformer, pp_mesh: DeviceMesh, *, schedule: str, n_microb
     log.info("applied pipeline %s: pp=%d, %d stage(s) per rank (this rank: %s), layers per stage %s, %d micro-batches, "
              "ideal bubble (p-1)/(m+p-1) = %.1f%%%s", schedule, pp, v, ids, counts, n_microbatches,
              100 * ideal_bubble(pp, n_microbatches), interleaved)
-    return PipelineParts(nn.ModuleList([m for _, m in parts]), ids, stages, sched, pp_mesh,
-                         has_first=0 in ids, has_last=pp * v - 1 in ids)
+    return PipelineParts(nn.ModuleList([m for _, m in parts]), ids, stages, sched, pp_mesh, has_first=0 in ids,
+                         has_last=pp * v - 1 in ids, n_stages=pp * v, placement=placement_style(schedule))
+
+
+# Evaluation's activations carry a header (dtype, rank, shape) so that the receiver needs no shape inference.
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_HEADER = 8
+
+
+def _send_activation(h: torch.Tensor, dst: int, group) -> list:
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(h.dtype), h.ndim
+    header[2: 2 + h.ndim] = torch.tensor(h.shape)
+    header, h = header.to(h.device), h.contiguous()
+    # The tensors travel with their works: they must stay alive until the sends complete.
+    return [(dist.isend(header, group=group, group_dst=dst), header), (dist.isend(h, group=group, group_dst=dst), h)]
+
+
+def _recv_activation(src: int, group, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=src)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    h = torch.empty(header[2: 2 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(h, group=group, group_src=src)
+    return h

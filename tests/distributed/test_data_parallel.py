@@ -8,22 +8,29 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.config import ParallelConfig
 from scaletrain.optim import build_lr_scheduler, build_optimizer
-from scaletrain.parallel.data_parallel import build_zero1_optimizer, full_state_dict, grad_norm_value, parallelize
+from scaletrain.parallel.data_parallel import build_zero1_optimizer, full_state_dict
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
+from scaletrain.parallel.parallelize import parallelize
 from scaletrain.parallel.tensor_parallel import loss_context
-from tests.distributed.reference import OPT, assert_close_run, full_model, global_batches, reference_run, tiny_args
+from scaletrain.step import StepRunner
+from tests.distributed.reference import (
+    OPT,
+    assert_close_run,
+    full_model,
+    global_batches,
+    reference_run,
+    tiny_args,
+)
 from tests.distributed.spawn import spawn
 
 CPU = torch.device("cpu")
@@ -34,35 +41,14 @@ CPU = torch.device("cpu")
 PARAM_ATOL = 2e-5
 
 
-def train_step(model: nn.Module, optimizer, scheduler, inputs: torch.Tensor, targets: torch.Tensor, *,
-               micro_batch: int, grad_clip: float, tp: bool):
-    """scaletrain.train.train_step plus the two things tensor parallel needs from it: the cross-entropy and its
-    backward under `loss_context` (loss parallel), and the loss and grad norm, which are DTensors under TP/FSDP,
-    turned into plain tensors. To be replaced by train_step itself once it does the same."""
-    xs, ys = inputs.split(micro_batch), targets.split(micro_batch)
-    n = len(xs)
-    loss_sum = torch.zeros(())
-    for i, (x, y) in enumerate(zip(xs, ys)):
-        sync = contextlib.nullcontext() if i == n - 1 or not isinstance(model, DDP) else model.no_sync()
-        with sync, loss_context(tp):
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-            (loss / n).backward()
-        loss_sum += grad_norm_value(loss.detach())
-    norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf, foreach=True)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return loss_sum / n, grad_norm_value(norm)
-
-
-def _facts(model: nn.Module, dims: ParallelDims, optimizer) -> dict:
+def _facts(model: nn.Module, optimizer) -> dict:
     """What the layout did to the model, for the tests to check it shards what it promises."""
     inner = model.module if isinstance(model, DDP) else model
     wq = inner.layers["0"].attention.wq.weight
-    facts = {"ddp": isinstance(model, DDP), "dtensor": isinstance(wq, DTensor), "mesh": wq.device_mesh.ndim
-             if isinstance(wq, DTensor) else 0,
-             "wq_local_numel": (wq.to_local() if isinstance(wq, DTensor) else wq).numel(), "wq_numel": wq.numel(),
-             "placements": [repr(p) for p in wq.placements] if isinstance(wq, DTensor) else [],
+    sharded = isinstance(wq, DTensor)
+    facts = {"ddp": isinstance(model, DDP), "dtensor": sharded, "mesh": wq.device_mesh.ndim if sharded else 0,
+             "wq_local_numel": (wq.to_local() if sharded else wq).numel(), "wq_numel": wq.numel(),
+             "placements": [repr(p) for p in wq.placements] if sharded else [],
              "norm_dtensor": isinstance(inner.layers["0"].attention_norm.weight, DTensor)}
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's AdamW in .optim
     facts["opt_local_numel"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
@@ -92,9 +78,11 @@ def _watch(model: nn.Module) -> dict:
 
 
 def _train_layout(pcfg: ParallelConfig, world_size: int, args, batches) -> dict:
+    """Train as train.py does: parallelize the fully materialised model, then StepRunner steps."""
     dims = ParallelDims.from_config(pcfg, world_size)
     dims.build_mesh("cpu")
-    model = parallelize(full_model(args), dims, pcfg)
+    pm = parallelize(full_model(args), dims, pcfg, device=CPU, n_microbatches=2)
+    (model,) = pm.parts
     if pcfg.data_parallel == "zero1":
         opt = build_zero1_optimizer(model, OPT, CPU, dims.submesh("dp_cp"))
     else:
@@ -104,13 +92,17 @@ def _train_layout(pcfg: ParallelConfig, world_size: int, args, batches) -> dict:
     # Each data-parallel rank takes its contiguous slice of the global batch, in two micro-batches.
     local = batches[0][0].shape[0] // dims.dp_size
     rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
+    runner = StepRunner(pm.parts, local // 2, contextlib.nullcontext(), grad_clip=1.0,
+                        loss_context=lambda: loss_context(pm.loss_parallel))
     losses, norms = [], []
     for x, y in batches:
-        loss, norm = train_step(model, opt, sched, x[rows], y[rows], micro_batch=local // 2, grad_clip=1.0,
-                                tp=dims.tp_enabled)
+        loss = runner.forward_backward(x[rows], y[rows])
+        norms.append(runner.clip().item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
         losses.append(all_reduce_mean(loss, dims.submesh("dp_cp")).item())
-        norms.append(norm.item())
-    facts = {**_facts(model, dims, opt), **seen}
+    facts = {**_facts(model, opt), **seen}
     return {"losses": losses, "norms": norms, "state": full_state_dict(model), "facts": facts}
 
 

@@ -1,0 +1,104 @@
+"""The parallel layout checks and ParallelDims sizes: every problem reported at once, each with its fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.config import ParallelConfig
+from scaletrain.errors import ConfigError
+from scaletrain.parallel.mesh import ParallelDims, validate_parallel
+
+MODEL = dict(n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128, seq_len=32)
+
+
+def check(world: int, **fields) -> list[str]:
+    return validate_parallel(ParallelConfig(**fields), world, **MODEL)
+
+
+@pytest.mark.parametrize("world, fields", [
+    (1, {}),
+    (8, {}),
+    (8, dict(data_parallel="zero1")),
+    (8, dict(data_parallel="fsdp", tp=2, sequence_parallel=True)),
+    (8, dict(data_parallel="hsdp", dp_replicate=2, tp=2)),
+    (2, dict(tp=2)),  # pure TP: no data-parallel ranks, so the ddp default applies nothing and is fine
+    (4, dict(data_parallel="zero2", tp=2)),
+])
+def test_valid_layouts_pass(world, fields):
+    assert check(world, **fields) == []
+
+
+def test_product_must_equal_world_size():
+    (msg,) = check(8, data_parallel="fsdp", dp_shard=2, tp=2)
+    assert "= 4" in msg and "8 processes" in msg and "dp_shard = -1" in msg
+
+
+def test_rest_of_world_must_divide():
+    (msg,) = check(6, pp=4)
+    assert "does not divide the world size 6" in msg
+
+
+def test_dp_replicate_needs_hsdp_and_hsdp_needs_replicas():
+    (msg,) = check(4, data_parallel="fsdp", dp_replicate=2)
+    assert "needs parallel.data_parallel = 'hsdp'" in msg and "dp_replicate = 1" in msg
+    (msg,) = check(4, data_parallel="hsdp")
+    assert "use data_parallel = 'fsdp'" in msg
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_ddp_modes_refuse_tp(mode):
+    (msg,) = check(4, data_parallel=mode, tp=2)
+    assert "DDP does not handle the DTensor parameters" in msg and "'fsdp' or 'zero2'" in msg
+
+
+def test_tp_divisibility_names_each_reason():
+    problems = validate_parallel(ParallelConfig(data_parallel="fsdp", tp=3, sequence_parallel=True), 3, n_heads=4,
+                                 n_kv_heads=2, vocab_size=100, ffn_hidden=128, seq_len=32)
+    text = "\n".join(problems)
+    assert len(problems) == 5, text
+    for what in ("n_heads 4", "n_kv_heads 2", "vocabulary size 100", "ffn_hidden 128", "seq_len 32"):
+        assert what in text
+    assert "whole query heads" in text and "vocabulary rows" in text
+
+
+def test_tp_refuses_tied_embeddings():
+    problems = validate_parallel(ParallelConfig(data_parallel="fsdp", tp=2), 2, **MODEL, tie_embeddings=True)
+    assert len(problems) == 1 and "tie_embeddings = false" in problems[0]
+
+
+def test_sequence_parallel_splits_each_cp_ranks_tokens():
+    problems = validate_parallel(ParallelConfig(data_parallel="fsdp", tp=4, cp=2, sequence_parallel=True), 8,
+                                 n_heads=4, n_kv_heads=4, vocab_size=128, ffn_hidden=128, seq_len=20)
+    assert len(problems) == 1 and "the 10 tokens per cp rank" in problems[0]
+
+
+def test_sequence_parallel_needs_tp():
+    (msg,) = check(2, sequence_parallel=True)
+    assert "needs tp > 1" in msg
+
+
+def test_every_problem_at_once():
+    problems = check(4, data_parallel="ddp", dp_replicate=2, dp_shard=1, tp=3, sequence_parallel=False)
+    # Product 6 != 4; dp_replicate without hsdp; ddp with tp over 2 dp ranks; tp 3 divides none of heads/kv/vocab/ffn.
+    assert len(problems) == 7, problems
+
+
+def test_bad_sizes_are_reported_not_crashing():
+    problems = check(4, tp=0, dp_shard=0)
+    assert any("parallel.tp must be >= 1" in p for p in problems)
+    assert any("parallel.dp_shard must be >= 1 or -1" in p for p in problems)
+
+
+def test_from_config_resolves_rest_and_raises_on_bad_sizes():
+    dims = ParallelDims.from_config(ParallelConfig(data_parallel="hsdp", dp_replicate=2, tp=2), 16)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.world_size, dims.dp_size) == (2, 4, 2, 16, 8)
+    assert dims.size("dp_shard_cp") == 4 and dims.size("dp_cp") == 8
+    with pytest.raises(ConfigError, match="does not divide"):
+        ParallelDims.from_config(ParallelConfig(tp=3), 4)
+
+
+def test_one_process_needs_no_mesh():
+    dims = ParallelDims.from_config(ParallelConfig(), 1)
+    assert dims.build_mesh("cpu") is None
+    assert dims.submesh("dp_cp") is None and dims.dp_rank == 0 and dims.dp_size == 1
+    assert not (dims.tp_enabled or dims.dp_enabled or dims.pp_enabled or dims.cp_enabled)
