@@ -137,12 +137,14 @@ def main() -> None:
     print("""
 bubble = 1 - (time inside stage forward/backward and the loss) / (step wall time), mean over ranks.
 ideal = (p-1)/(m+p-1) (GPipe, 1F1B); ideal v·m = (p-1)/(v·m+p-1) (interleaved, v stages per rank).
-The ideal figures assume equal stage times and free, instant communication. On CPU neither holds, so the
-measured bubble is higher: every activation and gradient goes through gloo over loopback TCP (copies and
-syscalls while the sender or receiver is not computing), each schedule action costs Python dispatch and
-a process wake-up, the first and last stages carry the embedding and the output projection plus loss (unequal
-stage times), and the processes share the machine's cores with each other and anything else running.
-Interleaving divides the ideal bubble by v but doubles the number of sends, so on CPU it gains less than v.""")
+The ideal figures assume equal stage times and free, instant communication. On CPU neither holds, and the
+idle time measured here includes more than the schedule's bubble: every activation and gradient goes through
+gloo over loopback TCP (copies and syscalls while no stage computes), each schedule action costs Python
+dispatch and a process wake-up, and the first and last stages carry the embedding and the output projection
+plus loss (unequal stage times). Interleaving divides the ideal bubble by v but doubles the sends, so on CPU it
+gains less than v. When processes share cores (load above the process count), time a process spends
+descheduled inside a compute call counts as busy, which can push the figure below the ideal: compare
+schedules from one run, and trust absolute figures only on an idle machine.""")
 
 
 if __name__ == "__main__":

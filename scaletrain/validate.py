@@ -51,7 +51,8 @@ def _parallel(cfg: Config, world_size: int, dp_size: int) -> list[str]:
     vocab = _tokenizer_vocab(cfg.data.tokenizer)
     args = resolve_model_args(cfg.model, vocab, cfg.data.seq_len)
     problems = validate_parallel(p, world_size, args.n_heads, args.n_kv_heads, args.vocab_size,
-                                 ffn_hidden=args.ffn_hidden, seq_len=cfg.data.seq_len)
+                                 ffn_hidden=args.ffn_hidden, seq_len=cfg.data.seq_len,
+                                 tie_embeddings=args.tie_embeddings)
     if p.cp > 1:
         chunks = 2 * p.cp if p.cp_load_balance else p.cp
         if cfg.data.seq_len % chunks:

@@ -49,7 +49,12 @@ class OptimizerState(Stateful):
 
     def load_state_dict(self, sd: dict) -> None:
         for part, opt in self.pairs:
+            # The learning rate belongs to the schedule of the run now starting (its length may have changed);
+            # only moments and step counts come from the checkpoint.
+            keep = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in opt.param_groups]
             set_optimizer_state_dict(part, opt, sd, options=_FLAT)
+            for group, kept in zip(opt.param_groups, keep, strict=True):
+                group.update(kept)
 
 
 class SchedulerState(Stateful):

@@ -89,9 +89,3 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     dict that option leaves every rank but 0 with an empty dict."""
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in sd.items()}
-
-
-def grad_norm_value(norm: torch.Tensor) -> torch.Tensor:
-    """`clip_grad_norm_` returns a DTensor when parameters are sharded (FSDP, TP): the plain replicated value, as a
-    float tensor. Also turns the loss-parallel loss (a replicated DTensor) into a plain tensor."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm

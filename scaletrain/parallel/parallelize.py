@@ -38,7 +38,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, pcfg: ParallelConf
             return apply_ddp(model, dims.submesh("dp_cp"), bucket_mb=pcfg.ddp_bucket_mb)
         return model
     if mode == "hsdp":
-        mesh = dims.mesh["dp_replicate", "dp_shard_cp"]
+        mesh = dims.hsdp_mesh()
     elif dims.size("dp_shard_cp") > 1:
         mesh = dims.submesh("dp_shard_cp")
     else:

@@ -80,7 +80,8 @@ def layers_per_stage(n_layers: int, n_stages: int) -> list[int]:
 
 
 def pipeline_problems(schedule: str, pp: int, virtual_stages: int, n_microbatches: int, *, n_layers: int | None = None,
-                      local_batch: int | None = None, tie_embeddings: bool = False) -> list[str]:
+                      local_batch: int | None = None, tie_embeddings: bool = False, data_parallel: str | None = None,
+                      dp: int = 1) -> list[str]:
     """Every reason this pipeline cannot run, each with its fix (empty when it can). The micro-batch rules are those
     the torch schedules enforce (or would fail on mid-step), checked here so that they fail before any work starts."""
     if schedule not in SCHEDULES:
@@ -100,6 +101,11 @@ def pipeline_problems(schedule: str, pp: int, virtual_stages: int, n_microbatche
     if tie_embeddings and n_stages > 1:
         problems.append("tied embeddings cannot be split over pipeline stages: the first stage (embedding) and the last "
                         "(output) would each update their own copy; set model.tie_embeddings false, or parallel.pp 1")
+    if data_parallel in ("ddp", "zero1") and dp > 1 and pp > 1:
+        # torch 2.13: DDP's reducer fails on the pipeline's interleaved micro-batch forwards/backwards ("rebuilt
+        # parameter indices size is not same"), and with static_graph=True it averages wrongly. FSDP2 works.
+        problems.append(f"parallel.data_parallel {data_parallel} (DDP) cannot run inside pipeline stages; with "
+                        "parallel.pp > 1 use data_parallel fsdp, zero2 or hsdp")
     m = n_microbatches
     if m < 1:
         problems.append(f"the number of pipeline micro-batches must be >= 1, got {m}")
@@ -193,8 +199,8 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, sch
     pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
     cls = SCHEDULES[schedule_name]
     target = pipeline_stages[0] if schedule_name in SINGLE_STAGE else pipeline_stages
-    schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                   scale_grads=True)
+    schedule = cls(target, n_microbatches=n_microbatches, loss_fn=_MicrobatchMean(loss_fn, n_microbatches),
+                   scale_grads=False)
     return pipeline_stages, schedule
 
 
@@ -223,7 +229,6 @@ def pipeline_step(schedule, inputs: torch.Tensor, targets: torch.Tensor, *, is_f
         # The schedule's losses are already divided by n (see build_schedule): their sum is the mean.
         for mb_loss in losses:
             loss += mb_loss.detach()
-        loss /= len(losses)
     # Only the rank that holds the last stage adds a non-zero term (it is rank p-1 looped, rank 0 in a V).
     dist.all_reduce(loss, group=pp_mesh.get_group())
     return loss

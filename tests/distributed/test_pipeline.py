@@ -19,9 +19,11 @@ from scaletrain.optim import build_lr_scheduler, build_optimizer
 from scaletrain.parallel.pipeline import (
     apply_pp,
     clip_grad_norm_pp,
+    ideal_bubble,
     layers_per_stage,
     pipeline_loss,
     pipeline_problems,
+    resolve_microbatches,
     split_model,
 )
 from tests.distributed.reference import (
@@ -275,6 +277,7 @@ def test_split_refusals():
     ("zbv", 4, 8, {"n_layers": 6}, "6 layers but zbv with pp=4 needs 8 stages"),
     ("interleaved_1f1b", 2, 4, {"n_layers": 3}, "lower parallel.pp or parallel.pp_virtual_stages"),
     ("1f1b", 2, 4, {"tie_embeddings": True}, "tie_embeddings false"),
+    ("1f1b", 2, 4, {"data_parallel": "ddp", "dp": 2}, "use data_parallel fsdp"),
     ("pipedream", 2, 4, {}, "unknown"),
 ])
 def test_pipeline_problems_name_the_fix(schedule, pp, m, kw, match):
@@ -286,3 +289,9 @@ def test_valid_pipelines_have_no_problems():
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"):
         assert pipeline_problems(schedule, 2, 2, 4, n_layers=4, local_batch=8) == []
     assert pipeline_problems("interleaved_1f1b", 4, 2, 3, n_layers=8) == []  # fewer than pp: one round
+
+
+def test_microbatches_and_ideal_bubble():
+    assert resolve_microbatches(0, 32, 8) == 4 and resolve_microbatches(6, 32, 8) == 6
+    assert ideal_bubble(2, 4) == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
+    assert ideal_bubble(4, 8, 2) == pytest.approx(3 / 19)  # (p-1)/(v·m+p-1)

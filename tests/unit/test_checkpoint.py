@@ -112,3 +112,16 @@ def test_crafted_metadata_is_refused(tmp_path):
 def test_young_daly_interval():
     assert young_daly_interval_s(2.0, 3600.0) == pytest.approx(120.0)
     assert interval_steps(2.0, 3600.0, step_time_s=0.5) == 240
+
+
+def test_resuming_with_a_longer_run_follows_the_new_schedule(tmp_path):
+    """The checkpoint restores moments and step counts; the learning rate comes from the schedule now running."""
+    state, model, opt, sched, loader, train = make_state()
+    CheckpointManager(CheckpointConfig(async_save=False), str(tmp_path), state, rank=0, world_size=1).save(1)
+    state2, model2, opt2, *_ = make_state(seed=1)
+    longer = build_lr_scheduler(opt2, OptimizerConfig(warmup_steps=5), 1000)
+    state2["lr_scheduler"] = SchedulerState([longer])
+    CheckpointManager(CheckpointConfig(), str(tmp_path), state2, rank=0, world_size=1).load_latest()
+    assert longer.last_epoch == 1
+    want = OptimizerConfig().lr * 2 / 5  # warmup step index 1 of 5
+    assert [g["lr"] for g in opt2.param_groups] == [pytest.approx(want)] * 2
