@@ -174,6 +174,39 @@ class CheckpointConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    max_restarts: int = 0
+    """Restarts the elastic agent may spend on worker failures (also --max-restarts); each resumes from the newest
+    complete checkpoint (memory tier or storage)."""
+    nan_check: bool = True
+    """Skip (and count) an update whose loss or gradient norm is NaN/Inf."""
+    nan_rollback_after: int = 3
+    """After this many non-finite steps in a row, roll back to the newest snapshot."""
+    spike_zscore: float = 0.0
+    """Loss-spike detection: a loss above the running mean by this many standard deviations rolls back to the newest
+    snapshot from before the spike and skips the batches that caused it (PaLM). 0: off."""
+    spike_window: int = 50
+    """Steps in the running mean/std of the loss for spike detection."""
+    hang_timeout_s: float = 0.0
+    """Watchdog: a step taking longer than this writes every thread's stack and the last collective to the run
+    directory and aborts, so the agent restarts the job. 0: off."""
+    straggler_factor: float = 0.0
+    """Name a rank whose step time exceeds this multiple of the median (checked every straggler_interval steps).
+    0: off."""
+    straggler_interval: int = 10
+    """Steps between straggler checks (per-rank step times are gathered then)."""
+    memory_interval: int = 0
+    """In-memory snapshot tier: a snapshot in host shared memory every N steps, replicated to a peer's slot, that
+    survives a worker restart. 0: off."""
+    memory_max_mb: int = 2048
+    """Bound on the host memory the snapshot tier may use per rank (own copy plus the peer's replica)."""
+    inject: list[str] = field(default_factory=list)
+    """Fault injection for tests and drills, e.g. ["kill:rank=1,step=5", "nan:step=3", "spike:step=7",
+    "hang:rank=0,step=4", "slow:rank=1,factor=3", "raise:rank=0,step=5", "corrupt_checkpoint:step=6",
+    "write_error:step=6"]. Each fires once per job (not again after a restart)."""
+
+
+@dataclass
 class MetricsConfig:
     log_interval: int = 10
     """Write metrics every N steps (and on the last)."""
@@ -201,6 +234,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

@@ -37,7 +37,9 @@ class StepRunner:
         Each micro-batch loss is divided by the number of micro-batches, so the summed gradient is the mean over
         the rank's sequences; data parallelism then averages over ranks: the mean over the global batch."""
         if self.pipeline is not None:
-            return self.pipeline.step(inputs, targets)
+            # The schedule calls the stage modules itself: autocast must wrap the whole step.
+            with self.autocast:
+                return self.pipeline.step(inputs, targets)
         positions = None
         if self.cp_shard is not None:
             inputs, targets, positions = self.cp_shard(inputs, targets)
@@ -69,7 +71,8 @@ class StepRunner:
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Summed validation loss and token count over a batch (forward only)."""
         if self.pipeline is not None:
-            return self.pipeline.eval_sum(inputs, targets)
+            with self.autocast:
+                return self.pipeline.eval_sum(inputs, targets)
         positions = None
         if self.cp_shard is not None:
             inputs, targets, positions = self.cp_shard(inputs, targets)

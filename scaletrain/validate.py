@@ -63,7 +63,8 @@ def _parallel(cfg: Config, world_size: int, dp_size: int) -> list[str]:
         local = global_batch_sequences(cfg.training, cfg.data.seq_len) // max(dp_size, 1)
         m = p.pp_microbatches or max(1, local // cfg.training.micro_batch)
         problems += pipeline_problems(p.pp_schedule, p.pp, p.pp_virtual_stages, m, n_layers=args.n_layers,
-                                      local_batch=local, tie_embeddings=args.tie_embeddings)
+                                      local_batch=local, tie_embeddings=args.tie_embeddings,
+                                      data_parallel=p.data_parallel, dp=dp_size * p.cp)
     return problems
 
 

@@ -1,0 +1,416 @@
+"""In-memory checkpoint tier (Gemini, Wang et al. SOSP 2023): a cheap snapshot every few steps kept in node-local
+shared memory (/dev/shm, so it outlives a worker restart) and replicated to the next rank's slot over
+torch.distributed point-to-point (so it would cross nodes on a cluster): losing one worker, or one node, is
+recovered from memory instead of storage. Only safetensors and JSON are read back: nothing is ever unpickled.
+
+Layout: <root>/<job_key>/rank<r>/step-NNNNNNNN/{tensors.safetensors, meta.json, COMPLETE} holds rank r's own
+snapshot and <root>/<job_key>/replica-of-<r-1>/... the copy of rank r-1's (mod W), both in rank r's slot family.
+A snapshot counts once its COMPLETE marker exists (written last, by rename); each slot keeps only the newest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger("scaletrain")
+
+SHM_ROOT = Path("/dev/shm/scaletrain")
+TENSORS, META, COMPLETE = "tensors.safetensors", "meta.json", "COMPLETE"
+_FORMAT = 1
+_SEP = "/"  # joins nested keys; parameter names use "." so never contain it
+_CHUNK = 256 << 20  # bytes per point-to-point message
+_KEEP_STEPS = 2  # steps per slot published to the group: the newest, and one left by a crash before retention
+
+
+def job_key(run_dir: str | os.PathLike) -> str:
+    """A short stable key for a job: a restarted worker of the same run directory finds the same snapshots."""
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def make_layout_key(world_size: int, layout: str) -> str:
+    """What a snapshot must match to be restored: the world size and the parallel layout string. A snapshot of
+    another layout holds other shards, so it is never used (storage, which reshards, is the fallback)."""
+    return f"world={world_size}|{layout}"
+
+
+def default_root() -> Path:
+    """/dev/shm/scaletrain where it exists (Linux); elsewhere a temp dir, which is not memory but still works."""
+    if Path("/dev/shm").is_dir():
+        return SHM_ROOT
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / "scaletrain-memory-tier"
+
+
+# -- flattening: nested dicts -> {"a/b/c": tensor} + {"a/b/d": JSON leaf} -------------------------------------------
+def _items(sd: dict, prefix: str) -> Iterator[tuple[str, dict, str, Any]]:
+    """Every leaf of a nested dict as (flat key, its container, its key, value); an empty dict is a leaf."""
+    for k, v in sd.items():
+        if not isinstance(k, str) or _SEP in k:
+            raise ValueError(f"state key {prefix}{k!r}: only str keys without {_SEP!r} can be snapshotted")
+        flat = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            yield from _items(v, flat + _SEP)
+        else:
+            yield flat, sd, k, v
+
+
+def _encode(v: Any, key: str) -> Any:
+    """A JSON value for a non-tensor leaf; tuples are tagged so they come back as tuples (AdamW's betas)."""
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    if isinstance(v, tuple):
+        return {"__tuple__": [_encode(x, key) for x in v]}
+    if isinstance(v, list):
+        return [_encode(x, key) for x in v]
+    if isinstance(v, dict):
+        return {"__dict__": {str(k): _encode(x, key) for k, x in v.items()}}
+    raise ValueError(f"state leaf {key!r} of type {type(v).__name__} cannot be snapshotted (tensors, dicts and "
+                     "JSON scalars only)")
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    if isinstance(v, dict):
+        if "__tuple__" in v:
+            return tuple(_decode(x) for x in v["__tuple__"])
+        return {k: _decode(x) for k, x in v["__dict__"].items()}
+    return v
+
+
+def flatten_state(sd: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a nested state dict into flat tensors (DTensors as their local shard) and JSON-encoded other leaves."""
+    tensors, leaves = {}, {}
+    for flat, _, _, v in _items(sd, ""):
+        if isinstance(v, torch.Tensor):
+            tensors[flat] = v.to_local() if isinstance(v, DTensor) else v
+        else:
+            leaves[flat] = _encode(v, flat)
+    return tensors, leaves
+
+
+def unflatten_state(tensors: dict[str, torch.Tensor], leaves: dict[str, Any]) -> dict:
+    """The inverse of flatten_state (DTensors come back as plain local tensors)."""
+    out: dict = {}
+    items = [*tensors.items(), *((k, _decode(v)) for k, v in leaves.items())]
+    for flat, v in items:
+        *path, last = flat.split(_SEP)
+        node = out
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = v
+    return out
+
+
+def _savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors wants contiguous CPU tensors that do not overlap in memory; tied weights (the embedding and the
+    output share one) overlap, so the repeats are cloned."""
+    out, spans = {}, {}
+    for k, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.numel():
+            key = t.untyped_storage().data_ptr()
+            lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+            if any(a < hi and lo < b for a, b in spans.get(key, ())):
+                t = t.clone()
+            else:
+                spans.setdefault(key, []).append((lo, hi))
+        out[k] = t
+    return out
+
+
+def _fill(target: dict, prefix: str, tensors: dict[str, torch.Tensor], leaves: dict[str, Any],
+          errors: list[str]) -> None:
+    """Copy snapshot values into a Stateful's own state_dict (in place; DTensors into their local shard)."""
+    for flat, container, k, v in _items(target, prefix):
+        if isinstance(v, torch.Tensor):
+            src = tensors.pop(flat, None)
+            dst = v.to_local() if isinstance(v, DTensor) else v
+            if src is None:
+                errors.append(f"{flat}: not in the snapshot")
+            elif src.shape != dst.shape or src.dtype != dst.dtype:
+                errors.append(f"{flat}: snapshot {src.dtype}{list(src.shape)}, state {dst.dtype}{list(dst.shape)}")
+            else:
+                dst.copy_(src)
+        elif flat in leaves:
+            container[k] = _decode(leaves.pop(flat))
+        else:
+            errors.append(f"{flat}: not in the snapshot")
+
+
+# -- files -------------------------------------------------------------------------------------------------------
+def _step_dir(slot: Path, step: int) -> Path:
+    return slot / f"step-{step:08d}"
+
+
+def _write_marker(path: Path, info: dict) -> None:
+    tmp = path.with_name(COMPLETE + ".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)  # atomic: a snapshot either has its marker or does not exist
+
+
+def _read_meta(d: Path) -> dict | None:
+    """The metadata of a complete, intact snapshot directory, else None."""
+    try:
+        if not (d / COMPLETE).is_file():
+            return None
+        meta = json.loads((d / META).read_text())
+        if meta.get("format") != _FORMAT or (d / TENSORS).stat().st_size != meta["bytes"]:
+            return None
+        return meta
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.is_dir() else 0
+
+
+class MemoryTier:
+    """One rank's view of the tier. Every method but bytes_used() is collective over `group` (a dedicated gloo
+    group; None for one process), so all ranks call them in the same order with the same step."""
+
+    def __init__(self, job_key: str, layout_key: str, *, group: dist.ProcessGroup | None = None,
+                 max_bytes: int = 2048 << 20, root: str | os.PathLike | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.layout_key = layout_key
+        self.max_bytes = max_bytes
+        self.job_dir = Path(root if root is not None else default_root()) / job_key
+        self.own = self.job_dir / f"rank{self.rank}"
+        self.prev = (self.rank - 1) % self.world_size  # whose replica this rank holds
+        self.next = (self.rank + 1) % self.world_size  # who holds this rank's replica
+        self.replica = self.job_dir / f"replica-of-{self.prev}" if self.world_size > 1 else None
+        self.last_snapshot_s = 0.0
+        self.last_restore_s = 0.0
+        self.restored_from_peer = False
+        self.closed = False
+
+    # -- snapshot ----------------------------------------------------------------------------------------------
+    def snapshot(self, step: int, state: dict) -> bool:
+        """Snapshot every Stateful of `state` at `step` into this rank's slot and the next rank's replica slot;
+        keep only the newest complete one per slot. Returns False (on every rank) when some rank's own copy plus
+        the replica it holds would exceed max_bytes: that snapshot is skipped with a warning."""
+        assert not self.closed, "memory tier used after close()"
+        t0 = time.perf_counter()
+        tensors, leaves = {}, {}
+        for name, obj in state.items():
+            sd = obj.state_dict() if hasattr(obj, "state_dict") else obj
+            t, lv = flatten_state({name: sd})
+            tensors.update(t)
+            leaves.update(lv)
+        tensors = _savable(tensors)
+        meta = {"format": _FORMAT, "step": step, "rank": self.rank, "world_size": self.world_size,
+                "layout_key": self.layout_key, "leaves": leaves}
+        # safetensors adds a JSON header (~100 bytes a tensor) to the raw bytes.
+        estimate = sum(t.numel() * t.element_size() + 128 + len(k) for k, t in tensors.items())
+        sizes = self._all_gather([estimate])[:, 0].tolist()
+        held = [sizes[r] + (sizes[(r - 1) % self.world_size] if self.world_size > 1 else 0)
+                for r in range(self.world_size)]
+        over = [r for r, n in enumerate(held) if n > self.max_bytes]
+        if over:  # every rank sees every size, so all skip together
+            log.warning("memory tier: snapshot at step %d skipped: rank %d would hold %.0f MiB (own + replica), "
+                        "over the bound of %.0f MiB (resilience.memory_max_mb)", step, over[0],
+                        held[over[0]] / 2**20, self.max_bytes / 2**20)
+            return False
+
+        d = _step_dir(self.own, step)
+        shutil.rmtree(d, ignore_errors=True)  # a half-written one from before a crash
+        d.mkdir(parents=True)
+        save_file(tensors, d / TENSORS)
+        del tensors
+        meta["bytes"] = (d / TENSORS).stat().st_size
+        (d / META).write_text(json.dumps(meta))
+        _write_marker(d / COMPLETE, {"step": step, "bytes": meta["bytes"]})
+        if self.world_size > 1:
+            self._replicate(step, d)
+            # Retention only once every rank holds the new snapshot and its replica: until then the old ones
+            # stay, so a failure at any moment leaves one complete generation.
+            dist.barrier(group=self.group)
+        for slot in (self.own, self.replica):
+            self._retain(slot, step)
+        self.last_snapshot_s = time.perf_counter() - t0
+        return True
+
+    def _replicate(self, step: int, d: Path) -> None:
+        """Ring: send my snapshot to rank r+1, receive rank r-1's into my replica slot. Sizes first, then bytes."""
+        meta_b = (d / META).read_bytes()
+        n = (d / TENSORS).stat().st_size
+        header = torch.tensor([step, len(meta_b), n], dtype=torch.int64)
+        theirs = torch.empty(3, dtype=torch.int64)
+        self._exchange([(header, self.next)], [(theirs, self.prev)])
+        their_step, their_meta, their_n = theirs.tolist()
+        rd = _step_dir(self.replica, their_step)
+        shutil.rmtree(rd, ignore_errors=True)
+        rd.mkdir(parents=True)
+        meta_in = torch.empty(their_meta, dtype=torch.uint8)
+        out_file = _map_file(rd / TENSORS, their_n, create=True)
+        self._exchange([(torch.frombuffer(bytearray(meta_b), dtype=torch.uint8), self.next),
+                        (_map_file(d / TENSORS, n), self.next)],
+                       [(meta_in, self.prev), (out_file, self.prev)])
+        del out_file
+        (rd / META).write_bytes(meta_in.numpy().tobytes())
+        _write_marker(rd / COMPLETE, {"step": their_step, "bytes": their_n})
+
+    def _retain(self, slot: Path | None, keep: int) -> None:
+        if slot is None or not slot.is_dir():
+            return
+        for d in slot.iterdir():
+            if d.name != f"step-{keep:08d}":
+                shutil.rmtree(d, ignore_errors=True)
+
+    # -- choosing and restoring -------------------------------------------------------------------------------
+    def _steps(self, slot: Path | None, owner: int, layout_key: str) -> list[int]:
+        """Complete snapshots of `owner` in `slot` taken in this layout, newest first."""
+        if slot is None or not slot.is_dir():
+            return []
+        found = []
+        for d in slot.iterdir():
+            meta = _read_meta(d) if d.name.startswith("step-") else None
+            if (meta is not None and meta["layout_key"] == layout_key and meta["rank"] == owner
+                    and meta["world_size"] == self.world_size):
+                found.append(meta["step"])
+        return sorted(found, reverse=True)[:_KEEP_STEPS]
+
+    def latest_complete_step(self, layout_key: str | None = None) -> int | None:
+        """The newest step every rank can restore, from its own slot or else from the replica its next rank holds;
+        None when there is none in this layout (the caller then loads from storage)."""
+        assert not self.closed, "memory tier used after close()"
+        key = self.layout_key if layout_key is None else layout_key
+        own = self._steps(self.own, self.rank, key)
+        held = self._steps(self.replica, self.prev, key) if self.world_size > 1 else []
+        table = self._all_gather([*own, *[-1] * (_KEEP_STEPS - len(own)), *held, *[-1] * (_KEEP_STEPS - len(held))])
+        avail = []
+        for r in range(self.world_size):
+            mine = set(table[r, :_KEEP_STEPS].tolist())
+            if self.world_size > 1:
+                mine |= set(table[(r + 1) % self.world_size, _KEEP_STEPS:].tolist())
+            avail.append(mine - {-1})
+        common = set.intersection(*avail)
+        return max(common) if common else None
+
+    def restore(self, step: int, state: dict) -> None:
+        """Fill `state` in place from the snapshot at `step` (one latest_complete_step agreed on). A rank whose own
+        copy is gone (a lost node) gets it back from the rank holding its replica, which also heals its slot."""
+        assert not self.closed, "memory tier used after close()"
+        t0 = time.perf_counter()
+        d = _step_dir(self.own, step)
+        meta = self._own_meta(d)
+        need = self._all_gather([int(meta is None)])[:, 0].tolist()
+        if any(need):
+            self._fetch_from_peer(step, need)
+            meta = self._own_meta(d)
+            missing = [r for r, m in enumerate(self._all_gather([int(meta is None)])[:, 0].tolist()) if m]
+            if missing:  # raised on every rank alike, so none is left waiting in a collective
+                raise FileNotFoundError(f"memory tier: no copy of step {step} for ranks {missing}")
+        self.restored_from_peer = bool(need[self.rank])
+        tensors = load_file(d / TENSORS)
+        leaves = dict(meta["leaves"])
+        errors: list[str] = []
+        for name, obj in state.items():
+            stateful = hasattr(obj, "state_dict")
+            target = obj.state_dict() if stateful else obj
+            _fill({name: target}, "", tensors, leaves, errors)
+            if stateful and not errors:
+                obj.load_state_dict(target)
+        errors += [f"{k}: in the snapshot, not in the state" for k in [*tensors, *leaves]]
+        if errors:
+            raise ValueError(f"memory tier: snapshot of step {step} does not fit the state ({len(errors)} "
+                             f"problems), e.g. {'; '.join(errors[:3])}")
+        self.last_restore_s = time.perf_counter() - t0
+
+    def _own_meta(self, d: Path) -> dict | None:
+        meta = _read_meta(d)
+        ok = meta is not None and (meta["layout_key"], meta["rank"], meta["world_size"]) == (
+            self.layout_key, self.rank, self.world_size)
+        return meta if ok else None
+
+    def _fetch_from_peer(self, step: int, need: list[int]) -> None:
+        """Ranks r with need[r] receive their snapshot of `step` from rank r+1's replica slot into their own slot:
+        a header (found, meta bytes, tensor bytes) first, then the bytes."""
+        if self.world_size == 1:
+            return
+        d, rd = _step_dir(self.own, step), _step_dir(self.replica, step)
+        give = need[self.prev]  # the rank whose replica I hold needs it back
+        take = need[self.rank]
+        meta = _read_meta(rd) if give else None
+        meta_b = (rd / META).read_bytes() if meta is not None else b""
+        header_out = torch.tensor([int(meta is not None), len(meta_b), meta["bytes"] if meta else 0])
+        header_in = torch.zeros(3, dtype=torch.int64)
+        self._exchange([(header_out, self.prev)] if give else [], [(header_in, self.next)] if take else [])
+        found, n_meta, n = header_in.tolist()
+        sends, recvs = [], []
+        if meta is not None:
+            sends = [(torch.frombuffer(bytearray(meta_b), dtype=torch.uint8), self.prev),
+                     (_map_file(rd / TENSORS, meta["bytes"]), self.prev)]
+        if found:
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+            recvs = [(torch.empty(n_meta, dtype=torch.uint8), self.next),
+                     (_map_file(d / TENSORS, n, create=True), self.next)]
+        self._exchange(sends, recvs)
+        if found:
+            (d / META).write_bytes(recvs[0][0].numpy().tobytes())
+            del recvs
+            _write_marker(d / COMPLETE, {"step": step, "bytes": n})
+            log.warning("memory tier: rank %d restored its snapshot of step %d from rank %d's replica", self.rank,
+                        step, self.next)
+
+    # -- bookkeeping -------------------------------------------------------------------------------------------
+    def bytes_used(self) -> int:
+        """Bytes this rank holds in shared memory: its own snapshots plus the replica it keeps (not collective)."""
+        return _dir_bytes(self.own) + (_dir_bytes(self.replica) if self.replica is not None else 0)
+
+    def close(self) -> None:
+        """End this rank's use of the tier. The snapshots stay in shared memory (a restarted worker finds them;
+        cleanup() removes them) and the group stays the caller's to destroy."""
+        self.closed = True
+
+    def cleanup(self) -> None:
+        """Remove the job's directory (at the successful end of a job): snapshots, replicas and any slots left by
+        an earlier world size. Collective, so no rank deletes while another still writes."""
+        if self.group is not None and self.world_size > 1:
+            dist.barrier(group=self.group)
+        shutil.rmtree(self.job_dir, ignore_errors=True)
+        self.closed = True
+
+    # -- communication -----------------------------------------------------------------------------------------
+    def _all_gather(self, values: list[int]) -> torch.Tensor:
+        mine = torch.tensor(values, dtype=torch.int64)
+        if self.group is None or self.world_size == 1:
+            return mine.unsqueeze(0)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine, group=self.group)
+        return torch.stack(rows)
+
+    def _exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+        """Point-to-point sends and receives (group ranks), posted together so a ring cannot deadlock, in chunks
+        so that no single message nears 2 GiB (where transports' 32-bit sizes start to bite)."""
+        works = [dist.isend(c, group_dst=r, group=self.group) for t, r in sends for c in t.split(_CHUNK) if c.numel()]
+        works += [dist.irecv(c, group_src=r, group=self.group) for t, r in recvs for c in t.split(_CHUNK) if c.numel()]
+        for w in works:
+            w.wait()
+
+
+def _map_file(path: Path, n: int, *, create: bool = False) -> torch.Tensor:
+    """The file as a uint8 tensor mapped from shared memory: bytes are sent from and received into /dev/shm with
+    no extra copy."""
+    if create:
+        with open(path, "wb") as f:
+            f.truncate(n)
+    return torch.from_file(str(path), shared=True, size=n, dtype=torch.uint8)

@@ -1,0 +1,168 @@
+"""The in-memory tier on 3 gloo ranks with an FSDP-sharded model (DTensor state): a snapshot survives a restart,
+a rank whose own copy is gone restores from its peer's replica, and a rank with no copy left sends everyone to
+storage. One spawn runs the phases in order; each rank writes what it saw, and each test checks one phase."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from scaletrain.checkpoint import LoaderState, ModelState, OptimizerState, SchedulerState, TrainState
+from scaletrain.config import ParallelConfig
+from scaletrain.optim import build_lr_scheduler, build_optimizer
+from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.parallelize import parallelize
+from scaletrain.resilience import memory_tier
+from scaletrain.resilience.memory_tier import MemoryTier, make_layout_key
+from tests.distributed.reference import OPT, full_model, tiny_args
+from tests.distributed.spawn import spawn
+from tests.unit.test_checkpoint import FakeLoader
+
+WORLD = 3
+CPU = torch.device("cpu")
+
+
+def _build(world_size: int, seed: int, train_steps: int) -> tuple[dict, dict]:
+    """An FSDP model with AdamW after `train_steps` steps; returns the state dict for the tier and its parts."""
+    pcfg = ParallelConfig(data_parallel="fsdp")
+    dims = ParallelDims.from_config(pcfg, world_size)
+    dims.build_mesh("cpu")
+    args = tiny_args(n_layers=2)
+    (model,) = parallelize(full_model(args, seed=seed), dims, pcfg, device=CPU, n_microbatches=1).parts
+    opt = build_optimizer(model, OPT, CPU)
+    sched = build_lr_scheduler(opt, OPT, 100)
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    for _ in range(train_steps):
+        x = torch.randint(0, args.vocab_size, (2, 9), generator=g)
+        torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    train, loader = TrainState(dist.group.WORLD), FakeLoader()
+    state = {"model": ModelState([model]), "optimizer": OptimizerState([model], [opt]),
+             "lr_scheduler": SchedulerState([sched]), "data": LoaderState(loader), "train": train}
+    return state, {"model": model, "opt": opt, "sched": sched, "loader": loader, "train": train}
+
+
+def _local_tensors(parts: dict) -> dict[str, torch.Tensor]:
+    """This rank's shards of the weights and AdamW moments, plus the scalars that resume."""
+    out = {}
+    for n, p in parts["model"].named_parameters():
+        out[n] = (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+        for k, v in parts["opt"].state[p].items():
+            out[f"{n}.{k}"] = (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+    t, ld = parts["train"], parts["loader"]
+    out["scalars"] = torch.tensor([t.step, t.tokens, ld.next_sample, parts["sched"].last_epoch])
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _restarted(group, root: str, layout: str) -> dict:
+    """A restarted worker: new objects (other weights and moments) finding the snapshot in shared memory."""
+    state, parts = _build(WORLD, seed=1, train_steps=1)
+    before = _local_tensors(parts)
+    tier = MemoryTier("job", layout, group=group, root=root)
+    step = tier.latest_complete_step()
+    if step is not None:
+        tier.restore(step, state)
+    return {"step": step, "before": before, "tensors": _local_tensors(parts), "from_peer": tier.restored_from_peer}
+
+
+def worker(rank: int, world_size: int, root: str, out: str) -> None:
+    torch.manual_seed(0)
+    memory_tier._CHUNK = 64 << 10  # many messages per transfer, as a large state sends
+    group = dist.new_group(backend="gloo")
+    layout = make_layout_key(world_size, "dp_shard3 (fsdp)")
+    seen = {}
+
+    # Bound: only rank 0's state is too big, and every rank skips.
+    big = {"x": {"t": torch.zeros(40_000 if rank == 0 else 10)}}
+    seen["bound"] = MemoryTier("bound", layout, group=group, root=root, max_bytes=100_000).snapshot(1, big)
+
+    state, parts = _build(world_size, seed=0, train_steps=2)
+    tier = MemoryTier("job", layout, group=group, root=root)
+    for step in (5, 10):
+        parts["train"].step, parts["train"].tokens, parts["loader"].next_sample = step, 100 * step, 8 * step
+        assert tier.snapshot(step, state)
+    want = _local_tensors(parts)
+    peer_file = tier.job_dir / f"rank{tier.prev}" / "step-00000010" / "tensors.safetensors"
+    seen["slots"] = {"own": sorted(d.name for d in tier.own.iterdir()),
+                     "replica": sorted(d.name for d in tier.replica.iterdir()),
+                     "replica_equals_peer": (tier.replica / "step-00000010" / "tensors.safetensors").read_bytes()
+                     == peer_file.read_bytes(), "bytes_used": tier.bytes_used()}
+    dist.barrier(group)
+
+    got = _restarted(group, root, layout)
+    seen["restart"] = {"step": got["step"], "identical": _same(got["tensors"], want),
+                       "changed_before": got["before"].keys() == want.keys() and not any(
+                           torch.equal(got["before"][k], want[k]) for k in want if k != "scalars"),
+                       "from_peer": got["from_peer"]}
+    seen["other_layout"] = MemoryTier("job", make_layout_key(world_size, "tp3"), group=group,
+                                      root=root).latest_complete_step()
+
+    # A lost node: rank 1's own slot is gone; rank 2 holds its replica.
+    if rank == 1:
+        shutil.rmtree(tier.own)
+    dist.barrier(group)
+    got = _restarted(group, root, layout)
+    seen["lost_own"] = {"step": got["step"], "identical": _same(got["tensors"], want), "from_peer": got["from_peer"],
+                        "healed": (tier.own / "step-00000010" / "COMPLETE").is_file()}
+
+    # Both copies of rank 2's data gone (its own slot and rank 0's replica of it): nothing to restore from memory.
+    if rank == 2:
+        shutil.rmtree(tier.own)
+    if rank == 0:
+        shutil.rmtree(tier.replica)
+    dist.barrier(group)
+    seen["lost_both"] = MemoryTier("job", layout, group=group, root=root).latest_complete_step()
+    tier.cleanup()
+    seen["cleaned"] = not tier.job_dir.exists()
+    tier.close()
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(seen, f)
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("memory_tier")
+    spawn(worker, WORLD, str(tmp / "shm"), str(tmp))
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_bound_exceeded_on_one_rank_skips_on_all(seen):
+    assert [s["bound"] for s in seen] == [False] * WORLD
+
+
+def test_snapshot_keeps_newest_own_and_replica(seen):
+    for s in seen:
+        assert s["slots"]["own"] == s["slots"]["replica"] == ["step-00000010"]
+        assert s["slots"]["replica_equals_peer"] and s["slots"]["bytes_used"] > 0
+
+
+def test_restart_restores_identical_state_on_every_rank(seen):
+    for r, s in enumerate(seen):
+        assert s["restart"]["step"] == 10
+        assert s["restart"]["changed_before"], "the restarted state must differ before restoring"
+        assert s["restart"]["identical"], f"rank {r}"
+        assert not s["restart"]["from_peer"]
+        assert s["other_layout"] is None
+
+
+def test_lost_own_slot_restores_from_peer_replica(seen):
+    for r, s in enumerate(seen):
+        assert s["lost_own"]["step"] == 10 and s["lost_own"]["identical"], f"rank {r}"
+        assert s["lost_own"]["from_peer"] == (r == 1)
+        assert s["lost_own"]["healed"]
+
+
+def test_both_copies_lost_falls_back_to_storage(seen):
+    assert [s["lost_both"] for s in seen] == [None] * WORLD
+    assert all(s["cleaned"] for s in seen)
