@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from datetime import datetime
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from scaletrain.config import Config
 from scaletrain.errors import ConfigError, UserError
 
 USAGE = """\
-scaletrain train        --config FILE [--nproc N] [--section.key VALUE ...]
+scaletrain train        --config FILE [--nproc N] [--max-restarts R] [--section.key VALUE ...]
 scaletrain prepare-data --config FILE [--train-tokenizer --vocab-size N [--tokenizer-out PATH]] [--section.key VALUE ...]
 scaletrain convert      --to hf RUN_OR_CHECKPOINT OUT_DIR  |  --from hf HF_DIR [--out config.toml]
 scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" ... [--steps 10] [--rtol 1e-5]
@@ -57,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("command", choices=["train", "prepare-data", "parity", "convert"])
     p.add_argument("--config", default=None)
     p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--max-restarts", type=int, default=None)
     p.add_argument("--train-tokenizer", action="store_true")
     p.add_argument("--vocab-size", type=int, default=0)
     p.add_argument("--tokenizer-out", default="tokenizer.json")
@@ -98,18 +100,34 @@ def _under_torchrun() -> bool:
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from scaletrain.config import load_config
 
-    launching = args.nproc > 1 and not _under_torchrun()
     if args.nproc < 1:
         raise ConfigError("--nproc must be >= 1")
-    world = args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = load_config(args.config, overrides, world_size=world)
+    if args.max_restarts is not None:
+        overrides = overrides + ["--resilience.max_restarts", str(args.max_restarts)]
+    under = _under_torchrun()
+    world = int(os.environ.get("WORLD_SIZE", "1")) if under else args.nproc
+    # Workers of our launcher (which checked the run directory), restarted workers and ranks other than 0 find the
+    # run directory their own job made: that is no conflict.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    first = os.environ.get("RANK", "0") == "0" and not restarted and "SCALETRAIN_ATTEMPT" not in os.environ
+    cfg = load_config(args.config, overrides, world_size=world, check_run_dir=first)
+    launching = not under and (args.nproc > 1 or cfg.resilience.max_restarts > 0)
     if launching:
         from scaletrain.launch import launch_local
 
-        return launch_local(cfg, args.config, overrides, args.nproc)
+        return launch_local(cfg, args.config, overrides, args.nproc, cfg.resilience.max_restarts)
     from scaletrain.train import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except (UserError, KeyboardInterrupt):
+        raise
+    except BaseException:
+        # A crashed worker must exit now: a background checkpoint upload blocked on a dead peer would otherwise
+        # hold the process (and its agent's restart) until the collective timeout.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     return 0
 
 

@@ -31,7 +31,8 @@ class StepRunner:
     pipeline: object = None  # PipelineParts under pipeline parallel
     pp_mesh: object = None
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         loss_factor: float | None = None) -> torch.Tensor:
         """Mean loss over this rank's share of the global batch, gradients accumulated into .grad.
 
         Each micro-batch loss is divided by the number of micro-batches, so the summed gradient is the mean over
@@ -53,6 +54,8 @@ class StepRunner:
                 with self.autocast:
                     logits = model(x, positions=positions) if positions is not None else model(x)
                 loss = cross_entropy(logits, y)
+                if loss_factor is not None:  # fault injection: a NaN loss, and so NaN gradients
+                    loss = loss * loss_factor
                 (loss / n).backward()
             loss_sum += _local(loss.detach())
         return loss_sum / n

@@ -44,6 +44,7 @@ from scaletrain.optim import build_lr_scheduler, build_optimizer
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object
 from scaletrain.parallel.parallelize import parallelize
+from scaletrain.resilience.guard import Guard
 from scaletrain.step import StepRunner
 from scaletrain.validate import global_batch_sequences
 
@@ -80,15 +81,17 @@ def train(cfg: Config) -> dict:
     schedulers = [build_lr_scheduler(o, cfg.optimizer, cfg.training.steps) for o in optimizers]
     runner = _step_runner(pm, dims, cfg, env.device)
 
-    # Everything that resumes, in one dict for DCP; the newest intact checkpoint (if any) is loaded into it.
+    # Everything that resumes, in one dict of Stateful objects: storage checkpoints (DCP), the in-memory tier and
+    # rollbacks all save and restore this. On start the newest complete copy across tiers is loaded.
     train_state = TrainState(dist.group.WORLD if world is not None else None)
-    ckpt = None
-    if cfg.checkpoint.enabled:
-        state = {"model": ModelState(pm.parts), "optimizer": OptimizerState(pm.parts, _inner(optimizers)),
-                 "lr_scheduler": SchedulerState(schedulers), "data": LoaderState(loader), "train": train_state}
-        ckpt = CheckpointManager(cfg.checkpoint, cfg.checkpoint.storage or str(run_dir / "checkpoints"), state,
-                                 rank=env.rank, world_size=env.world_size, event=writer.event)
-        ckpt.load_latest()
+    state = {"model": ModelState(pm.parts), "optimizer": OptimizerState(pm.parts, _inner(optimizers)),
+             "lr_scheduler": SchedulerState(schedulers), "data": LoaderState(loader), "train": train_state}
+    guard = Guard(cfg.resilience, run_dir, rank=env.rank, world_size=env.world_size, layout=_layout(dims, cfg),
+                  vocab_size=args.vocab_size, event=writer.event)
+    ckpt = CheckpointManager(cfg.checkpoint, cfg.checkpoint.storage or str(run_dir / "checkpoints"), state,
+                             rank=env.rank, world_size=env.world_size, event=writer.event,
+                             on_commit=guard.after_commit) if cfg.checkpoint.enabled else None
+    guard.resume(state, ckpt)
     start = train_state.step
 
     peak, peak_source = _main_first(env, world, lambda: device_peak_flops(
@@ -103,7 +106,8 @@ def train(cfg: Config) -> dict:
              tokens_per_step, cfg.training.micro_batch, peak_source)
     writer.event("start", step=start, world_size=env.world_size, precision=cfg.training.precision,
                  device=env.device.type, parameters=n_params["total"], layout=_layout(dims, cfg),
-                 peak_flops_source=peak_source, resumed=start > 0)
+                 peak_flops_source=peak_source, resumed=start > 0,
+                 restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     evals = {}
     if cfg.training.eval_interval and start == 0:
@@ -112,28 +116,42 @@ def train(cfg: Config) -> dict:
     interval = cfg.checkpoint.interval if isinstance(cfg.checkpoint.interval, int) else 0
     last: dict = {}
     step = start
-    window_t0, window_steps = time.perf_counter(), 0
+    window_t0, window_steps, excluded = time.perf_counter(), 0, 0.0
+    success = False
     try:
         with Progress(cfg.training.steps, start, enabled=env.is_main and cfg.metrics.progress) as progress:
-            for step in range(start + 1, cfg.training.steps + 1):
-                inputs, targets = loader.next_batch()
+            while step < cfg.training.steps:
+                step += 1
+                t_step = time.perf_counter()
+                guard.step_start(step)
+                inputs, targets = guard.batch(step, *loader.next_batch())
                 lr = schedulers[0].get_last_lr()[0]
-                loss = runner.forward_backward(inputs.to(env.device), targets.to(env.device))
+                loss = runner.forward_backward(inputs.to(env.device), targets.to(env.device),
+                                               loss_factor=guard.loss_factor(step))
                 grad_norm = runner.clip()
                 if ckpt is not None:
                     ckpt.before_update()  # a save in flight must have copied the weights before they change
-                for opt, sched in zip(optimizers, schedulers, strict=True):
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    sched.step()
-                train_state.step, train_state.tokens = step, step * tokens_per_step
+                decision = guard.check(step, loss, grad_norm, lambda x=loss: all_reduce_mean(x, dims.submesh("dp_cp")))
+                if decision == "ok":
+                    for opt, sched in zip(optimizers, schedulers, strict=True):
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        sched.step()
+                    train_state.step, train_state.tokens = step, step * tokens_per_step
+                else:
+                    guard.skip(optimizers)
+                    if decision == "rollback":
+                        restored = guard.rollback(step, state, ckpt, loader)
+                        step = restored if restored is not None else step
+                        window_t0, window_steps, excluded = time.perf_counter(), 0, 0.0
+                        continue
                 window_steps += 1
 
                 is_eval = cfg.training.eval_interval and (step % cfg.training.eval_interval == 0
                                                           or step == cfg.training.steps)
                 if step % cfg.metrics.log_interval == 0 or step == cfg.training.steps or is_eval:
                     now = time.perf_counter()
-                    elapsed = now - window_t0
+                    elapsed = now - window_t0 - excluded
                     tps = window_steps * tokens_per_step / elapsed
                     last = {
                         "loss": all_reduce_mean(loss, dims.submesh("dp_cp")).item(), "lr": lr,
@@ -146,11 +164,14 @@ def train(cfg: Config) -> dict:
                         evals[step] = _evaluate(runner, loader, cfg.training, dims, env.device)
                         now += time.perf_counter() - t_eval  # evaluation is not training time
                         last.update(val_loss=evals[step], val_ppl=math.exp(min(evals[step], 50)))
-                        writer.event("eval", step=step, val_loss=evals[step], val_ppl=last["val_ppl"])
+                        writer.event("eval", step=step, val_loss=evals[step], val_ppl=last["val_ppl"],
+                                     duration_s=time.perf_counter() - t_eval)
+                    if step == cfg.training.steps and env.is_main:
+                        last["goodput"] = _goodput(run_dir, writer)
                     writer.log(step, last)
                     _log_line(step, cfg.training.steps, last)
                     # Logging costs count in the next window: tokens/s is wall-clock honest.
-                    window_t0, window_steps = now, 0
+                    window_t0, window_steps, excluded = now, 0, 0.0
                 progress.update(step, last.get("loss", float("nan")), last.get("tokens_per_s", 0.0), lr)
 
                 if ckpt is not None and preempted.agreed(world):
@@ -162,11 +183,16 @@ def train(cfg: Config) -> dict:
                     if cfg.checkpoint.interval == "auto" and step == _AUTO_PROBE_STEP:
                         interval = _auto_interval(ckpt, step, last, cfg, writer)
                     elif interval and step % interval == 0:
-                        ckpt.save(step)
+                        excluded += _save(ckpt, guard, step, writer)
+                    ckpt.poll()
+                guard.step_end(step, time.perf_counter() - t_step, state)
+        success = step == cfg.training.steps
     except KeyboardInterrupt:
         writer.event("interrupted", step=step)
         writer.close()
         raise
+    finally:
+        guard.close(success)
     if ckpt is not None:
         if step == cfg.training.steps and step not in ckpt.committed_steps():
             ckpt.save(step, blocking=True)
@@ -242,6 +268,27 @@ def _evaluate(runner: StepRunner, loader, t: TrainingConfig, dims: ParallelDims,
 
 
 _AUTO_PROBE_STEP = 5
+
+
+def _save(ckpt: CheckpointManager, guard: Guard, step: int, writer: MetricsWriter) -> float:
+    """Start a save; a failing one (e.g. a full disk) is reported and training goes on: the previous checkpoint
+    is untouched. Returns the seconds training was blocked."""
+    try:
+        guard.before_save(step)
+        return ckpt.save(step)
+    except OSError as e:
+        writer.event("checkpoint_failed", step=step, error=str(e))
+        log.error("step %d: checkpoint save failed (%s); training continues, the previous checkpoint stays", step, e)
+        return 0.0
+
+
+def _goodput(run_dir: Path, writer: MetricsWriter) -> float | None:
+    from scaletrain.resilience.goodput import compute_goodput
+
+    try:
+        return compute_goodput(run_dir)["goodput"]
+    except (ValueError, OSError):
+        return None
 
 
 def _auto_interval(ckpt: CheckpointManager, step: int, last: dict, cfg: Config, writer: MetricsWriter) -> int:
@@ -348,6 +395,7 @@ def _summary(cfg: Config, run_dir: Path, last: dict, evals: dict, wall: float, e
         "final_val_loss": evals[steps[-1]] if steps else None,
         "tokens_per_s": last.get("tokens_per_s"),
         "mfu": last.get("mfu"),
+        "goodput": last.get("goodput"),
         "wall_s": wall,
         "world_size": env.world_size,
         "run_dir": str(run_dir),

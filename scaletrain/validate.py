@@ -13,7 +13,7 @@ from scaletrain.config import Config, DataConfig, ModelConfig, OptimizerConfig, 
 from scaletrain.errors import UserError
 
 
-def validate(cfg: Config, world_size: int) -> list[str]:
+def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[str]:
     problems = _model(cfg.model)
     problems += _data(cfg.data)
     dp_size = _dp_size(cfg, world_size)
@@ -27,7 +27,14 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     if cfg.parallel.ddp_bucket_mb < 1:
         problems.append("parallel.ddp_bucket_mb must be >= 1")
     problems += _checkpoint(cfg.checkpoint)
-    problems += _run(cfg.run, cfg.checkpoint)
+    problems += _run(cfg.run, cfg.checkpoint) if check_run_dir else []
+    from scaletrain.resilience.faults import validate_specs
+
+    problems += validate_specs(cfg.resilience.inject, world_size)
+    if cfg.resilience.max_restarts < 0 or cfg.resilience.memory_interval < 0 or cfg.resilience.hang_timeout_s < 0:
+        problems.append("resilience.max_restarts, memory_interval and hang_timeout_s must be >= 0")
+    if cfg.resilience.straggler_factor and cfg.resilience.straggler_factor <= 1:
+        problems.append("resilience.straggler_factor must be > 1 (a multiple of the median step time), or 0 (off)")
     if not problems:
         problems += _parallel(cfg, world_size, dp_size)
     if not problems:

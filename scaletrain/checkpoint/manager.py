@@ -30,15 +30,20 @@ _STEP_DIR = re.compile(r"step-(\d{8})$")
 
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, root: str, state: dict, *, rank: int, world_size: int,
-                 event: Callable[..., None] = lambda *a, **k: None):
+                 event: Callable[..., None] = lambda *a, **k: None,
+                 on_commit: Callable[[int, str], None] = lambda step, path: None):
         self.cfg = cfg
         self.root = root.rstrip("/")
         self.fs, _ = fsspec.core.url_to_fs(self.root)
         self.state = state
         self.rank = rank
         self.event = event
-        # Background saves talk over their own gloo group, never interleaving with the training collectives.
+        self.on_commit = on_commit
+        self.stalls: dict[int, float] = {}  # step -> seconds the save blocked training        # Background saves talk over their own gloo group, never interleaving with the training collectives.
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        # poll() agrees on "every rank finished writing" while the upload thread still uses self.group: a group
+        # of its own, since collectives of two threads must never interleave on one group.
+        self.poll_group = dist.new_group(backend="gloo") if world_size > 1 else None
         self.pending: tuple[int, Future] | None = None
         self.staging: Future | None = None
         self.stager = None
@@ -73,6 +78,7 @@ class CheckpointManager:
             dcp.save(self.state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
             self._commit(step)
         self.last_stall_s = time.perf_counter() - t0
+        self.stalls[step] = self.stalls.get(step, 0.0) + self.last_stall_s
         return self.last_stall_s
 
     def before_update(self) -> float:
@@ -85,7 +91,20 @@ class CheckpointManager:
         self.staging = None
         waited = time.perf_counter() - t0
         self.last_stall_s += waited
+        if self.pending is not None:
+            self.stalls[self.pending[0]] = self.stalls.get(self.pending[0], 0.0) + waited
         return waited
+
+    def poll(self) -> None:
+        """Commit the save in flight as soon as every rank has finished writing it (cheap when none is pending),
+        so a checkpoint counts as early as possible rather than at the next save."""
+        if self.pending is None:
+            return
+        done = torch.tensor([1.0 if self.pending[1].done() else 0.0])
+        if self.poll_group is not None:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.poll_group)
+        if done.item() == 1.0:
+            self.wait()
 
     def wait(self) -> None:
         """Finish the save in flight (if any) and commit it."""
@@ -101,8 +120,9 @@ class CheckpointManager:
     def _commit(self, step: int) -> None:
         if self.rank == 0:
             write_commit(self.fs, self.path(step), {"step": step})
-            self.event("checkpoint_saved", step=step, path=self.path(step))
+            self.event("checkpoint_saved", step=step, path=self.path(step), blocking_s=self.stalls.pop(step, 0.0))
             self._retain()
+            self.on_commit(step, self.path(step))
         self._barrier()
 
     def _retain(self) -> None:
@@ -168,6 +188,7 @@ class CheckpointManager:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        for group in (self.group, self.poll_group):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self.group = self.poll_group = None

@@ -1,0 +1,99 @@
+"""Chaos tests: inject each failure into real CLI runs and check the outcome, not only that the job ran."""
+
+import pytest
+import torch
+
+from scaletrain.convert import load_run_model
+from tests.helpers import DEBUG, QUICK, read_jsonl, run_cli
+
+BASE = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--metrics.log_interval", "1"]
+
+
+def _events(run, kind=None):
+    ev = read_jsonl(run / "events.jsonl")
+    return [e for e in ev if kind is None or e["kind"] == kind]
+
+
+def _per_step(run):
+    return {m["step"]: m["loss"] for m in read_jsonl(run / "metrics.jsonl")}
+
+
+def _inject(*specs):
+    return "--resilience.inject=[" + ",".join(f'"{s}"' for s in specs) + "]"
+
+
+def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupted_run(tmp_path):
+    args = [*BASE, "--training.steps", "12", "--training.deterministic", "true", "--checkpoint.interval", "3",
+            "--resilience.memory_interval", "2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    run_cli("train", "--nproc", "2", "--run.dir", str(ref), *args)
+    run_cli("train", "--nproc", "2", "--max-restarts", "2", "--run.dir", str(run), *args, _inject("kill:rank=1,step=7"))
+    (failure,) = _events(run, "failure")
+    assert failure["cause"] == "killed" and failure["rank"] == 1
+    assert len(_events(run, "restart")) == 1 and _events(run)[-1]["kind"] == "end"
+    loaded = _events(run, "checkpoint_loaded")
+    assert loaded[0]["source"] == "memory" and loaded[0]["step"] == 6  # newer than the storage checkpoint (3)
+    assert _per_step(run) == _per_step(ref)
+    a, b = load_run_model(ref)[0].state_dict(), load_run_model(run)[0].state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):
+    run = tmp_path / "run"
+    run_cli("train", "--run.dir", str(run), *BASE, "--training.steps", "10", "--checkpoint.interval", "3",
+            _inject("nan:step=4", "write_error:step=6"))
+    (skipped,) = _events(run, "skipped_step")
+    assert skipped["step"] == 4 and skipped["skipped_total"] == 1
+    (failed,) = _events(run, "checkpoint_failed")
+    assert failed["step"] == 6 and "No space" in failed["error"]
+    assert sorted(e["step"] for e in _events(run, "checkpoint_saved")) == [3, 9, 10]
+    assert _per_step(run)[4] is None  # the NaN loss is recorded (as null), the update was not applied
+    assert _events(run)[-1]["kind"] == "end"
+
+
+def test_loss_spike_rolls_back_and_skips_the_bad_batches(tmp_path):
+    run = tmp_path / "run"
+    run_cli("train", "--run.dir", str(run), *BASE, "--training.steps", "20", "--resilience.memory_interval", "4",
+            "--resilience.spike_zscore", "4", "--resilience.spike_window", "8", _inject("spike:step=15"))
+    (spike,) = _events(run, "loss_spike")
+    (rollback,) = _events(run, "rollback")
+    assert spike["step"] == 15 and rollback["to_step"] == 12 and rollback["skipped_batches"] == 3
+    losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl") if m["step"] > 12]
+    assert max(losses) < spike["loss"] / 1.5  # the spiking batch was never trained on again
+    assert _events(run)[-1]["kind"] == "end" and _events(run)[-1]["step"] == 20
+
+
+def test_hang_is_caught_by_the_watchdog_and_the_job_recovers(tmp_path):
+    run = tmp_path / "run"
+    run_cli("train", "--nproc", "2", "--max-restarts", "1", "--run.dir", str(run), *BASE, "--training.steps", "8",
+            "--checkpoint.interval", "2", "--resilience.hang_timeout_s", "3", _inject("hang:rank=1,step=5"))
+    fired = [e for e in _events(run, "fault_injected") if e["fault"].startswith("hang")][0]
+    hangs = [e for e in _events(run, "hang") if e["rank"] == 1]
+    assert hangs and hangs[0]["time"] - fired["time"] < 3 + 2  # within the timeout (+ the watchdog's tick)
+    stacks = (run / "hang-rank1.txt").read_text()
+    assert "Thread" in stacks and "sleep" in stacks
+    assert [e["cause"] for e in _events(run, "failure")][0] == "hang"
+    assert _events(run)[-1]["kind"] == "end" and _events(run)[-1]["step"] == 8
+
+
+def test_corrupted_checkpoint_falls_back_to_the_previous_one_after_a_crash(tmp_path):
+    run = tmp_path / "run"
+    run_cli("train", "--max-restarts", "1", "--run.dir", str(run), *BASE, "--training.steps", "10",
+            "--checkpoint.interval", "3", _inject("corrupt_checkpoint:step=6", "kill:rank=0,step=8"))
+    (rejected,) = _events(run, "checkpoint_rejected")
+    assert rejected["step"] == 6 and "checksum" in rejected["reason"]
+    assert [e["step"] for e in _events(run, "checkpoint_loaded")] == [3]
+    assert _events(run)[-1]["kind"] == "end"
+
+
+def test_elastic_4_2_4_workers_keep_the_data_order_and_the_losses(tmp_path):
+    args = [*BASE, "--optimizer.schedule", "constant", "--training.micro_batch", "2", "--checkpoint.interval", "0"]
+    ref = tmp_path / "ref"
+    run_cli("train", "--run.dir", str(ref), *args, "--training.steps", "9")
+    run = tmp_path / "run"
+    for nproc, steps in ((4, 3), (2, 6), (4, 9)):
+        run_cli("train", "--nproc", str(nproc), "--run.dir", str(run), *args, "--training.steps", str(steps))
+    want, got = _per_step(ref), _per_step(run)
+    assert sorted(got) == sorted(want)
+    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want)
+    assert [e["world_size"] for e in _events(run, "start")] == [4, 2, 4]
