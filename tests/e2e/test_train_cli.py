@@ -58,7 +58,7 @@ def test_nproc_2_matches_single_process(reference_run, tmp_path):
     assert len(loss) == 10
     for a, b in zip(loss + gnorm, ref_loss + ref_gnorm):
         assert a == pytest.approx(b, rel=1e-5)
-    assert read_jsonl(run / "events.jsonl")[0]["world_size"] == 2
+    assert [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "start"][0]["world_size"] == 2
 
 
 def test_torchrun_module_entry_point(reference_run, tmp_path):
