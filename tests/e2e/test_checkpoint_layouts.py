@@ -1,19 +1,26 @@
 """Save under one parallel layout, resume under another: the losses continue as in the uninterrupted
 single-process run (a constant LR after warmup, so that the schedule does not depend on each
-run's length). One chain covers a world-size change (1 -> 4 -> 2 -> 1), tensor parallel, a pipeline change
-and ZeRO-1 optimizer shards."""
+run's length). One chain covers world-size changes (1 -> 4 -> 2 -> 4 -> 2 -> 1), tensor and sequence parallel,
+pipeline changes, context parallel and every data-parallel mode's optimizer shards."""
 
 import pytest
 
 from tests.helpers import DEBUG, QUICK, read_jsonl, run_cli
 
 BASE = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--metrics.log_interval", "1",
-        "--checkpoint.interval", "0", "--optimizer.schedule", "constant", "--training.steps"]
+        "--checkpoint.interval", "0", "--optimizer.schedule", "constant", "--training.micro_batch", "2",
+        "--training.steps"]
+FSDP = ["--parallel.data_parallel", "fsdp"]
+# Each link loads the previous link's checkpoint and saves its own: a save/load round trip in every layout.
 CHAIN = [
     (1, []),
-    (4, ["--parallel.data_parallel", "fsdp", "--parallel.tp", "2", "--parallel.dp_shard", "2"]),
+    (4, [*FSDP, "--parallel.tp", "2", "--parallel.dp_shard", "2"]),
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b"]),
     (2, ["--parallel.data_parallel", "zero1"]),
+    (4, ["--parallel.data_parallel", "hsdp", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"]),
+    (2, ["--parallel.cp", "2"]),
+    (2, ["--parallel.data_parallel", "zero2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b"]),
     (1, []),
 ]
 
@@ -37,4 +44,4 @@ def test_resume_across_layouts_continues_the_reference_losses(tmp_path):
     for step, loss in want.items():
         assert got[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
     loaded = [e["step"] for e in read_jsonl(run / "events.jsonl") if e["kind"] == "checkpoint_loaded"]
-    assert loaded == [2, 4, 6, 8]
+    assert loaded == [2 * i for i in range(1, len(CHAIN))]
