@@ -79,7 +79,8 @@ def test_hang_is_caught_by_the_watchdog_and_the_job_recovers(tmp_path):
 def test_corrupted_checkpoint_falls_back_to_the_previous_one_after_a_crash(tmp_path):
     run = tmp_path / "run"
     run_cli("train", "--max-restarts", "1", "--run.dir", str(run), *BASE, "--training.steps", "10",
-            "--checkpoint.interval", "3", _inject("corrupt_checkpoint:step=6", "kill:rank=0,step=8"))
+            "--checkpoint.interval", "3", "--checkpoint.async_save", "false",  # step 6 commits before the kill
+            _inject("corrupt_checkpoint:step=6", "kill:rank=0,step=8"))
     (rejected,) = _events(run, "checkpoint_rejected")
     assert rejected["step"] == 6 and "checksum" in rejected["reason"]
     assert [e["step"] for e in _events(run, "checkpoint_loaded")] == [3]
