@@ -110,13 +110,41 @@ def report(preset: str, n_params: int, n_bytes: int, threads: int, mem: dict, st
     return ratio
 
 
+def goodput_drill(steps: int, every: int, config: str, run_dir: Path) -> dict:
+    """Train with a worker killed every `every` steps (restarted by the launcher, resumed from the memory tier or
+    storage), checkpoints at the Young/Daly `auto` interval; return the job's goodput breakdown."""
+    import subprocess
+    import sys
+
+    from scaletrain.resilience.goodput import compute_goodput
+
+    kills = [f"kill:rank=0,step={s}" for s in range(every, steps, every)]
+    cmd = [sys.executable, "-m", "scaletrain", "train", "--config", config, "--run.dir", str(run_dir),
+           "--training.steps", str(steps), "--max-restarts", str(len(kills) + 1), "--checkpoint.interval", "auto",
+           "--checkpoint.mtbf_hours", str(max(every, 1) * 0.5 / 3600), "--resilience.memory_interval", "5",
+           "--metrics.progress", "false", "--resilience.inject=[" + ",".join(f'"{k}"' for k in kills) + "]"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return compute_goodput(run_dir)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="125M")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--drill-steps", type=int, default=0, help="run the goodput drill with this many steps (0: skip)")
+    p.add_argument("--drill-every", type=int, default=100, help="kill a worker every N steps in the drill")
+    p.add_argument("--drill-config", default="configs/default.toml")
     args = p.parse_args()
+    if args.drill_steps:
+        with tempfile.TemporaryDirectory(prefix="scaletrain-drill-") as tmp:
+            g = goodput_drill(args.drill_steps, args.drill_every, args.drill_config, Path(tmp) / "run")
+        print(f"goodput drill: {args.drill_steps} steps, a worker killed every {args.drill_every} steps, "
+              f"{g['restarts']} restart(s): goodput {g['goodput']:.1%} (target >= 95%)")
+        for k in ("total_s", "productive_s", "restart_s", "recomputed_s", "checkpoint_stall_s", "eval_s", "other_s"):
+            print(f"  {k:20s} {g[k]:8.1f}")
+        return
     torch.set_num_threads(args.threads)
     state, n_params, n_bytes = build_state(args.preset, args.vocab)
     disk = Path(tempfile.mkdtemp(prefix="scaletrain-recovery-bench-"))
