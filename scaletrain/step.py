@@ -41,9 +41,7 @@ class StepRunner:
             # The schedule calls the stage modules itself: autocast must wrap the whole step.
             with self.autocast:
                 return self.pipeline.step(inputs, targets)
-        positions = None
-        if self.cp_shard is not None:
-            inputs, targets, positions = self.cp_shard(inputs, targets)
+        inputs, targets, positions = self._shard(inputs, targets)
         model = self.parts[0]
         xs, ys = inputs.split(self.micro_batch), targets.split(self.micro_batch)
         n = len(xs)
@@ -51,14 +49,22 @@ class StepRunner:
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             sync = contextlib.nullcontext() if i == n - 1 or not isinstance(model, DDP) else model.no_sync()
             with sync, self.loss_context():
-                with self.autocast:
-                    logits = model(x, positions=positions) if positions is not None else model(x)
-                loss = cross_entropy(logits, y)
+                loss = cross_entropy(self._logits(model, x, positions), y)
                 if loss_factor is not None:  # fault injection: a NaN loss, and so NaN gradients
                     loss = loss * loss_factor
                 (loss / n).backward()
             loss_sum += _local(loss.detach())
         return loss_sum / n
+
+    def _shard(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """This rank's part of each sequence under context parallel (with its original positions), else as is."""
+        if self.cp_shard is None:
+            return inputs, targets, None
+        return self.cp_shard(inputs, targets)
+
+    def _logits(self, model: nn.Module, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        with self.autocast:
+            return model(x, positions=positions) if positions is not None else model(x)
 
     def clip(self) -> torch.Tensor:
         """The global gradient norm (over every shard and stage), clipping to grad_clip when it is > 0."""
@@ -76,13 +82,9 @@ class StepRunner:
         if self.pipeline is not None:
             with self.autocast:
                 return self.pipeline.eval_sum(inputs, targets)
-        positions = None
-        if self.cp_shard is not None:
-            inputs, targets, positions = self.cp_shard(inputs, targets)
-        model = self.parts[0]
+        inputs, targets, positions = self._shard(inputs, targets)
         with self.loss_context():
-            with self.autocast:
-                logits = model(inputs, positions=positions) if positions is not None else model(inputs)
+            logits = self._logits(self.parts[0], inputs, positions)
             total = _local(cross_entropy(logits, targets, reduction="sum"))
         return total, targets.numel()
 
