@@ -6,7 +6,9 @@ Bad input ends here as one plain message and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 import traceback
 from datetime import datetime
@@ -27,6 +29,8 @@ Any config key can be overridden as --section.key VALUE or --section.key=VALUE. 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # `kill -USR1 <pid>` prints every thread's stack to stderr and carries on: how a stuck run is looked into.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = _parser()
     if not argv or argv[0] in ("-h", "--help") or (len(argv) > 1 and argv[1] in ("-h", "--help")):
         from scaletrain.config_io import help_text

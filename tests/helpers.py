@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,8 +17,19 @@ QUICK = ["--metrics.progress", "false", "--metrics.tensorboard", "false", "--tra
 
 
 def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=os.environ.copy())
+    cmd = [sys.executable, "-m", "scaletrain", *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                          env=os.environ.copy()) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # A stuck run: ask it for every thread's stack (the CLI dumps them on SIGUSR1) so the failure says where.
+            p.send_signal(signal.SIGUSR1)
+            time.sleep(3)
+            p.kill()
+            out, err = p.communicate()
+            raise AssertionError(f"timed out after {timeout} s: {' '.join(args)}\nstdout:\n{out}\nstderr:\n{err}")
+    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc

@@ -12,6 +12,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -100,6 +101,9 @@ def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
 def _init_worker(job: _Job) -> None:
     global _JOB
     _JOB = job
+    # A forked worker inherits the trainer's SIGTERM handler (which only sets a preemption flag): restore the
+    # default so that Pool.terminate() really stops it instead of waiting forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _tokenize_in_worker(path: Path) -> tuple[np.ndarray, int]:
@@ -120,6 +124,8 @@ def _tokenized(files: list[Path], job: _Job, workers: int) -> Iterator[tuple[np.
     with ctx.Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
         # imap (not imap_unordered) yields results in submission order; chunksize 1 balances uneven files.
         yield from pool.imap(_tokenize_in_worker, files, chunksize=1)
+        pool.close()  # let idle workers exit on their own before the context manager's terminate()
+        pool.join()
 
 
 class _ShardWriter:

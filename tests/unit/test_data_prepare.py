@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,22 @@ def test_output_is_the_same_for_one_and_two_workers(tmp_path: Path):
     assert d1.name == d2.name  # the cache key does not depend on the worker count
     assert _dir_bytes(d1) == _dir_bytes(d2)
     assert json.loads((d1 / "index.json").read_text())["num_documents"] == 21
+
+
+def _worker_sigterm_is_default(_path) -> bool:
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_workers_stop_on_sigterm_even_when_the_trainer_catches_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # The trainer turns SIGTERM into a preemption flag before it prepares data; forked pool workers inherited that
+    # handler, ignored Pool.terminate() and hung the run (seen in CI). Workers must restore the default action.
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        monkeypatch.setattr(prepare, "tokenize_file", lambda path, job: _worker_sigterm_is_default(path))
+        results = list(prepare._tokenized([tmp_path / f"f{i}" for i in range(4)], object(), workers=2))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert results == [True] * 4
 
 
 def test_hf_tokenizer_in_worker_processes(tmp_path: Path):
