@@ -28,7 +28,7 @@ def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.
             time.sleep(3)
             p.kill()
             out, err = p.communicate()
-            raise AssertionError(f"timed out after {timeout} s: {' '.join(args)}\nstdout:\n{out}\nstderr:\n{err}")
+            raise AssertionError(f"timed out after {timeout} s: {' '.join(args)}\nstdout:\n{out}\nstderr:\n{err}") from None
     proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
