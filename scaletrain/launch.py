@@ -66,14 +66,17 @@ def launch_local(cfg: Config, config_path: str | None, overrides: list[str], npr
 
 
 def _diagnose(e: ChildFailedError):
-    """The first failure (by time: later ones are usually peers losing their connection to it), classified from
-    its exit status and the end of its log."""
-    from scaletrain.resilience.diagnose import classify, read_error_file, tail
+    """Classify every failed rank from its exit status and the end of its log; return the root cause's
+    (diagnosis, rank)."""
+    from scaletrain.resilience.diagnose import classify, read_error_file, root_cause, tail
 
-    rank, failure = e.get_first_failure()
-    text = ""
-    if failure.error_file:
-        folder = Path(failure.error_file).parent
-        text = tail(folder / "stderr.log", 60) + "\n" + read_error_file(failure.error_file)
-    code = failure.exitcode
-    return classify(code, -code if code is not None and code < 0 else None, text), rank
+    found = []
+    for rank, failure in e.failures.items():
+        text = ""
+        if failure.error_file:
+            folder = Path(failure.error_file).parent
+            text = tail(folder / "stderr.log", 60) + "\n" + read_error_file(failure.error_file)
+        code = failure.exitcode
+        found.append((failure.timestamp, rank, classify(code, -code if code is not None and code < 0 else None, text)))
+    rank, diag = root_cause(found)
+    return diag, rank

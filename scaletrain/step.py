@@ -40,7 +40,7 @@ class StepRunner:
         if self.pipeline is not None:
             # The schedule calls the stage modules itself: autocast must wrap the whole step.
             with self.autocast:
-                return self.pipeline.step(inputs, targets)
+                return self.pipeline.step(inputs, targets, loss_factor)
         inputs, targets, positions = self._shard(inputs, targets)
         model = self.parts[0]
         xs, ys = inputs.split(self.micro_batch), targets.split(self.micro_batch)

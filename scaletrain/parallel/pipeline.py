@@ -205,25 +205,34 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, sch
 
 
 class _MicrobatchMean:
-    """loss_fn(...) / n: one micro-batch's share of the batch's mean loss."""
+    """loss_fn(...) / n: one micro-batch's share of the batch's mean loss (times `factor`, which fault injection
+    sets to NaN for one step)."""
 
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n: int):
         self.loss_fn, self.n = loss_fn, n
+        self.factor: float | None = None
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, target) / self.n
+        loss = self.loss_fn(output, target) / self.n
+        return loss if self.factor is None else loss * self.factor
 
 
 def pipeline_step(schedule, inputs: torch.Tensor, targets: torch.Tensor, *, is_first: bool, is_last: bool,
-                  pp_mesh: DeviceMesh) -> torch.Tensor:
+                  pp_mesh: DeviceMesh, loss_factor: float | None = None) -> torch.Tensor:
     """One pipelined forward/backward over this rank's batch (every pp rank passes the same one; only the first stage
-    reads the inputs and the last the targets). Returns the mean loss over the batch on every pp rank."""
+    reads the inputs and the last the targets). Returns the mean loss over the batch on every pp rank.
+    `loss_factor` multiplies the loss before backward (fault injection: NaN)."""
     n = schedule._n_microbatches  # the schedules expose no public accessor
     if inputs.shape[0] % n:
         raise ValueError(f"a batch of {inputs.shape[0]} sequences does not split into {n} equal micro-batches")
     losses: list[torch.Tensor] | None = [] if is_last else None
-    schedule.step(*((inputs,) if is_first else ()), target=targets if is_last else None, losses=losses,
-                  return_outputs=False)
+    mean = schedule._loss_fn  # our _MicrobatchMean (build_schedule), held by the schedule
+    mean.factor = loss_factor
+    try:
+        schedule.step(*((inputs,) if is_first else ()), target=targets if is_last else None, losses=losses,
+                      return_outputs=False)
+    finally:
+        mean.factor = None
     loss = torch.zeros((), dtype=torch.float32, device=inputs.device)
     if is_last:
         # The schedule's losses are already divided by n (see build_schedule): their sum is the mean.
@@ -269,9 +278,9 @@ class PipelineParts:
     n_stages: int
     placement: Literal["loop", "v"]
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_factor: float | None = None) -> torch.Tensor:
         return pipeline_step(self.schedule, inputs, targets, is_first=self.has_first, is_last=self.has_last,
-                             pp_mesh=self.pp_mesh)
+                             pp_mesh=self.pp_mesh, loss_factor=loss_factor)
 
     @torch.no_grad()
     def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -99,6 +99,21 @@ def classify(exitcode: int | None, signal: int | None, log_tail: str) -> Diagnos
     return make("unknown", f"exit code {exitcode}" if exitcode is not None else "no exit status")
 
 
+# What a rank reports when a PEER failed: it lost the connection in a collective, or crashed without a message.
+_CONSEQUENCES = ("collective_timeout", "unknown")
+
+
+def root_cause(diagnoses: list[tuple[float, int, Diagnosis]]) -> tuple[int, Diagnosis]:
+    """Of every failed rank's (time, rank, diagnosis), the one that explains the failure: the earliest whose cause
+    is its own (killed, hang, OOM, an exception ...) rather than a peer's loss (a collective error, an unexplained
+    exit). The agent notices the deaths of one group at about the same moment, so time alone would often name a
+    rank that only lost its connection to the one that died. Returns (rank, diagnosis)."""
+    if not diagnoses:
+        raise ValueError("no failure to diagnose")
+    ordered = sorted(diagnoses, key=lambda d: (d[2].kind in _CONSEQUENCES, d[0], d[1]))
+    return ordered[0][1], ordered[0][2]
+
+
 def parse_step(text: str) -> int | None:
     """The step the text names last: "step 12/100 | ..." or "... at step 12"; None when it names none."""
     last = None

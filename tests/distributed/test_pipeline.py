@@ -114,6 +114,7 @@ def _train_case(rank: int, world_size: int, mesh, schedule: str, n_layers: int, 
     ref_eval = _eval_sum_reference(args, ref["state"], *batches[0])
     return {
         "error": error,
+        "nan_injection": _nan_injection(parts, mesh, *batches[0]),
         "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
         "norm_rel": max(abs(a - b) / abs(b) for a, b in zip(norms, ref["grad_norms"])),
         "param_abs": max((merged[k] - v).abs().max().item() for k, v in ref["state"].items()),
@@ -127,6 +128,20 @@ def _train_case(rank: int, world_size: int, mesh, schedule: str, n_layers: int, 
     }
 
 
+def _nan_injection(parts, mesh, x: torch.Tensor, y: torch.Tensor) -> list[bool]:
+    """Fault injection's NaN loss factor under the pipeline: [loss NaN, grad norm NaN (on every rank: the guard skips
+    the update everywhere), every local gradient NaN (it reached the first stage too), next step finite again]."""
+    loss = parts.step(x, y, loss_factor=float("nan"))
+    norm = clip_grad_norm_pp(parts.modules.parameters(), 1.0, mesh)
+    grads_nan = all(p.grad.isnan().all().item() for p in parts.modules.parameters() if p.grad is not None)
+    for p in parts.modules.parameters():
+        p.grad = None
+    after = parts.step(x, y)
+    for p in parts.modules.parameters():
+        p.grad = None
+    return [loss.isnan().item(), norm.isnan().item(), grads_nan, after.isfinite().item()]
+
+
 def pipeline_worker(rank: int, world_size: int, cases: dict, out: str) -> None:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
     results = {}
@@ -136,6 +151,7 @@ def pipeline_worker(rank: int, world_size: int, cases: dict, out: str) -> None:
         dist.all_gather_object(every, mine)
         results[name] = {
             "error": next((r["error"] for r in every if r["error"]), None),
+            "nan_injection": [r["nan_injection"] for r in every],
             **{k: max(r[k] for r in every) for k in ("loss_rel", "norm_rel", "param_abs", "grad_rel", "eval_rel")},
             "eval_count": every[0]["eval_count"],
             "eval_expected": every[0]["eval_expected"],
@@ -173,6 +189,7 @@ def _check(results: dict, name: str) -> list[dict]:
     # be off by a factor of m, one that split a stage's layers wrongly by far more.
     assert r["grad_rel"] <= 1e-6
     assert r["eval_rel"] <= 1e-5 and r["eval_count"] == r["eval_expected"]
+    assert all(all(flags) for flags in r["nan_injection"]), r["nan_injection"]  # see _nan_injection
     return r["per_rank"]
 
 

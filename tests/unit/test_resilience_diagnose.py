@@ -18,6 +18,7 @@ from scaletrain.resilience.diagnose import (
     last_exception,
     parse_step,
     read_error_file,
+    root_cause,
     tail,
 )
 
@@ -126,6 +127,19 @@ def test_unknown_failures_name_what_is_known():
     assert classify(-11, None, LOG_STEPS).detail == "killed by SIGSEGV"
     d = classify(1, None, "[default0]:error: no tokenised shards in data/cache: run prepare-data first\n")
     assert (d.kind, d.detail) == ("unknown", "error: no tokenised shards in data/cache: run prepare-data first")
+
+
+def test_root_cause_prefers_the_rank_that_failed_by_itself_over_peers_that_lost_it():
+    lost = classify(1, None, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:123")
+    bare = classify(1, None, "")
+    killed = classify(-9, None, LOG_STEPS)
+    # The agent saw the peers first (earlier time stamps); the killed rank is still the cause.
+    assert root_cause([(1.0, 0, lost), (1.1, 2, bare), (1.2, 1, killed)]) == (1, killed)
+    hang = classify(hang_exit_code(), None, "")
+    assert root_cause([(2.0, 3, hang), (1.0, 1, killed)]) == (1, killed)  # two causes: the earlier one
+    assert root_cause([(1.5, 1, lost), (1.0, 0, bare)]) == (0, bare)  # no cause of its own: the earliest
+    with pytest.raises(ValueError):
+        root_cause([])
 
 
 def test_parse_step_takes_the_last_step_named():
