@@ -6,6 +6,7 @@ Bad input ends here as one plain message and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import signal
@@ -30,7 +31,8 @@ Any config key can be overridden as --section.key VALUE or --section.key=VALUE. 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # `kill -USR1 <pid>` prints every thread's stack to stderr and carries on: how a stuck run is looked into.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # stderr without a descriptor (embedded, tests)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = _parser()
     if not argv or argv[0] in ("-h", "--help") or (len(argv) > 1 and argv[1] in ("-h", "--help")):
         from scaletrain.config_io import help_text

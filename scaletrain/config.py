@@ -191,10 +191,11 @@ class ResilienceConfig:
     """Watchdog: a step taking longer than this writes every thread's stack and the last collective to the run
     directory and aborts, so the agent restarts the job. 0: off."""
     straggler_factor: float = 0.0
-    """Name a rank whose step time exceeds this multiple of the median (checked every straggler_interval steps).
+    """Name a rank whose busy time per step (its own work: CPU time on CPU, wall time on GPU) exceeds this multiple of
+    the median (checked every straggler_interval steps).
     0: off."""
     straggler_interval: int = 10
-    """Steps between straggler checks (per-rank step times are gathered then)."""
+    """Steps between straggler checks (per-rank busy times are gathered then)."""
     memory_interval: int = 0
     """In-memory snapshot tier: a snapshot in host shared memory every N steps, replicated to a peer's slot, that
     survives a worker restart. 0: off."""

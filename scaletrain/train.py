@@ -87,7 +87,7 @@ def train(cfg: Config) -> dict:
     state = {"model": ModelState(pm.parts), "optimizer": OptimizerState(pm.parts, _inner(optimizers)),
              "lr_scheduler": SchedulerState(schedulers), "data": LoaderState(loader), "train": train_state}
     guard = Guard(cfg.resilience, run_dir, rank=env.rank, world_size=env.world_size, layout=_layout(dims, cfg),
-                  vocab_size=args.vocab_size, event=writer.event)
+                  vocab_size=args.vocab_size, event=writer.event, device_type=env.device.type)
     ckpt = CheckpointManager(cfg.checkpoint, cfg.checkpoint.storage or str(run_dir / "checkpoints"), state,
                              rank=env.rank, world_size=env.world_size, event=writer.event,
                              on_commit=guard.after_commit) if cfg.checkpoint.enabled else None
@@ -122,7 +122,6 @@ def train(cfg: Config) -> dict:
         with Progress(cfg.training.steps, start, enabled=env.is_main and cfg.metrics.progress) as progress:
             while step < cfg.training.steps:
                 step += 1
-                t_step = time.perf_counter()
                 guard.step_start(step)
                 inputs, targets = guard.batch(step, *loader.next_batch())
                 lr = schedulers[0].get_last_lr()[0]
@@ -185,7 +184,7 @@ def train(cfg: Config) -> dict:
                     elif interval and step % interval == 0:
                         excluded += _save(ckpt, guard, step, writer)
                     ckpt.poll()
-                guard.step_end(step, time.perf_counter() - t_step, state)
+                guard.step_end(step, state)
         success = step == cfg.training.steps
     except KeyboardInterrupt:
         writer.event("interrupted", step=step)

@@ -61,6 +61,13 @@ class FaultSpec:
         return want is None or want == rank
 
 
+def _spin(seconds: float) -> None:
+    """Keep the CPU busy for `seconds` of wall time."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
 def _keys(kind: str) -> str:
     required, optional = KINDS[kind]
     return ", ".join(required) + "".join(f"[, {k}]" for k in optional)
@@ -203,9 +210,10 @@ class FaultInjector:
         self._fired(due[0], step)
         return math.nan
 
-    def at_step_end(self, step: int, step_time_s: float) -> float:
-        """slow: sleep (factor - 1) x this step's duration, so the step takes factor times as long; returns the
-        seconds slept. A slow rank stays slow for the rest of this process."""
+    def at_step_end(self, step: int, busy_s: float) -> float:
+        """slow: compute for another (factor - 1) x this step's busy time, as a processor `factor` times slower would
+        (busy: it uses the CPU, unlike a sleep, so busy-time straggler detection sees it); returns the seconds
+        added. A slow rank stays slow for the rest of this process."""
         slept = 0.0
         for spec in self.specs:
             if spec.kind != "slow" or step < (spec.step or 1):
@@ -215,8 +223,8 @@ class FaultInjector:
                 if self._slowing[spec.text]:
                     self._fired(spec, step, factor=spec.factor)
             if self._slowing[spec.text]:
-                extra = (spec.factor - 1.0) * max(step_time_s, 0.0)
-                time.sleep(extra)
+                extra = (spec.factor - 1.0) * max(busy_s, 0.0)
+                _spin(extra)
                 slept += extra
         return slept
 

@@ -1,5 +1,6 @@
-"""Straggler detection: every few steps the ranks share their mean step time, and any rank slower than a multiple of
-the median is named (a thermally throttled GPU, a noisy neighbour, a slow NIC or disk slows the whole group)."""
+"""Straggler detection: every few steps the ranks share their mean busy time per step (their own work, not time
+spent waiting for peers), and any rank slower than a multiple of the other ranks' median is named (a thermally
+throttled GPU, a slow host or disk slows the whole group)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from typing import Any
 
 
 class StragglerMonitor:
-    """Collects this rank's step times; `check` compares them with the other ranks' every `interval` steps.
+    """Collects this rank's busy time per step; `check` compares it with the other ranks' every `interval` steps.
 
     What to record matters: in lock-step training every rank waits for the slowest at the gradient collectives, so
     wall-clock step times even out across ranks (the fast ones spend the difference waiting). Record time a rank
     spends on its own work, not waiting on peers: e.g. GPU time of the compute kernels measured with CUDA events
-    (NVIDIA's straggler detector does this), or wall time minus time blocked in collectives. The median is the
-    reference because it ignores the slow minority it is meant to find (a mean would be pulled toward them).
+    (NVIDIA's straggler detector does this), or wall time minus time blocked in collectives. The median of the
+    other ranks is the reference because it ignores the slow minority it is meant to find (a mean would be pulled
+    toward them), and with two ranks it is simply the peer.
     """
 
     def __init__(self, factor: float, interval: int) -> None:
@@ -26,14 +28,14 @@ class StragglerMonitor:
         self._sum = 0.0
         self._count = 0
 
-    def record(self, step_time_s: float) -> None:
-        self._sum += step_time_s
+    def record(self, busy_s: float) -> None:
+        self._sum += busy_s
         self._count += 1
 
     def check(self, step: int, group: Any = None) -> list[dict[str, float]]:
-        """At every `interval`-th step, all-gather each rank's mean step time since the last check and return one
-        `{"rank", "step_time_s", "median_s", "ratio"}` per rank slower than factor x median (global ranks); other
-        steps, and a single process, return [] without communicating.
+        """At every `interval`-th step, all-gather each rank's mean busy time since the last check and return one
+        `{"rank", "busy_s", "median_s", "ratio"}` per rank slower than factor x the median of the other ranks
+        (global ranks); other steps, and a single process, return [] without communicating.
 
         Every rank of `group` (None: the default group) must call it at the same steps: it is a collective. A CPU
         tensor is gathered, so pass a gloo group when the default one is NCCL.
@@ -54,13 +56,15 @@ class StragglerMonitor:
         dist.all_gather(times, mine, group=group)
         per_rank = [t.item() for t in times]
         # A rank with no steps since the last check (just restarted) has no time to compare: NaN, left out.
-        known = [t for t in per_rank if math.isfinite(t)]
-        if not known:
-            return []
-        median = statistics.median(known)
         slow = []
         for i, t in enumerate(per_rank):
-            if math.isfinite(t) and median > 0 and t > self.factor * median:
+            # The median of the OTHER ranks: with many ranks it is the median, and with two it is the peer (the
+            # median of both could never be exceeded by a factor of 2 or more).
+            others = [x for j, x in enumerate(per_rank) if j != i and math.isfinite(x)]
+            if not others or not math.isfinite(t):
+                continue
+            median = statistics.median(others)
+            if median > 0 and t > self.factor * median:
                 rank = dist.get_global_rank(group, i) if group is not None else i
-                slow.append({"rank": rank, "step_time_s": t, "median_s": median, "ratio": t / median})
+                slow.append({"rank": rank, "busy_s": t, "median_s": median, "ratio": t / median})
         return slow

@@ -39,6 +39,15 @@ def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupte
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_a_slowed_rank_is_named_in_lock_step_data_parallel(tmp_path):
+    # DDP's gradient all-reduce makes both ranks' wall-clock step times equal; busy time still tells them apart.
+    run = tmp_path / "run"
+    run_cli("train", "--nproc", "2", "--run.dir", str(run), *BASE, "--training.steps", "9",
+            "--resilience.straggler_factor", "2", "--resilience.straggler_interval", "3", _inject("slow:rank=1,factor=4,step=4"))
+    named = _events(run, "straggler")
+    assert [e["step"] for e in named] == [6, 9] and all(e["rank"] == 1 and e["ratio"] > 2 for e in named), named
+
+
 def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):
     run = tmp_path / "run"
     run_cli("train", "--run.dir", str(run), *BASE, "--training.steps", "10", "--checkpoint.interval", "3",

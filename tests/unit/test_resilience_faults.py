@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -149,9 +150,9 @@ def test_spike_replaces_the_targets_with_seeded_noise(tmp_path):
     assert b.corrupt_batch(5, x, y)[1] is y  # once
 
 
-def test_slow_sleeps_factor_minus_one_times_the_step(tmp_path, monkeypatch):
+def test_slow_computes_factor_minus_one_times_the_step(tmp_path, monkeypatch):
     slept: list[float] = []
-    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setattr(faults, "_spin", slept.append)
     inj, ev = _injector(tmp_path, ["slow:rank=0,factor=3,step=4"])
     assert inj.at_step_end(3, 0.5) == 0.0
     assert inj.at_step_end(4, 0.5) == pytest.approx(1.0)
@@ -210,3 +211,11 @@ def test_concurrent_ranks_keep_every_record(tmp_path):
         t.join()
     records = json.loads((tmp_path / faults.FIRED_FILE).read_text())
     assert sorted((r["rank"], r["step"]) for r in records) == [(r, s) for r in range(4) for s in range(1, 11)]
+
+
+def test_spin_uses_the_cpu_for_the_time_asked():
+    # Busy, not asleep: busy-time straggler detection (CPU time) must see an injected slowdown.
+    c0, w0 = time.process_time(), time.perf_counter()
+    faults._spin(0.2)
+    assert time.perf_counter() - w0 >= 0.2
+    assert time.process_time() - c0 > 0.1
