@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def train(cfg: Config) -> dict:
     _setup_process(cfg.training, env)
     dims = ParallelDims.from_config(cfg.parallel, env.world_size)
     world = dims.build_mesh(env.device.type)
-    run_dir = _open_run_dir(cfg, env, world)
+    run_dir, run_id = _open_run_dir(cfg, env, world)
     writer = MetricsWriter(run_dir, enabled=env.is_main, tensorboard=cfg.metrics.tensorboard)
     preempted = _PreemptionFlag()
 
@@ -87,7 +88,7 @@ def train(cfg: Config) -> dict:
     state = {"model": ModelState(pm.parts), "optimizer": OptimizerState(pm.parts, _inner(optimizers)),
              "lr_scheduler": SchedulerState(schedulers), "data": LoaderState(loader), "train": train_state}
     guard = Guard(cfg.resilience, run_dir, rank=env.rank, world_size=env.world_size, layout=_layout(dims, cfg),
-                  vocab_size=args.vocab_size, event=writer.event, device_type=env.device.type)
+                  vocab_size=args.vocab_size, event=writer.event, device_type=env.device.type, run_id=run_id)
     ckpt = CheckpointManager(cfg.checkpoint, cfg.checkpoint.storage or str(run_dir / "checkpoints"), state,
                              rank=env.rank, world_size=env.world_size, event=writer.event,
                              on_commit=guard.after_commit) if cfg.checkpoint.enabled else None
@@ -341,18 +342,24 @@ def _autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-def _open_run_dir(cfg: Config, env: DistEnv, world: DeviceMesh | None) -> Path:
-    """Resolve the run directory on rank 0 (a default one carries a timestamp), create it, write config.toml."""
+def _open_run_dir(cfg: Config, env: DistEnv, world: DeviceMesh | None) -> tuple[Path, str]:
+    """Resolve the run directory on rank 0 (a default one carries a timestamp), create it, write config.toml;
+    return it and the run's id (made when the directory is first used, the same for every restart)."""
     if not cfg.run.name:
         cfg.run.name = "run"
     if not cfg.run.dir:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg.run.dir = str(broadcast_object(f"runs/{cfg.run.name}-{stamp}", world))
     run_dir = Path(cfg.run.dir)
+    run_id = None
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_toml(to_dict(cfg), run_dir / "config.toml")
-    return run_dir
+        id_file = run_dir / "run_id"
+        if not id_file.exists():
+            id_file.write_text(uuid.uuid4().hex + "\n")
+        run_id = id_file.read_text().strip()
+    return run_dir, broadcast_object(run_id, world)
 
 
 def _main_first(env: DistEnv, world: DeviceMesh | None, fn):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scaletrain.config import ParallelConfig
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, UserError
 
 
 @dataclass
@@ -35,6 +35,7 @@ def init_distributed(device_pref: str, timeout_s: float = 600.0) -> DistEnv:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    check_restartable_store(os.environ)
     use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -48,6 +49,20 @@ def init_distributed(device_pref: str, timeout_s: float = 600.0) -> DistEnv:
             device_id=device if use_cuda else None,
         )
     return DistEnv(rank, world, local_rank, local_world, device)
+
+
+def check_restartable_store(env) -> None:
+    """Refuse to start a worker that torchrun could restart into a hang.
+
+    torchrun (torch 2.13) shares one TCP store between its agent and the workers of every attempt; the workers' keys
+    (gloo's addresses) survive a restart, so a restarted group reads its dead predecessors' addresses and fails to
+    connect. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt a fresh store (`scaletrain train --nproc` sets
+    it; a job launched with torchrun's own restarts must set it too)."""
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise UserError("torchrun restarts workers here (--max-restarts > 0) but shares its TCP store with them, so a "
+                        "restarted group would fail to connect (torch 2.13 keeps the previous attempt's keys). "
+                        "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every node.")
 
 
 # The world mesh's dimensions, outermost first. Pipeline stages are outermost (their traffic is the lightest:

@@ -23,7 +23,7 @@ log = logging.getLogger("scaletrain")
 
 class Guard:
     def __init__(self, cfg: ResilienceConfig, run_dir: Path, *, rank: int, world_size: int, layout: str,
-                 vocab_size: int, event, device_type: str = "cpu"):
+                 vocab_size: int, event, device_type: str = "cpu", run_id: str = ""):
         self.cfg = cfg
         self.rank = rank
         self.vocab_size = vocab_size
@@ -41,7 +41,7 @@ class Guard:
         self.spike = SpikeDetector(cfg.spike_window, cfg.spike_zscore) if cfg.spike_zscore > 0 else None
         self.straggler = StragglerMonitor(cfg.straggler_factor, cfg.straggler_interval) \
             if cfg.straggler_factor > 0 else None
-        self.memory = MemoryTier(job_key(run_dir), make_layout_key(world_size, layout), group=self.group,
+        self.memory = MemoryTier(job_key(run_dir, run_id), make_layout_key(world_size, layout), group=self.group,
                                  max_bytes=cfg.memory_max_mb << 20) if cfg.memory_interval > 0 else None
         self.first_step = True
         # A rank's own work per step, for straggler detection: wall time evens out across ranks in lock-step

@@ -35,9 +35,11 @@ _CHUNK = 256 << 20  # bytes per point-to-point message
 _KEEP_STEPS = 2  # steps per slot published to the group: the newest, and one left by a crash before retention
 
 
-def job_key(run_dir: str | os.PathLike) -> str:
-    """A short stable key for a job: a restarted worker of the same run directory finds the same snapshots."""
-    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+def job_key(run_dir: str | os.PathLike, run_id: str = "") -> str:
+    """A short stable key for a job: a restarted worker of the same run finds the same snapshots. `run_id` (the id
+    written into a run directory when it is created) keeps a new run in a deleted-and-recreated directory of the
+    same path from restoring the old run's snapshots, which outlive it in shared memory after a crash."""
+    return hashlib.sha256(f"{Path(run_dir).resolve()}|{run_id}".encode()).hexdigest()[:16]
 
 
 def make_layout_key(world_size: int, layout: str) -> str:

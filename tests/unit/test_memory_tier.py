@@ -142,3 +142,12 @@ def test_tied_weights_and_cleanup(tmp_path):
     assert torch.equal(model.output.weight, want) and model.output.weight is model.tok_embeddings.weight
     mt.cleanup()
     assert not mt.job_dir.exists()
+
+
+def test_job_key_is_per_run_not_per_path(tmp_path):
+    # A crashed run's snapshots outlive it in shared memory; a new run created at the same path (after the old
+    # directory was deleted) gets a new run id, so it never restores them.
+    run = tmp_path / "run"
+    assert job_key(run, "id-a") == job_key(str(run), "id-a")
+    assert job_key(run, "id-a") != job_key(run, "id-b")
+    assert job_key(run, "id-a") != job_key(tmp_path / "other", "id-a")

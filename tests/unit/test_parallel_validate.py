@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.config import ParallelConfig
-from scaletrain.errors import ConfigError
-from scaletrain.parallel.mesh import ParallelDims, validate_parallel
+from scaletrain.errors import ConfigError, UserError
+from scaletrain.parallel.mesh import ParallelDims, check_restartable_store, validate_parallel
 
 MODEL = dict(n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128, seq_len=32)
 
@@ -102,3 +102,12 @@ def test_one_process_needs_no_mesh():
     assert dims.build_mesh("cpu") is None
     assert dims.submesh("dp_cp") is None and dims.dp_rank == 0 and dims.dp_size == 1
     assert not (dims.tp_enabled or dims.dp_enabled or dims.pp_enabled or dims.cp_enabled)
+
+
+def test_a_worker_torchrun_could_restart_into_a_hang_is_refused():
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "2"}
+    with pytest.raises(UserError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        check_restartable_store(shared)
+    check_restartable_store({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"})  # no restarts: nothing to go wrong
+    check_restartable_store({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"})  # a fresh store per attempt
+    check_restartable_store({})  # not under torchrun
