@@ -1,10 +1,16 @@
 """Chaos tests: inject each failure into real CLI runs and check the outcome, not only that the job ran."""
 
+import os
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
 from scaletrain.convert import load_run_model
-from tests.helpers import DEBUG, QUICK, read_jsonl, run_cli
+from tests.helpers import DEBUG, QUICK, ROOT, read_jsonl, run_cli
 
 BASE = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--metrics.log_interval", "1"]
 
@@ -108,3 +114,42 @@ def test_elastic_4_2_4_workers_keep_the_data_order_and_the_losses(tmp_path):
     assert sorted(got) == sorted(want)
     assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want)
     assert [e["world_size"] for e in _events(run, "start")] == [4, 2, 4]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path):
+    # Two agents joined by c10d rendezvous on localhost act as two nodes; node 1's worker is killed at step 6 and
+    # torchrun's own restart brings both nodes back, resuming the deterministic run bit for bit.
+    args = [*BASE, "--training.steps", "10", "--training.deterministic", "true", "--checkpoint.interval", "3",
+            "--resilience.memory_interval", "2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    run_cli("train", "--nproc", "2", "--run.dir", str(ref), *args)
+    port = _free_port()
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents = []
+    for node, is_host in enumerate((1, 0)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}",
+               "--rdzv-conf", f"is_host={is_host},join_timeout=120", "--local-addr", "127.0.0.1",
+               "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "scaletrain", "train", "--run.dir", str(run),
+               *args, _inject("kill:rank=1,step=6")]
+        log = open(tmp_path / f"node{node}.log", "w")  # a file, not a pipe: nobody reads it while they run
+        agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env))
+        time.sleep(1 if node == 0 else 0)  # the host's store first
+    try:
+        codes = [a.wait(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    logs = "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in range(2))
+    assert codes == [0, 0], logs
+    starts = _events(run, "start")
+    assert [e["restart"] for e in starts] == [0, 1] and starts[1]["step"] == 4, starts  # memory snapshot at 4
+    assert _per_step(run) == _per_step(ref)
+    a, b = load_run_model(ref)[0].state_dict(), load_run_model(run)[0].state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
