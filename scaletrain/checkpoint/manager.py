@@ -39,7 +39,8 @@ class CheckpointManager:
         self.rank = rank
         self.event = event
         self.on_commit = on_commit
-        self.stalls: dict[int, float] = {}  # step -> seconds the save blocked training        # Background saves talk over their own gloo group, never interleaving with the training collectives.
+        self.stalls: dict[int, float] = {}  # step -> seconds the save blocked training
+        # Background saves talk over their own gloo group, never interleaving with the training collectives.
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
         # poll() agrees on "every rank finished writing" while the upload thread still uses self.group: a group
         # of its own, since collectives of two threads must never interleave on one group.
