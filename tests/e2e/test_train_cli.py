@@ -101,7 +101,14 @@ def test_ctrl_c_exits_cleanly_and_keeps_the_run(tmp_path):
             read_jsonl(run / "metrics.jsonl")) >= 2):
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # every thread's stack into stderr (the CLI's faulthandler), then stop it
+        time.sleep(3)
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"still running 60 s after SIGINT; its stderr:\n{err[-8000:]}") from None
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert len(read_jsonl(run / "metrics.jsonl")) >= 2
