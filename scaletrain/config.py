@@ -201,6 +201,9 @@ class ResilienceConfig:
     survives a worker restart. 0: off."""
     memory_max_mb: int = 2048
     """Bound on the host memory the snapshot tier may use per rank (own copy plus the peer's replica)."""
+    memory_ttl_hours: float = 24.0
+    """Snapshots of other jobs that wrote nothing for this long are removed from shared memory when a tier opens
+    (a job that crashed for good leaves them behind). 0: never."""
     inject: list[str] = field(default_factory=list)
     """Fault injection for tests and drills, e.g. ["kill:rank=1,step=5", "nan:step=3", "spike:step=7",
     "hang:rank=0,step=4", "slow:rank=1,factor=3", "raise:rank=0,step=5", "corrupt_checkpoint:step=6",

@@ -115,9 +115,12 @@ def train(cfg: Config) -> dict:
         evals[0] = _evaluate(runner, loader, cfg.training, dims, env.device)
         writer.event("eval", step=0, val_loss=evals[0], val_ppl=math.exp(min(evals[0], 50)))
     interval = cfg.checkpoint.interval if isinstance(cfg.checkpoint.interval, int) else 0
+    # Probed in every run segment, so a restarted worker measures again rather than never saving.
+    probe_at = start + _AUTO_PROBE_STEP if cfg.checkpoint.interval == "auto" else None
     last: dict = {}
     step = start
     window_t0, window_steps, excluded = time.perf_counter(), 0, 0.0
+    segment_t0 = window_t0
     success = False
     try:
         with Progress(cfg.training.steps, start, enabled=env.is_main and cfg.metrics.progress) as progress:
@@ -129,8 +132,8 @@ def train(cfg: Config) -> dict:
                 loss = runner.forward_backward(inputs.to(env.device), targets.to(env.device),
                                                loss_factor=guard.loss_factor(step))
                 grad_norm = runner.clip()
-                if ckpt is not None:
-                    ckpt.before_update()  # a save in flight must have copied the weights before they change
+                if ckpt is not None:  # a save in flight must have copied the weights before they change
+                    excluded += ckpt.before_update()  # a checkpoint stall, not step time
                 decision = guard.check(step, loss, grad_norm, lambda x=loss: all_reduce_mean(x, dims.submesh("dp_cp")))
                 if decision == "ok":
                     for opt, sched in zip(optimizers, schedulers, strict=True):
@@ -167,7 +170,7 @@ def train(cfg: Config) -> dict:
                         writer.event("eval", step=step, val_loss=evals[step], val_ppl=last["val_ppl"],
                                      duration_s=time.perf_counter() - t_eval)
                     if step == cfg.training.steps and env.is_main:
-                        last["goodput"] = _goodput(run_dir, writer)
+                        last["goodput"] = _goodput(run_dir, dict(last, step=step))
                     writer.log(step, last)
                     _log_line(step, cfg.training.steps, last)
                     # Logging costs count in the next window: tokens/s is wall-clock honest.
@@ -180,10 +183,13 @@ def train(cfg: Config) -> dict:
                     log.warning("SIGTERM: saved a checkpoint at step %d and stopping", step)
                     break
                 if ckpt is not None and step < cfg.training.steps:
-                    if cfg.checkpoint.interval == "auto" and step == _AUTO_PROBE_STEP:
-                        interval = _auto_interval(ckpt, step, last, cfg, writer)
+                    if step == probe_at:  # checkpoint.interval = "auto": measure a save, then choose
+                        interval, blocked = _auto_interval(ckpt, guard, step, (time.perf_counter() - segment_t0) /
+                                                           (step - start), cfg, writer, env.device.type)
+                        excluded += blocked
+                        probe_at = None if interval else step + _AUTO_PROBE_STEP  # the probe failed: again later
                     elif interval and step % interval == 0:
-                        excluded += _save(ckpt, guard, step, writer)
+                        excluded += _save(ckpt, guard, step, writer) or 0.0
                     ckpt.poll()
                 guard.step_end(step, state)
         success = step == cfg.training.steps
@@ -270,37 +276,43 @@ def _evaluate(runner: StepRunner, loader, t: TrainingConfig, dims: ParallelDims,
 _AUTO_PROBE_STEP = 5
 
 
-def _save(ckpt: CheckpointManager, guard: Guard, step: int, writer: MetricsWriter) -> float:
+def _save(ckpt: CheckpointManager, guard: Guard, step: int, writer: MetricsWriter,
+          blocking: bool = False) -> float | None:
     """Start a save; a failing one (e.g. a full disk) is reported and training goes on: the previous checkpoint
-    is untouched. Returns the seconds training was blocked."""
+    is untouched. Returns the seconds training was blocked, None when the save failed."""
     try:
         guard.before_save(step)
-        return ckpt.save(step)
+        return ckpt.save(step, blocking=blocking)
     except OSError as e:
         writer.event("checkpoint_failed", step=step, error=str(e))
         log.error("step %d: checkpoint save failed (%s); training continues, the previous checkpoint stays", step, e)
-        return 0.0
+        return None
 
 
-def _goodput(run_dir: Path, writer: MetricsWriter) -> float | None:
+def _goodput(run_dir: Path, last_record: dict) -> float | None:
     from scaletrain.resilience.goodput import compute_goodput
 
     try:
-        return compute_goodput(run_dir)["goodput"]
+        return compute_goodput(run_dir, pending=last_record, now=time.time())["goodput"]
     except (ValueError, OSError):
         return None
 
 
-def _auto_interval(ckpt: CheckpointManager, step: int, last: dict, cfg: Config, writer: MetricsWriter) -> int:
-    """Save once to measure what a save blocks (delta), then pick the Young/Daly interval from it."""
-    delta = ckpt.save(step)
-    step_time = last.get("step_time_s") or 1.0
+def _auto_interval(ckpt: CheckpointManager, guard: Guard, step: int, step_time: float, cfg: Config,
+                   writer: MetricsWriter, device_type: str) -> tuple[int, float]:
+    """Save once to measure what a save costs (delta), then pick the Young/Daly interval from it; returns the
+    interval in steps (0 when the probe save failed) and the seconds it blocked. On CPU the background write competes with training for
+    the same cores, so delta is the whole save (written synchronously); on a GPU it is what the save blocks."""
+    cpu = device_type == "cpu"
+    delta = _save(ckpt, guard, step, writer, blocking=cpu)
+    if delta is None:
+        return 0, 0.0
     interval = interval_steps(delta, cfg.checkpoint.mtbf_hours * 3600, step_time)
-    log.info("checkpoint.interval = auto: a save blocks %.3fs, MTBF %.1fh, step %.3fs -> every %d steps", delta,
-             cfg.checkpoint.mtbf_hours, step_time, interval)
-    writer.event("checkpoint_interval", step=step, blocking_s=delta, mtbf_hours=cfg.checkpoint.mtbf_hours,
-                 interval_steps=interval)
-    return interval
+    log.info("checkpoint.interval = auto: a save costs %.3fs (%s), MTBF %.2fh, step %.3fs -> every %d steps",
+             delta, "whole save, CPU" if cpu else "blocking part", cfg.checkpoint.mtbf_hours, step_time, interval)
+    writer.event("checkpoint_interval", step=step, cost_s=delta, cost="whole save" if cpu else "blocking",
+                 mtbf_hours=cfg.checkpoint.mtbf_hours, step_time_s=step_time, interval_steps=interval)
+    return interval, delta
 
 
 class _PreemptionFlag:

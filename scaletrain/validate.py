@@ -31,8 +31,9 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     from scaletrain.resilience.faults import validate_specs
 
     problems += validate_specs(cfg.resilience.inject, world_size)
-    if cfg.resilience.max_restarts < 0 or cfg.resilience.memory_interval < 0 or cfg.resilience.hang_timeout_s < 0:
-        problems.append("resilience.max_restarts, memory_interval and hang_timeout_s must be >= 0")
+    r = cfg.resilience
+    if min(r.max_restarts, r.memory_interval, r.hang_timeout_s, r.memory_ttl_hours) < 0:
+        problems.append("resilience.max_restarts, memory_interval, hang_timeout_s and memory_ttl_hours must be >= 0")
     if cfg.resilience.straggler_factor and cfg.resilience.straggler_factor <= 1:
         problems.append("resilience.straggler_factor must be > 1 (a multiple of the median step time), or 0 (off)")
     if not problems:

@@ -44,8 +44,9 @@ from typing import Any
 STOP_KINDS = ("failure", "restart", "hang", "preempted", "interrupted", "end")
 
 
-def compute_goodput(run_dir: Path) -> dict:
+def compute_goodput(run_dir: Path, pending: dict | None = None, now: float | None = None) -> dict:
     """Goodput of the job whose records are in `run_dir`, and where the rest of its time went (see module doc).
+    A running job asks before writing its last record: `pending` is that record and `now` the job's end.
 
     Returns {goodput, total_s, productive_s, restart_s, recomputed_s, checkpoint_stall_s, eval_s, other_s,
     restarts, failures}.
@@ -53,7 +54,7 @@ def compute_goodput(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     events = sorted((e for e in read_jsonl(run_dir / "events.jsonl") if _num(e.get("time")) is not None),
                     key=lambda e: e["time"])
-    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") + [pending or {}] if isinstance(r.get("step"), int)]
     starts = [e for e in events if e.get("kind") == "start"]
     if not starts:
         raise ValueError(f"{run_dir / 'events.jsonl'} has no 'start' event: is {run_dir} a run directory whose "
@@ -61,7 +62,7 @@ def compute_goodput(run_dir: Path) -> dict:
     timed = bool(records) and all(_num(r.get("time")) is not None for r in records)
 
     t0 = min(e["time"] for e in events if e.get("kind") in ("start", "job_start"))
-    t_end = max([events[-1]["time"]] + ([r["time"] for r in records] if timed else []))
+    t_end = max([events[-1]["time"]] + ([r["time"] for r in records] if timed else []) + [now or 0.0])
     total = max(0.0, t_end - t0)
     productive, recomputed = _step_time(events, records, timed)
     restart = _restart_time(events, starts, records if timed else None)

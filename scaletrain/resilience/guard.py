@@ -42,7 +42,8 @@ class Guard:
         self.straggler = StragglerMonitor(cfg.straggler_factor, cfg.straggler_interval) \
             if cfg.straggler_factor > 0 else None
         self.memory = MemoryTier(job_key(run_dir, run_id), make_layout_key(world_size, layout), group=self.group,
-                                 max_bytes=cfg.memory_max_mb << 20) if cfg.memory_interval > 0 else None
+                                 max_bytes=cfg.memory_max_mb << 20,
+                                 ttl_s=cfg.memory_ttl_hours * 3600) if cfg.memory_interval > 0 else None
         self.first_step = True
         # A rank's own work per step, for straggler detection: wall time evens out across ranks in lock-step
         # training (the fast ones wait in the collectives), but a gloo wait blocks without using the CPU, so on CPU

@@ -10,6 +10,7 @@ A snapshot counts once its COMPLETE marker exists (written last, by rename); eac
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -187,7 +188,7 @@ class MemoryTier:
     group; None for one process), so all ranks call them in the same order with the same step."""
 
     def __init__(self, job_key: str, layout_key: str, *, group: dist.ProcessGroup | None = None,
-                 max_bytes: int = 2048 << 20, root: str | os.PathLike | None = None):
+                 max_bytes: int = 2048 << 20, root: str | os.PathLike | None = None, ttl_s: float = 0.0):
         self.group = group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
@@ -202,6 +203,8 @@ class MemoryTier:
         self.last_restore_s = 0.0
         self.restored_from_peer = False
         self.closed = False
+        if ttl_s > 0:
+            remove_stale_jobs(self.job_dir.parent, ttl_s, keep=self.job_dir.name)
 
     # -- snapshot ----------------------------------------------------------------------------------------------
     def snapshot(self, step: int, state: dict) -> bool:
@@ -407,6 +410,27 @@ class MemoryTier:
         works += [dist.irecv(c, group_src=r, group=self.group) for t, r in recvs for c in t.split(_CHUNK) if c.numel()]
         for w in works:
             w.wait()
+
+
+def remove_stale_jobs(root: Path, ttl_s: float, keep: str = "") -> list[str]:
+    """Remove the snapshots of jobs that wrote nothing for `ttl_s` seconds: a job that crashed for good (or whose
+    launcher gave up) leaves its snapshots in shared memory, where nothing else frees them. Age, not a liveness
+    check, decides, because a job's run directory may live on another node: a job queued longer than the TTL
+    resumes from storage instead. Returns the removed job keys."""
+    removed = []
+    now = time.time()
+    for job in (root.iterdir() if root.is_dir() else []):
+        if job.name == keep or not job.is_dir():
+            continue
+        # A snapshot creates or removes a step directory inside a slot, which updates the slot's mtime.
+        with contextlib.suppress(OSError):
+            newest = max([job.stat().st_mtime] + [s.stat().st_mtime for s in job.iterdir()])
+            if now - newest > ttl_s:
+                shutil.rmtree(job, ignore_errors=True)
+                removed.append(job.name)
+                log.info("memory tier: removed stale snapshots of job %s (idle %.1f h)", job.name,
+                         (now - newest) / 3600)
+    return removed
 
 
 def _map_file(path: Path, n: int, *, create: bool = False) -> torch.Tensor:

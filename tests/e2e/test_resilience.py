@@ -103,6 +103,22 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one_after_a_crash(tmp_p
     assert _events(run)[-1]["kind"] == "end"
 
 
+def test_auto_interval_is_measured_again_after_a_restart(tmp_path):
+    # A restarted worker must choose its own interval: before, only the first run segment probed, so after a
+    # restart no storage checkpoint was ever written again.
+    run = tmp_path / "run"
+    run_cli("train", "--max-restarts", "1", "--run.dir", str(run), *BASE, "--training.steps", "16",
+            "--checkpoint.interval", "auto", "--checkpoint.mtbf_hours", "0.0001", _inject("kill:rank=0,step=9"))
+    probes = _events(run, "checkpoint_interval")
+    [resumed] = [e["step"] for e in _events(run, "start") if e["resumed"]]
+    assert [p["step"] for p in probes] == [5, resumed + 5], probes
+    assert all(p["cost"] == "whole save" and p["cost_s"] > 0 and p["interval_steps"] >= 1 for p in probes)
+    every = probes[1]["interval_steps"]
+    saved = {e["step"] for e in _events(run, "checkpoint_saved")}
+    assert {s for s in range(resumed + 6, 16) if s % every == 0} <= saved and resumed + 5 in saved
+    assert _events(run)[-1]["kind"] == "end"
+
+
 def test_elastic_4_2_4_workers_keep_the_data_order_and_the_losses(tmp_path):
     args = [*BASE, "--optimizer.schedule", "constant", "--training.micro_batch", "2", "--checkpoint.interval", "0"]
     ref = tmp_path / "ref"

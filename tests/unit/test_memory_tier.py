@@ -151,3 +151,28 @@ def test_job_key_is_per_run_not_per_path(tmp_path):
     assert job_key(run, "id-a") == job_key(str(run), "id-a")
     assert job_key(run, "id-a") != job_key(run, "id-b")
     assert job_key(run, "id-a") != job_key(tmp_path / "other", "id-a")
+
+
+def test_snapshots_of_jobs_idle_past_the_ttl_are_removed_when_a_tier_opens(tmp_path):
+    import os
+    import time
+
+    state = make_state()[0]
+    crashed = MemoryTier("crashed", LAYOUT, root=tmp_path / "shm")
+    crashed.snapshot(1, state)
+    live = MemoryTier("live", LAYOUT, root=tmp_path / "shm")
+    live.snapshot(1, state)
+    # The crashed job last wrote two hours ago; the live one just now.
+    old = time.time() - 2 * 3600
+    for p in [crashed.job_dir, *crashed.job_dir.iterdir()]:
+        os.utime(p, (old, old))
+
+    MemoryTier("new", LAYOUT, root=tmp_path / "shm", ttl_s=3600)
+    assert not crashed.job_dir.exists()
+    assert live.latest_complete_step() == 1
+    # The same job idle past the TTL is never removed by itself, and ttl 0 removes nothing.
+    for p in [live.job_dir, *live.job_dir.iterdir()]:
+        os.utime(p, (old, old))
+    MemoryTier("live", LAYOUT, root=tmp_path / "shm", ttl_s=3600)
+    MemoryTier("other", LAYOUT, root=tmp_path / "shm", ttl_s=0)
+    assert live.latest_complete_step() == 1

@@ -44,6 +44,14 @@ def test_clean_run(tmp_path):
     assert (g["restart_s"], g["recomputed_s"], g["restarts"], g["failures"]) == (0.0, 0.0, 0, 0)
 
 
+def test_a_running_job_counts_its_last_record_before_writing_it(tmp_path):
+    # The final summary asks for goodput before the last record is written: that record and the time now count.
+    events = [{"time": 100.0, "kind": "start", "step": 0}, {"time": 110.0, "kind": "memory_snapshot", "step": 9}]
+    run = _write(tmp_path, events, [{"step": 10, "step_time_s": 1.0}])
+    g = _check(compute_goodput(run, pending={"step": 20, "step_time_s": 0.5}, now=125.0))
+    assert (g["total_s"], g["productive_s"]) == (pytest.approx(25.0), pytest.approx(15.0))
+
+
 def test_job_start_counts_the_launch_before_the_first_worker(tmp_path):
     events = [{"time": 90.0, "kind": "job_start"}, {"time": 100.0, "kind": "start", "step": 0},
               {"time": 125.0, "kind": "end", "step": 20}]
