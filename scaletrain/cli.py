@@ -11,6 +11,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 import traceback
 from datetime import datetime
 from pathlib import Path
@@ -131,10 +132,26 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     except BaseException:
         # A crashed worker must exit now: a background checkpoint upload blocked on a dead peer would otherwise
         # hold the process (and its agent's restart) until the collective timeout.
-        traceback.print_exc()
+        text = traceback.format_exc()
+        sys.stderr.write(text)
         sys.stderr.flush()
+        _linger_if_a_peer_failed(text)
         os._exit(1)
     return 0
+
+
+LINGER_S = 3.0  # many times the agent's monitor interval (0.1 s)
+
+
+def _linger_if_a_peer_failed(error: str) -> None:
+    """A rank whose collective broke because a peer died waits before exiting, so that the agent, which reports
+    the first worker it finds dead, finds the peer that failed (killed, out of memory) rather than this one. The
+    agent ends the wait at once: it stops the other workers with SIGTERM as soon as it sees a failure."""
+    from scaletrain.resilience.diagnose import classify
+
+    if _under_torchrun() and classify(1, None, error).kind == "collective_timeout":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the preemption handler: the agent's stop ends us
+        time.sleep(LINGER_S)
 
 
 def default_run_dir(cfg: Config) -> str:

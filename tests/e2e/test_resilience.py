@@ -165,7 +165,9 @@ def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path)
     logs = "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in range(2))
     assert codes == [0, 0], logs
     starts = _events(run, "start")
-    assert [e["restart"] for e in starts] == [0, 1] and starts[1]["step"] == 4, starts  # memory snapshot at 4
+    # One restart, resumed from the memory snapshot at step 4. (Rank 0 writes `start`; its node's agent restarts
+    # it for the new rendezvous, not as a failure, so its own restart count can stay 0.)
+    assert len(starts) == 2 and starts[1]["resumed"] and starts[1]["step"] == 4, starts
     assert _per_step(run) == _per_step(ref)
     a, b = load_run_model(ref)[0].state_dict(), load_run_model(run)[0].state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)

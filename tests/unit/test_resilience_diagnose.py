@@ -217,3 +217,27 @@ def test_tail_reads_the_last_lines_of_a_large_file(tmp_path):
     assert tail(path, 2) == "b\nc"
     assert tail(path, 10) == "a\nb\nc"
     assert tail(tmp_path / "missing.log", 5) == ""
+
+
+def test_a_rank_that_lost_its_peer_lingers_so_the_agent_blames_the_peer(monkeypatch):
+    # The agent reports the first worker it finds dead: the rank whose collective broke must not exit first.
+    import signal
+    import time
+
+    from scaletrain import cli
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: None)  # the trainer's preemption handler
+        cli._linger_if_a_peer_failed("ValueError: bad value in user code")
+        assert slept == [] and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        cli._linger_if_a_peer_failed("RuntimeError: [pair.cc:537] Read error: Connection reset by peer.")
+        assert slept == [cli.LINGER_S] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the agent's stop ends it
+        monkeypatch.delenv("LOCAL_RANK")
+        cli._linger_if_a_peer_failed("RuntimeError: Connection reset by peer")  # no agent: nobody to wait for
+        assert slept == [cli.LINGER_S]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
