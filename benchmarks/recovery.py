@@ -6,6 +6,7 @@ The storage load runs right after the save, with the files in the OS page cache:
 storage (a real restart reads from disk or a network filesystem), so the measured ratio is a lower bound.
 
     python benchmarks/recovery.py [--preset 125M] [--vocab 32000] [--repeats 3] [--threads 2]
+    python benchmarks/recovery.py --drill-steps 1200 --drill-every 400   # goodput drill, ~11 min
 """
 
 from __future__ import annotations
