@@ -95,7 +95,11 @@ def test_ctrl_c_exits_cleanly_and_keeps_the_run(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "scaletrain", "train", "--config", DEBUG, "--run.dir", str(run),
                              *QUICK, "--training.steps", "100000", "--metrics.log_interval", "1"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
+                            # As a terminal's foreground job gets it. A suite started in the background of a
+                            # non-interactive shell (as CI may be) inherits SIGINT ignored, and Python then never
+                            # raises KeyboardInterrupt: the cause of this test's earlier CI timeouts.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(
             read_jsonl(run / "metrics.jsonl")) >= 2):
