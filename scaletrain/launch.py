@@ -72,6 +72,7 @@ def _run_workers(nproc: int, log_dir: Path, worker_args: list[str]) -> None:
     args = get_args_parser().parse_args(
         ["--nproc-per-node", str(nproc), "--max-restarts", "0", "--log-dir", str(log_dir), "--redirects", "3",
          "--tee", "3", "--start-method", "forkserver", "--module", "scaletrain"])
+    # "--module scaletrain" only satisfies the parser (it wants a script); the entrypoint is worker_main below.
     # As torchrun --standalone: a private c10d rendezvous on a free local port.
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)
