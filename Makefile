@@ -17,11 +17,13 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(BIN)/scaletrain train --config configs/default.toml $(ARGS)
 
-test: $(STAMP)
+# Lint first: it takes a second and a style error should not wait 15 minutes of tests to show.
+test: lint
 	$(BIN)/python -m pytest -q tests $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check scaletrain tests benchmarks
+	$(BIN)/ruff format --check scaletrain tests benchmarks
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py

@@ -72,15 +72,17 @@ def main() -> None:
     n_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
     root = Path(tempfile.mkdtemp(prefix="scaletrain-ckpt-bench-"))
     try:
-        sync = CheckpointManager(CheckpointConfig(async_save=False, keep_last=1), str(root / "sync"), state, rank=0,
-                                 world_size=1)
+        sync = CheckpointManager(
+            CheckpointConfig(async_save=False, keep_last=1), str(root / "sync"), state, rank=0, world_size=1
+        )
         t0 = time.perf_counter()
         sync.save(1, blocking=True)
         t_sync = time.perf_counter() - t0
 
         base, _ = timed_steps(model, opt, x, args.steps)
-        ckpt = CheckpointManager(CheckpointConfig(async_save=True, keep_last=1), str(root / "async"), state, rank=0,
-                                 world_size=1)
+        ckpt = CheckpointManager(
+            CheckpointConfig(async_save=True, keep_last=1), str(root / "async"), state, rank=0, world_size=1
+        )
         with_save, stall = timed_steps(model, opt, x, args.steps, ckpt, save_at=1)
         t0 = time.perf_counter()
         ckpt.wait()
@@ -94,13 +96,19 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\n{args.preset} preset: {sum(p.numel() for p in model.parameters()):,} parameters, checkpoint state "
-          f"{n_bytes / 2**20:,.0f} MiB (weights + AdamW), {args.threads} threads, local disk")
+    print(
+        f"\n{args.preset} preset: {sum(p.numel() for p in model.parameters()):,} parameters, checkpoint state "
+        f"{n_bytes / 2**20:,.0f} MiB (weights + AdamW), {args.threads} threads, local disk"
+    )
     print(f"  synchronous save (write + sha256 + commit):    {t_sync:7.3f} s")
-    print(f"  async save, training stall (blocked):          {stall:7.3f} s   = {stall / t_sync:.1%} of the "
-          "synchronous save (target <= 10%)")
-    print(f"  async save, overlapping steps ran slower by:   {max(slowdown, 0):7.3f} s   (background stage 2 "
-          f"shares the CPU; median step {statistics.median(base):.3f} s)")
+    print(
+        f"  async save, training stall (blocked):          {stall:7.3f} s   = {stall / t_sync:.1%} of the "
+        "synchronous save (target <= 10%)"
+    )
+    print(
+        f"  async save, overlapping steps ran slower by:   {max(slowdown, 0):7.3f} s   (background stage 2 "
+        f"shares the CPU; median step {statistics.median(base):.3f} s)"
+    )
     print(f"  async save, left to drain after {args.steps} steps:    {t_drain:7.3f} s")
     print(f"  load with checksum verification:               {t_load:7.3f} s")
 

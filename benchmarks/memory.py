@@ -74,8 +74,12 @@ def storage_bytes(tensors) -> int:
 
 
 def state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
-    fsdp_params = [fp for m in model.modules() if isinstance(m, FSDPModule)
-                   for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    fsdp_params = [
+        fp
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params
+    ]
     if fsdp_params:
         # While a unit is gathered, module.parameters() are the unsharded tensors: read FSDP's own records.
         params = storage_bytes(fp.sharded_param for fp in fsdp_params)
@@ -100,8 +104,11 @@ def measure(mode: str, args: ModelArgs, n: int) -> dict:
     cpu = torch.device("cpu")
     if mode in ("ddp", "zero1"):
         model = apply_ddp(model, mesh, 25)
-        opt = (build_zero1_optimizer(model, opt_cfg, cpu, mesh) if mode == "zero1"
-               else build_optimizer(model, opt_cfg, cpu))
+        opt = (
+            build_zero1_optimizer(model, opt_cfg, cpu, mesh)
+            if mode == "zero1"
+            else build_optimizer(model, opt_cfg, cpu)
+        )
     else:
         apply_fsdp(model, mesh, reshard_after_forward=mode == "fsdp")
         opt = build_optimizer(model, opt_cfg, cpu)
@@ -136,10 +143,13 @@ def measure(mode: str, args: ModelArgs, n: int) -> dict:
         sample()
         opt.zero_grad(set_to_none=True)
     peak = max(samples, key=lambda s: s["params"] + s["gathered"] + s["grads"] + s["optim"])
-    return {"psi": psi, **{k: v for k, v in resident.items() if k != "gathered"},
-            "gathered": max(s["gathered"] for s in samples),
-            "resident": resident["params"] + resident["grads"] + resident["optim"],
-            "peak": sum(peak.values())}
+    return {
+        "psi": psi,
+        **{k: v for k, v in resident.items() if k != "gathered"},
+        "gathered": max(s["gathered"] for s in samples),
+        "resident": resident["params"] + resident["grads"] + resident["optim"],
+        "peak": sum(peak.values()),
+    }
 
 
 def worker(rank: int, world_size: int, margs: dict, out: str) -> None:
@@ -162,10 +172,19 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     a = ap.parse_args()
-    margs = dict(dim=a.dim, n_layers=a.layers, n_heads=4, n_kv_heads=4, ffn_hidden=a.ffn, vocab_size=a.vocab,
-                 max_seq_len=16)
-    header = (f"{'mode':<6}{'N':>3}{'params':>8}{'grads':>8}{'optim':>8}{'resident':>10}{'gathered':>10}"
-              f"{'peak':>8}  {'formula':<10}{'=':>6}  {'ratio':>6}  vs")
+    margs = dict(
+        dim=a.dim,
+        n_layers=a.layers,
+        n_heads=4,
+        n_kv_heads=4,
+        ffn_hidden=a.ffn,
+        vocab_size=a.vocab,
+        max_seq_len=16,
+    )
+    header = (
+        f"{'mode':<6}{'N':>3}{'params':>8}{'grads':>8}{'optim':>8}{'resident':>10}{'gathered':>10}"
+        f"{'peak':>8}  {'formula':<10}{'=':>6}  {'ratio':>6}  vs"
+    )
     lines, ok, psi = [header], True, 0
     with tempfile.TemporaryDirectory() as tmp:
         for n in a.sizes:
@@ -176,10 +195,22 @@ def main() -> int:
                 psi, f = r["psi"], FORMULA[mode](n)
                 ratio = r[COMPARED[mode]] / psi / f
                 ok &= abs(ratio - 1) <= 0.10
-                cols = (("params", 8), ("grads", 8), ("optim", 8), ("resident", 10), ("gathered", 10), ("peak", 8))
-                lines.append(f"{mode:<6}{n:>3}" + "".join(f"{r[k] / psi:>{w}.2f}" for k, w in cols)
-                             + f"  {FORMULA_TEXT[mode]:<10}{f:>6.2f}  {ratio:>6.3f}  {COMPARED[mode]}")
-    print(f"Bytes per parameter on the fullest rank; Ψ = {psi:,} parameters, fp32 AdamW; ratio = measured / formula")
+                cols = (
+                    ("params", 8),
+                    ("grads", 8),
+                    ("optim", 8),
+                    ("resident", 10),
+                    ("gathered", 10),
+                    ("peak", 8),
+                )
+                lines.append(
+                    f"{mode:<6}{n:>3}"
+                    + "".join(f"{r[k] / psi:>{w}.2f}" for k, w in cols)
+                    + f"  {FORMULA_TEXT[mode]:<10}{f:>6.2f}  {ratio:>6.3f}  {COMPARED[mode]}"
+                )
+    print(
+        f"Bytes per parameter on the fullest rank; Ψ = {psi:,} parameters, fp32 AdamW; ratio = measured / formula"
+    )
     print("\n".join(lines))
     print(f"every ratio within 10%: {'yes' if ok else 'NO'}")
     return 0 if ok else 1

@@ -41,6 +41,7 @@ class Busy:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
+
         return timed
 
 
@@ -49,8 +50,15 @@ def _worker(rank: int, pp: int, port: int, opts: argparse.Namespace, out) -> Non
     torch.set_num_threads(opts.threads)
     dist.init_process_group("gloo", rank=rank, world_size=pp)
     mesh = init_device_mesh("cpu", (pp,), mesh_dim_names=("pp",))
-    args = ModelArgs(dim=opts.dim, n_layers=opts.layers, n_heads=opts.dim // 64, n_kv_heads=opts.dim // 64,
-                     ffn_hidden=int(opts.dim * 8 / 3) // 64 * 64, vocab_size=opts.vocab, max_seq_len=opts.seq_len)
+    args = ModelArgs(
+        dim=opts.dim,
+        n_layers=opts.layers,
+        n_heads=opts.dim // 64,
+        n_kv_heads=opts.dim // 64,
+        ffn_hidden=int(opts.dim * 8 / 3) // 64 * 64,
+        vocab_size=opts.vocab,
+        max_seq_len=opts.seq_len,
+    )
     rows = []
     for schedule in opts.schedules:
         for m in opts.microbatches:
@@ -59,8 +67,15 @@ def _worker(rank: int, pp: int, port: int, opts: argparse.Namespace, out) -> Non
             model.to_empty(device=CPU)
             torch.manual_seed(0)
             model.init_weights(CPU)
-            parts = apply_pp(model, mesh, schedule=schedule, n_microbatches=m, virtual_stages=opts.virtual_stages,
-                             device=CPU, loss_fn=busy.wrap(pipeline_loss))
+            parts = apply_pp(
+                model,
+                mesh,
+                schedule=schedule,
+                n_microbatches=m,
+                virtual_stages=opts.virtual_stages,
+                device=CPU,
+                loss_fn=busy.wrap(pipeline_loss),
+            )
             del model
             for stage in parts.stages:
                 for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -120,9 +135,11 @@ def main() -> None:
         p.join()
 
     p = opts.pp
-    print(f"pp={p}, {opts.layers} layers, dim {opts.dim}, seq {opts.seq_len}, {opts.mb_size} sequences per "
-          f"micro-batch, {opts.threads} thread(s) per process, {os.cpu_count()} CPU cores, load average "
-          f"{os.getloadavg()[0]:.1f} (anything above {opts.pp * opts.threads} means shared cores)")
+    print(
+        f"pp={p}, {opts.layers} layers, dim {opts.dim}, seq {opts.seq_len}, {opts.mb_size} sequences per "
+        f"micro-batch, {opts.threads} thread(s) per process, {os.cpu_count()} CPU cores, load average "
+        f"{os.getloadavg()[0]:.1f} (anything above {opts.pp * opts.threads} means shared cores)"
+    )
     head = f"{'schedule':<18}{'m':>3}{'v':>3}{'step ms':>9}{'bubble':>9}  {'per rank':<16}{'ideal':>8}{'ideal v·m':>11}"
     print(head)
     print("-" * len(head))
@@ -132,8 +149,10 @@ def main() -> None:
         per_rank = " ".join(f"{f:.0%}" for f, _ in gathered)
         step_ms = 1000 * max(t for _, t in gathered)
         inter = f"{ideal_bubble(p, m, v):.0%}" if v > 1 else "-"
-        print(f"{schedule:<18}{m:>3}{v:>3}{step_ms:>9.0f}{measured:>9.0%}  {per_rank:<16}{ideal_bubble(p, m):>8.0%}"
-              f"{inter:>11}")
+        print(
+            f"{schedule:<18}{m:>3}{v:>3}{step_ms:>9.0f}{measured:>9.0%}  {per_rank:<16}{ideal_bubble(p, m):>8.0%}"
+            f"{inter:>11}"
+        )
     print("""
 bubble = 1 - (time inside stage forward/backward and the loss) / (step wall time), mean over ranks.
 ideal = (p-1)/(m+p-1) (GPipe, 1F1B); ideal v·m = (p-1)/(v·m+p-1) (interleaved, v stages per rank).

@@ -84,7 +84,9 @@ def measure_memory(state: dict, root: Path, repeats: int) -> dict:
 
 def measure_storage(state: dict, root: Path, repeats: int) -> dict:
     """Save one checkpoint to local disk, then time CheckpointManager.load_latest() (DCP + sha256 of every file)."""
-    mgr = CheckpointManager(CheckpointConfig(async_save=False, keep_last=1), str(root), state, rank=0, world_size=1)
+    mgr = CheckpointManager(
+        CheckpointConfig(async_save=False, keep_last=1), str(root), state, rank=0, world_size=1
+    )
     save_s, _ = timed(lambda: mgr.save(1, blocking=True), 1)
     load_s, step = timed(mgr.load_latest, repeats)
     assert step == 1
@@ -95,19 +97,29 @@ def measure_storage(state: dict, root: Path, repeats: int) -> dict:
 
 def report(preset: str, n_params: int, n_bytes: int, threads: int, mem: dict, sto: dict) -> float:
     ratio = sto["recover_s"] / mem["recover_s"]
-    print(f"\n{preset} preset: {n_params:,} parameters, state {n_bytes / 2**20:,.0f} MiB (weights + AdamW), "
-          f"{threads} threads, one process")
-    print(f"  memory tier: snapshot (blocking)               {mem['snapshot_s']:7.3f} s   "
-          f"({mem['bytes'] / 2**20:,.0f} MiB in shared memory)")
+    print(
+        f"\n{preset} preset: {n_params:,} parameters, state {n_bytes / 2**20:,.0f} MiB (weights + AdamW), "
+        f"{threads} threads, one process"
+    )
+    print(
+        f"  memory tier: snapshot (blocking)               {mem['snapshot_s']:7.3f} s   "
+        f"({mem['bytes'] / 2**20:,.0f} MiB in shared memory)"
+    )
     print(f"  memory tier: recover (find + restore)          {mem['recover_s']:7.3f} s")
-    print(f"  storage: save (write + sha256 + commit)        {sto['save_s']:7.3f} s   "
-          f"({sto['bytes'] / 2**20:,.0f} MiB on local disk)")
-    print(f"  storage: recover (load_latest, verified)       {sto['recover_s']:7.3f} s   (page cache warm: best case)")
+    print(
+        f"  storage: save (write + sha256 + commit)        {sto['save_s']:7.3f} s   "
+        f"({sto['bytes'] / 2**20:,.0f} MiB on local disk)"
+    )
+    print(
+        f"  storage: recover (load_latest, verified)       {sto['recover_s']:7.3f} s   (page cache warm: best case)"
+    )
     verdict = "meets" if ratio >= TARGET_RATIO else "misses"
     print(f"  memory recovery is {ratio:.1f}x faster than storage ({verdict} the {TARGET_RATIO:.0f}x target)")
     if ratio < TARGET_RATIO:
-        print("  why: both paths end in the same memcpy into the live tensors plus load_state_dict(); storage adds"
-              " a sha256 pass and DCP planning, which on this CPU is less than 10x the copy itself")
+        print(
+            "  why: both paths end in the same memcpy into the live tensors plus load_state_dict(); storage adds"
+            " a sha256 pass and DCP planning, which on this CPU is less than 10x the copy itself"
+        )
     return ratio
 
 
@@ -120,10 +132,29 @@ def goodput_drill(steps: int, every: int, config: str, run_dir: Path) -> dict:
     from scaletrain.resilience.goodput import compute_goodput
 
     kills = [f"kill:rank=0,step={s}" for s in range(every, steps, every)]
-    cmd = [sys.executable, "-m", "scaletrain", "train", "--config", config, "--run.dir", str(run_dir),
-           "--training.steps", str(steps), "--max-restarts", str(len(kills) + 1), "--checkpoint.interval", "auto",
-           "--checkpoint.mtbf_hours", str(max(every, 1) * 0.5 / 3600), "--resilience.memory_interval", "5",
-           "--metrics.progress", "false", "--resilience.inject=[" + ",".join(f'"{k}"' for k in kills) + "]"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaletrain",
+        "train",
+        "--config",
+        config,
+        "--run.dir",
+        str(run_dir),
+        "--training.steps",
+        str(steps),
+        "--max-restarts",
+        str(len(kills) + 1),
+        "--checkpoint.interval",
+        "auto",
+        "--checkpoint.mtbf_hours",
+        str(max(every, 1) * 0.5 / 3600),
+        "--resilience.memory_interval",
+        "5",
+        "--metrics.progress",
+        "false",
+        "--resilience.inject=[" + ",".join(f'"{k}"' for k in kills) + "]",
+    ]
     subprocess.run(cmd, check=True, capture_output=True)
     return compute_goodput(run_dir)
 
@@ -134,16 +165,28 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--drill-steps", type=int, default=0, help="run the goodput drill with this many steps (0: skip)")
+    p.add_argument(
+        "--drill-steps", type=int, default=0, help="run the goodput drill with this many steps (0: skip)"
+    )
     p.add_argument("--drill-every", type=int, default=100, help="kill a worker every N steps in the drill")
     p.add_argument("--drill-config", default="configs/default.toml")
     args = p.parse_args()
     if args.drill_steps:
         with tempfile.TemporaryDirectory(prefix="scaletrain-drill-") as tmp:
             g = goodput_drill(args.drill_steps, args.drill_every, args.drill_config, Path(tmp) / "run")
-        print(f"goodput drill: {args.drill_steps} steps, a worker killed every {args.drill_every} steps, "
-              f"{g['restarts']} restart(s): goodput {g['goodput']:.1%} (target >= 95%)")
-        for k in ("total_s", "productive_s", "restart_s", "recomputed_s", "checkpoint_stall_s", "eval_s", "other_s"):
+        print(
+            f"goodput drill: {args.drill_steps} steps, a worker killed every {args.drill_every} steps, "
+            f"{g['restarts']} restart(s): goodput {g['goodput']:.1%} (target >= 95%)"
+        )
+        for k in (
+            "total_s",
+            "productive_s",
+            "restart_s",
+            "recomputed_s",
+            "checkpoint_stall_s",
+            "eval_s",
+            "other_s",
+        ):
             print(f"  {k:20s} {g[k]:8.1f}")
         return
     torch.set_num_threads(args.threads)

@@ -25,12 +25,35 @@ from scaletrain.train import train
 
 
 def scaletrain_step_times(args, run_dir: Path) -> list[float]:
-    cfg = load_config(None, [
-        "--model.preset", args.preset, "--data.seq_len", str(args.seq_len), "--training.steps", str(args.steps),
-        "--training.global_batch", str(args.batch), "--training.micro_batch", str(args.batch),
-        "--training.eval_interval", "0", "--training.threads", str(args.threads), "--metrics.log_interval", "5",
-        "--metrics.progress", "false", "--metrics.tensorboard", "false", "--run.dir", str(run_dir),
-        "--training.precision", args.precision])
+    cfg = load_config(
+        None,
+        [
+            "--model.preset",
+            args.preset,
+            "--data.seq_len",
+            str(args.seq_len),
+            "--training.steps",
+            str(args.steps),
+            "--training.global_batch",
+            str(args.batch),
+            "--training.micro_batch",
+            str(args.batch),
+            "--training.eval_interval",
+            "0",
+            "--training.threads",
+            str(args.threads),
+            "--metrics.log_interval",
+            "5",
+            "--metrics.progress",
+            "false",
+            "--metrics.tensorboard",
+            "false",
+            "--run.dir",
+            str(run_dir),
+            "--training.precision",
+            args.precision,
+        ],
+    )
     train(cfg)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in rows[1:]]  # per-step means of 5-step windows; the first is warm-up
@@ -47,8 +70,12 @@ def bare_step_times(args) -> list[float]:
     model.init_weights()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), foreach=True)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        foreach=True,
+    )
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     times = []
     for _ in range(args.steps):
@@ -63,7 +90,7 @@ def bare_step_times(args) -> list[float]:
         opt.zero_grad(set_to_none=True)
         loss.item()
         times.append(time.perf_counter() - t0)
-    return times[args.warmup:]
+    return times[args.warmup :]
 
 
 def main() -> None:
@@ -84,9 +111,11 @@ def main() -> None:
             bare += bare_step_times(args)
     tokens = args.batch * args.seq_len
     t_ours, t_bare = statistics.median(ours), statistics.median(bare)
-    print(f"\n{args.preset} preset, {args.precision}, batch {args.batch} x {args.seq_len} tokens, "
-          f"{args.threads} threads, {args.rounds} alternating rounds of {args.steps} steps (first {args.warmup} "
-          "of each dropped)")
+    print(
+        f"\n{args.preset} preset, {args.precision}, batch {args.batch} x {args.seq_len} tokens, "
+        f"{args.threads} threads, {args.rounds} alternating rounds of {args.steps} steps (first {args.warmup} "
+        "of each dropped)"
+    )
     print(f"  bare PyTorch loop : {tokens / t_bare:10.0f} tokens/s  (median step {t_bare * 1e3:.1f} ms)")
     print(f"  scaletrain train(): {tokens / t_ours:10.0f} tokens/s  (median step {t_ours * 1e3:.1f} ms)")
     print(f"  ratio scaletrain / bare = {t_bare / t_ours:.3f}  (target >= 0.97)")

@@ -32,7 +32,9 @@ Any config key can be overridden as --section.key VALUE or --section.key=VALUE. 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # `kill -USR1 <pid>` prints every thread's stack to stderr and carries on: how a stuck run is looked into.
-    with contextlib.suppress(AttributeError, OSError, ValueError):  # stderr without a descriptor (embedded, tests)
+    with contextlib.suppress(
+        AttributeError, OSError, ValueError
+    ):  # stderr without a descriptor (embedded, tests)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = _parser()
     if not argv or argv[0] in ("-h", "--help") or (len(argv) > 1 and argv[1] in ("-h", "--help")):
@@ -56,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C); everything written so far is kept in the run directory", file=sys.stderr)
+        print(
+            "\ninterrupted (Ctrl-C); everything written so far is kept in the run directory", file=sys.stderr
+        )
         return 130
 
 
@@ -87,15 +91,19 @@ def _convert(args: argparse.Namespace, rest: list[str]) -> int:
     if args.from_ == "hf" and len(rest) == 1:
         print(from_hf(Path(rest[0]), Path(args.out)))
         return 0
-    raise ConfigError("usage: scaletrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR, or "
-                      "scaletrain convert --from hf HF_DIR [--out config.toml]")
+    raise ConfigError(
+        "usage: scaletrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR, or "
+        "scaletrain convert --from hf HF_DIR [--out config.toml]"
+    )
 
 
 def _parity(args: argparse.Namespace, overrides: list[str]) -> int:
     from scaletrain.parity import run_parity
 
     if not args.layouts:
-        raise ConfigError('parity needs --layouts, e.g. --layouts "dp_shard=2" "tp=2" "pp=2,pp_schedule=gpipe"')
+        raise ConfigError(
+            'parity needs --layouts, e.g. --layouts "dp_shard=2" "tp=2" "pp=2,pp_schedule=gpipe"'
+        )
     results = run_parity(args.config, args.layouts, args.steps, overrides, args.rtol)
     return 0 if all(r.ok for r in results) else 1
 
@@ -170,11 +178,16 @@ def _prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = load_config(args.config, overrides + ["--data.tokenizer", "byte"])
         out = Path(args.tokenizer_out)
         srcs = cfg.data.sources
-        files = [(f, s.format, s.field) for i, s in enumerate(srcs) for f in list_files(s, i)] if srcs else [
-            (f, "text", "text") for f in embedded_corpus_files()]
+        files = (
+            [(f, s.format, s.field) for i, s in enumerate(srcs) for f in list_files(s, i)]
+            if srcs
+            else [(f, "text", "text") for f in embedded_corpus_files()]
+        )
         texts = (doc for f, fmt, field in files for doc in read_documents(f, fmt, field))
         tokenizer = train_bpe(texts, args.vocab_size, out)
-        print(f"tokenizer with {tokenizer.vocab_size} tokens written to {out}; train with --data.tokenizer {out}")
+        print(
+            f"tokenizer with {tokenizer.vocab_size} tokens written to {out}; train with --data.tokenizer {out}"
+        )
         cfg.data.tokenizer = str(out)
     else:
         cfg = load_config(args.config, overrides)

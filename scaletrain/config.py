@@ -243,8 +243,9 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
 
-def load_config(path: str | None, overrides: list[str] | None = None, world_size: int = 1,
-                check_run_dir: bool = True) -> Config:
+def load_config(
+    path: str | None, overrides: list[str] | None = None, world_size: int = 1, check_run_dir: bool = True
+) -> Config:
     """Read TOML, apply `--a.b value` overrides, type-check and validate; raise ConfigError listing every problem."""
     from scaletrain.config_io import parse_overrides, read_toml, to_dataclass
     from scaletrain.validate import validate

@@ -67,8 +67,11 @@ def to_hf(src: Path, out: Path) -> str:
     tok_file = Path(cfg.data.tokenizer) if cfg.data.tokenizer != "byte" else None
     export_hf(model.eval(), out, tok_file, tokenizer.eod_id)
     diff = verify_with_transformers(model, out)
-    checked = (f"transformers.LlamaForCausalLM logits match (max abs diff {diff:.1e})" if diff is not None
-               else "not checked against transformers (not installed)")
+    checked = (
+        f"transformers.LlamaForCausalLM logits match (max abs diff {diff:.1e})"
+        if diff is not None
+        else "not checked against transformers (not installed)"
+    )
     return f"exported {ckpt} to {out}; {checked}"
 
 
@@ -78,8 +81,10 @@ def from_hf(hf_dir: Path, out_toml: Path) -> str:
     cfg_json, _ = read_hf_dir(hf_dir)
     model = {"preset": "debug", **args_from_hf_config(cfg_json), "init_from": f"hf:{hf_dir}"}
     data = {"tokenizer": str(hf_dir / "tokenizer.json")} if (hf_dir / "tokenizer.json").exists() else {}
-    header = ("# Start training from the Hugging Face Llama weights in " + str(hf_dir) + ".\n"
-              "# The model fields below come from its config.json and override the preset.\n")
+    header = (
+        "# Start training from the Hugging Face Llama weights in " + str(hf_dir) + ".\n"
+        "# The model fields below come from its config.json and override the preset.\n"
+    )
     out_toml.write_text(header + tomli_w.dumps({"model": model, **({"data": data} if data else {})}))
     return f"wrote {out_toml}; train with: scaletrain train --config {out_toml}"
 

@@ -24,13 +24,17 @@ from scaletrain.resilience.watchdog import append_event
 log = logging.getLogger("scaletrain")
 
 
-def launch_local(cfg: Config, config_path: str | None, overrides: list[str], nproc: int, max_restarts: int) -> int:
+def launch_local(
+    cfg: Config, config_path: str | None, overrides: list[str], nproc: int, max_restarts: int
+) -> int:
     """Run the job, and when a worker fails: diagnose why, write it to events.jsonl, and restart the group (which
     resumes from the newest complete checkpoint) unless the cause is one a restart cannot cure."""
     from scaletrain.cli import default_run_dir
     from scaletrain.resilience.diagnose import RestartPolicy
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
     run_dir = Path(cfg.run.dir or default_run_dir(cfg))
     prepare_data(cfg.data, load_tokenizer(cfg.data.tokenizer), log=log.info)
     worker_args = (["--config", config_path] if config_path else []) + overrides + ["--run.dir", str(run_dir)]
@@ -51,18 +55,23 @@ def launch_local(cfg: Config, config_path: str | None, overrides: list[str], npr
             return 0
         except ChildFailedError as e:
             diag, rank = _diagnose(e, log_dir)
-        append_event(run_dir, "failure", diag.step, rank=rank, cause=diag.kind, detail=diag.detail,
-                     attempt=attempt)
+        append_event(
+            run_dir, "failure", diag.step, rank=rank, cause=diag.kind, detail=diag.detail, attempt=attempt
+        )
         restart, reason = policy.decide(diag)
         if not restart:
             append_event(run_dir, "stopped", diag.step, cause=diag.kind, reason=reason)
-            print(f"error: rank {rank} failed ({diag.kind}: {diag.detail}); not restarting: {reason}. "
-                  f"Logs: {log_dir}", file=sys.stderr)
+            print(
+                f"error: rank {rank} failed ({diag.kind}: {diag.detail}); not restarting: {reason}. "
+                f"Logs: {log_dir}",
+                file=sys.stderr,
+            )
             return 1
         attempt += 1
         append_event(run_dir, "restart", diag.step, attempt=attempt, cause=diag.kind, rank=rank)
-        log.warning("rank %d failed (%s: %s); restart %d of %d", rank, diag.kind, diag.detail, attempt,
-                    max_restarts)
+        log.warning(
+            "rank %d failed (%s: %s); restart %d of %d", rank, diag.kind, diag.detail, attempt, max_restarts
+        )
 
 
 def _run_workers(nproc: int, log_dir: Path, worker_args: list[str]) -> None:
@@ -70,8 +79,23 @@ def _run_workers(nproc: int, log_dir: Path, worker_args: list[str]) -> None:
     workers are forked from a fork server that has already imported torch and scaletrain. A fresh interpreter
     spends ~3 s on imports on this CPU: most of a restart's cost, paid again on every restart without this."""
     args = get_args_parser().parse_args(
-        ["--nproc-per-node", str(nproc), "--max-restarts", "0", "--log-dir", str(log_dir), "--redirects", "3",
-         "--tee", "3", "--start-method", "forkserver", "--module", "scaletrain"])
+        [
+            "--nproc-per-node",
+            str(nproc),
+            "--max-restarts",
+            "0",
+            "--log-dir",
+            str(log_dir),
+            "--redirects",
+            "3",
+            "--tee",
+            "3",
+            "--start-method",
+            "forkserver",
+            "--module",
+            "scaletrain",
+        ]
+    )
     # "--module scaletrain" only satisfies the parser (it wants a script); the entrypoint is worker_main below.
     # As torchrun --standalone: a private c10d rendezvous on a free local port.
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -105,6 +129,8 @@ def _diagnose(e: ChildFailedError, log_dir: Path):
         if failure.error_file:
             text += "\n" + read_error_file(failure.error_file)
         code = failure.exitcode
-        found.append((failure.timestamp, rank, classify(code, -code if code is not None and code < 0 else None, text)))
+        found.append(
+            (failure.timestamp, rank, classify(code, -code if code is not None and code < 0 else None, text))
+        )
     rank, diag = root_cause(found)
     return diag, rank

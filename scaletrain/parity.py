@@ -52,7 +52,17 @@ def parse_layout(text: str) -> tuple[int, list[str]]:
 
 
 def _run(args: list[str], nproc: int, run_dir: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "scaletrain", "train", "--nproc", str(nproc), *args, "--run.dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaletrain",
+        "train",
+        "--nproc",
+        str(nproc),
+        *args,
+        "--run.dir",
+        str(run_dir),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
@@ -64,16 +74,45 @@ def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
-def run_parity(config: str | None, layouts: list[str], steps: int, overrides: list[str], rtol: float,
-               out=print) -> list[ParityResult]:
+def run_parity(
+    config: str | None, layouts: list[str], steps: int, overrides: list[str], rtol: float, out=print
+) -> list[ParityResult]:
     """fp32, deterministic kernels, metrics every step, no evaluation: only the parallel layout differs."""
-    base = (["--config", config] if config else []) + overrides + [
-        "--training.steps", str(steps), "--training.precision", "fp32", "--training.eval_interval", "0",
-        "--metrics.log_interval", "1", "--metrics.progress", "false", "--metrics.tensorboard", "false",
-        "--training.threads", "1"]
+    base = (
+        (["--config", config] if config else [])
+        + overrides
+        + [
+            "--training.steps",
+            str(steps),
+            "--training.precision",
+            "fp32",
+            "--training.eval_interval",
+            "0",
+            "--metrics.log_interval",
+            "1",
+            "--metrics.progress",
+            "false",
+            "--metrics.tensorboard",
+            "false",
+            "--training.threads",
+            "1",
+        ]
+    )
     parsed = [(layout, *parse_layout(layout)) for layout in layouts]  # every layout checked before any run
-    single = ["--parallel.data_parallel", "ddp", "--parallel.dp_replicate", "1", "--parallel.dp_shard", "-1",
-              "--parallel.tp", "1", "--parallel.pp", "1", "--parallel.cp", "1"]
+    single = [
+        "--parallel.data_parallel",
+        "ddp",
+        "--parallel.dp_replicate",
+        "1",
+        "--parallel.dp_shard",
+        "-1",
+        "--parallel.tp",
+        "1",
+        "--parallel.pp",
+        "1",
+        "--parallel.cp",
+        "1",
+    ]
     results = []
     with tempfile.TemporaryDirectory(prefix="scaletrain-parity-") as tmp:
         ref = _run(base + single, 1, Path(tmp) / "reference")
@@ -89,6 +128,8 @@ def run_parity(config: str | None, layouts: list[str], steps: int, overrides: li
             dl = _max_rel([m["loss"] for m in got], ref_loss)
             dg = _max_rel([m["grad_norm"] for m in got], ref_gn)
             results.append(ParityResult(layout, nproc, dl, dg, dl <= rtol and dg <= rtol))
-            out(f"{layout:40s} nproc {nproc}  max rel diff: loss {dl:.2e}  grad norm {dg:.2e}  "
-                f"{'OK' if results[-1].ok else 'MISMATCH'} (rtol {rtol:g})")
+            out(
+                f"{layout:40s} nproc {nproc}  max rel diff: loss {dl:.2e}  grad norm {dg:.2e}  "
+                f"{'OK' if results[-1].ok else 'MISMATCH'} (rtol {rtol:g})"
+            )
     return results

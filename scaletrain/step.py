@@ -31,8 +31,9 @@ class StepRunner:
     pipeline: object = None  # PipelineParts under pipeline parallel
     pp_mesh: object = None
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
-                         loss_factor: float | None = None) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_factor: float | None = None
+    ) -> torch.Tensor:
         """Mean loss over this rank's share of the global batch, gradients accumulated into .grad.
 
         Each micro-batch loss is divided by the number of micro-batches, so the summed gradient is the mean over
@@ -94,8 +95,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, inputs: torch.Tensor,
-               targets: torch.Tensor, *, micro_batch: int, autocast, grad_clip: float):
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    micro_batch: int,
+    autocast,
+    grad_clip: float,
+):
     """One optimizer step of a single (unsplit) model: what the single-process reference of every parallel
     equivalence test runs."""
     runner = StepRunner([model], micro_batch, autocast, grad_clip)

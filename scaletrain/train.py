@@ -67,16 +67,26 @@ def train(cfg: Config) -> dict:
     # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     global_batch = global_batch_sequences(cfg.training, cfg.data.seq_len)
-    loader = _main_first(env, world, lambda: build_loader(
-        cfg.data, tokenizer, global_batch, dims.dp_rank, dims.dp_size, cfg.training.seed, log.info))
+    loader = _main_first(
+        env,
+        world,
+        lambda: build_loader(
+            cfg.data, tokenizer, global_batch, dims.dp_rank, dims.dp_size, cfg.training.seed, log.info
+        ),
+    )
 
     # Model: built on meta, materialised with a fixed seed, then parallelised (and wrapped) from outside.
     args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len)
     model = _build_model(args, cfg, env.device)
     n_params = count_parameters(model)
     local_batch = global_batch // dims.dp_size
-    pm = parallelize(model, dims, cfg.parallel, device=env.device,
-                     n_microbatches=cfg.parallel.pp_microbatches or max(1, local_batch // cfg.training.micro_batch))
+    pm = parallelize(
+        model,
+        dims,
+        cfg.parallel,
+        device=env.device,
+        n_microbatches=cfg.parallel.pp_microbatches or max(1, local_batch // cfg.training.micro_batch),
+    )
     del model
     optimizers = [_build_optimizer(part, cfg, env.device, dims) for part in pm.parts]
     schedulers = [build_lr_scheduler(o, cfg.optimizer, cfg.training.steps) for o in optimizers]
@@ -85,30 +95,79 @@ def train(cfg: Config) -> dict:
     # Everything that resumes, in one dict of Stateful objects: storage checkpoints (DCP), the in-memory tier and
     # rollbacks all save and restore this. On start the newest complete copy across tiers is loaded.
     train_state = TrainState(dist.group.WORLD if world is not None else None)
-    state = {"model": ModelState(pm.parts), "optimizer": OptimizerState(pm.parts, _inner(optimizers)),
-             "lr_scheduler": SchedulerState(schedulers), "data": LoaderState(loader), "train": train_state}
-    guard = Guard(cfg.resilience, run_dir, rank=env.rank, world_size=env.world_size, layout=_layout(dims, cfg),
-                  vocab_size=args.vocab_size, event=writer.event, device_type=env.device.type, run_id=run_id)
-    ckpt = CheckpointManager(cfg.checkpoint, cfg.checkpoint.storage or str(run_dir / "checkpoints"), state,
-                             rank=env.rank, world_size=env.world_size, event=writer.event,
-                             on_commit=guard.after_commit) if cfg.checkpoint.enabled else None
+    state = {
+        "model": ModelState(pm.parts),
+        "optimizer": OptimizerState(pm.parts, _inner(optimizers)),
+        "lr_scheduler": SchedulerState(schedulers),
+        "data": LoaderState(loader),
+        "train": train_state,
+    }
+    guard = Guard(
+        cfg.resilience,
+        run_dir,
+        rank=env.rank,
+        world_size=env.world_size,
+        layout=_layout(dims, cfg),
+        vocab_size=args.vocab_size,
+        event=writer.event,
+        device_type=env.device.type,
+        run_id=run_id,
+    )
+    ckpt = (
+        CheckpointManager(
+            cfg.checkpoint,
+            cfg.checkpoint.storage or str(run_dir / "checkpoints"),
+            state,
+            rank=env.rank,
+            world_size=env.world_size,
+            event=writer.event,
+            on_commit=guard.after_commit,
+        )
+        if cfg.checkpoint.enabled
+        else None
+    )
     guard.resume(state, ckpt)
     start = train_state.step
 
-    peak, peak_source = _main_first(env, world, lambda: device_peak_flops(
-        env.device, cfg.training.precision, cfg.metrics.peak_tflops, resolve_cache_dir(cfg.data)))
+    peak, peak_source = _main_first(
+        env,
+        world,
+        lambda: device_peak_flops(
+            env.device, cfg.training.precision, cfg.metrics.peak_tflops, resolve_cache_dir(cfg.data)
+        ),
+    )
     flops_tok = flops_per_token(n_params["non_embedding"], args.n_layers, args.dim, cfg.data.seq_len)
     tokens_per_step = global_batch * cfg.data.seq_len
-    log.info("model %s: %s parameters (%s without the embedding); layout %s", cfg.model.preset,
-             f"{n_params['total']:,}", f"{n_params['non_embedding']:,}", _layout(dims, cfg))
-    log.info("precision %s on %s x%d (%s); global batch %d sequences = %d tokens, micro-batch %d; MFU peak: %s",
-             cfg.training.precision, env.device.type, env.world_size,
-             "deterministic" if cfg.training.deterministic else "non-deterministic", global_batch,
-             tokens_per_step, cfg.training.micro_batch, peak_source)
-    writer.event("start", step=start, world_size=env.world_size, precision=cfg.training.precision,
-                 device=env.device.type, parameters=n_params["total"], layout=_layout(dims, cfg),
-                 peak_flops_source=peak_source, resumed=start > 0,
-                 restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    log.info(
+        "model %s: %s parameters (%s without the embedding); layout %s",
+        cfg.model.preset,
+        f"{n_params['total']:,}",
+        f"{n_params['non_embedding']:,}",
+        _layout(dims, cfg),
+    )
+    log.info(
+        "precision %s on %s x%d (%s); global batch %d sequences = %d tokens, micro-batch %d; MFU peak: %s",
+        cfg.training.precision,
+        env.device.type,
+        env.world_size,
+        "deterministic" if cfg.training.deterministic else "non-deterministic",
+        global_batch,
+        tokens_per_step,
+        cfg.training.micro_batch,
+        peak_source,
+    )
+    writer.event(
+        "start",
+        step=start,
+        world_size=env.world_size,
+        precision=cfg.training.precision,
+        device=env.device.type,
+        parameters=n_params["total"],
+        layout=_layout(dims, cfg),
+        peak_flops_source=peak_source,
+        resumed=start > 0,
+        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
 
     evals = {}
     if cfg.training.eval_interval and start == 0:
@@ -129,12 +188,15 @@ def train(cfg: Config) -> dict:
                 guard.step_start(step)
                 inputs, targets = guard.batch(step, *loader.next_batch())
                 lr = schedulers[0].get_last_lr()[0]
-                loss = runner.forward_backward(inputs.to(env.device), targets.to(env.device),
-                                               loss_factor=guard.loss_factor(step))
+                loss = runner.forward_backward(
+                    inputs.to(env.device), targets.to(env.device), loss_factor=guard.loss_factor(step)
+                )
                 grad_norm = runner.clip()
                 if ckpt is not None:  # a save in flight must have copied the weights before they change
                     excluded += ckpt.before_update()  # a checkpoint stall, not step time
-                decision = guard.check(step, loss, grad_norm, lambda x=loss: all_reduce_mean(x, dims.submesh("dp_cp")))
+                decision = guard.check(
+                    step, loss, grad_norm, lambda x=loss: all_reduce_mean(x, dims.submesh("dp_cp"))
+                )
                 if decision == "ok":
                     for opt, sched in zip(optimizers, schedulers, strict=True):
                         opt.step()
@@ -150,25 +212,35 @@ def train(cfg: Config) -> dict:
                         continue
                 window_steps += 1
 
-                is_eval = cfg.training.eval_interval and (step % cfg.training.eval_interval == 0
-                                                          or step == cfg.training.steps)
+                is_eval = cfg.training.eval_interval and (
+                    step % cfg.training.eval_interval == 0 or step == cfg.training.steps
+                )
                 if step % cfg.metrics.log_interval == 0 or step == cfg.training.steps or is_eval:
                     now = time.perf_counter()
                     elapsed = now - window_t0 - excluded
                     tps = window_steps * tokens_per_step / elapsed
                     last = {
-                        "loss": all_reduce_mean(loss, dims.submesh("dp_cp")).item(), "lr": lr,
-                        "grad_norm": grad_norm.item(), "tokens": step * tokens_per_step, "tokens_per_s": tps,
+                        "loss": all_reduce_mean(loss, dims.submesh("dp_cp")).item(),
+                        "lr": lr,
+                        "grad_norm": grad_norm.item(),
+                        "tokens": step * tokens_per_step,
+                        "tokens_per_s": tps,
                         "mfu": mfu(tps, flops_tok, peak * env.world_size),
-                        "mem_peak_mib": peak_memory_mib(env.device), "step_time_s": elapsed / window_steps,
+                        "mem_peak_mib": peak_memory_mib(env.device),
+                        "step_time_s": elapsed / window_steps,
                     }
                     if is_eval:
                         t_eval = time.perf_counter()
                         evals[step] = _evaluate(runner, loader, cfg.training, dims, env.device)
                         now += time.perf_counter() - t_eval  # evaluation is not training time
                         last.update(val_loss=evals[step], val_ppl=math.exp(min(evals[step], 50)))
-                        writer.event("eval", step=step, val_loss=evals[step], val_ppl=last["val_ppl"],
-                                     duration_s=time.perf_counter() - t_eval)
+                        writer.event(
+                            "eval",
+                            step=step,
+                            val_loss=evals[step],
+                            val_ppl=last["val_ppl"],
+                            duration_s=time.perf_counter() - t_eval,
+                        )
                     if step == cfg.training.steps and env.is_main:
                         last["goodput"] = _goodput(run_dir, dict(last, step=step))
                     writer.log(step, last)
@@ -184,10 +256,19 @@ def train(cfg: Config) -> dict:
                     break
                 if ckpt is not None and step < cfg.training.steps:
                     if step == probe_at:  # checkpoint.interval = "auto": measure a save, then choose
-                        interval, blocked = _auto_interval(ckpt, guard, step, (time.perf_counter() - segment_t0) /
-                                                           (step - start), cfg, writer, env.device.type)
+                        interval, blocked = _auto_interval(
+                            ckpt,
+                            guard,
+                            step,
+                            (time.perf_counter() - segment_t0) / (step - start),
+                            cfg,
+                            writer,
+                            env.device.type,
+                        )
                         excluded += blocked
-                        probe_at = None if interval else step + _AUTO_PROBE_STEP  # the probe failed: again later
+                        probe_at = (
+                            None if interval else step + _AUTO_PROBE_STEP
+                        )  # the probe failed: again later
                     elif interval and step % interval == 0:
                         excluded += _save(ckpt, guard, step, writer) or 0.0
                     ckpt.poll()
@@ -250,13 +331,22 @@ def _step_runner(pm, dims: ParallelDims, cfg: Config, device: torch.device) -> S
         def cp_shard(x, y):
             return cp_shard_batch(x, y, dims.submesh("cp"), cfg.parallel.cp_load_balance)
 
-    return StepRunner(pm.parts, cfg.training.micro_batch, _autocast(cfg.training.precision, device),
-                      cfg.training.grad_clip, loss_context=lambda: loss_context(pm.loss_parallel),
-                      cp_shard=cp_shard, pipeline=pm.pipeline, pp_mesh=dims.submesh("pp") if dims.pp_enabled else None)
+    return StepRunner(
+        pm.parts,
+        cfg.training.micro_batch,
+        _autocast(cfg.training.precision, device),
+        cfg.training.grad_clip,
+        loss_context=lambda: loss_context(pm.loss_parallel),
+        cp_shard=cp_shard,
+        pipeline=pm.pipeline,
+        pp_mesh=dims.submesh("pp") if dims.pp_enabled else None,
+    )
 
 
 @torch.no_grad()
-def _evaluate(runner: StepRunner, loader, t: TrainingConfig, dims: ParallelDims, device: torch.device) -> float:
+def _evaluate(
+    runner: StepRunner, loader, t: TrainingConfig, dims: ParallelDims, device: torch.device
+) -> float:
     """Mean validation loss per token over the held-out sequences (sharded over data-parallel ranks)."""
     for part in runner.parts:
         part.eval()
@@ -276,8 +366,9 @@ def _evaluate(runner: StepRunner, loader, t: TrainingConfig, dims: ParallelDims,
 _AUTO_PROBE_STEP = 5
 
 
-def _save(ckpt: CheckpointManager, guard: Guard, step: int, writer: MetricsWriter,
-          blocking: bool = False) -> float | None:
+def _save(
+    ckpt: CheckpointManager, guard: Guard, step: int, writer: MetricsWriter, blocking: bool = False
+) -> float | None:
     """Start a save; a failing one (e.g. a full disk) is reported and training goes on: the previous checkpoint
     is untouched. Returns the seconds training was blocked, None when the save failed."""
     try:
@@ -285,7 +376,9 @@ def _save(ckpt: CheckpointManager, guard: Guard, step: int, writer: MetricsWrite
         return ckpt.save(step, blocking=blocking)
     except OSError as e:
         writer.event("checkpoint_failed", step=step, error=str(e))
-        log.error("step %d: checkpoint save failed (%s); training continues, the previous checkpoint stays", step, e)
+        log.error(
+            "step %d: checkpoint save failed (%s); training continues, the previous checkpoint stays", step, e
+        )
         return None
 
 
@@ -298,8 +391,15 @@ def _goodput(run_dir: Path, last_record: dict) -> float | None:
         return None
 
 
-def _auto_interval(ckpt: CheckpointManager, guard: Guard, step: int, step_time: float, cfg: Config,
-                   writer: MetricsWriter, device_type: str) -> tuple[int, float]:
+def _auto_interval(
+    ckpt: CheckpointManager,
+    guard: Guard,
+    step: int,
+    step_time: float,
+    cfg: Config,
+    writer: MetricsWriter,
+    device_type: str,
+) -> tuple[int, float]:
     """Save once to measure what a save costs (delta), then pick the Young/Daly interval from it; returns the
     interval in steps (0 when the probe save failed) and the seconds it blocked. On CPU the background write competes with training for
     the same cores, so delta is the whole save (written synchronously); on a GPU it is what the save blocks."""
@@ -308,10 +408,23 @@ def _auto_interval(ckpt: CheckpointManager, guard: Guard, step: int, step_time: 
     if delta is None:
         return 0, 0.0
     interval = interval_steps(delta, cfg.checkpoint.mtbf_hours * 3600, step_time)
-    log.info("checkpoint.interval = auto: a save costs %.3fs (%s), MTBF %.2fh, step %.3fs -> every %d steps",
-             delta, "whole save, CPU" if cpu else "blocking part", cfg.checkpoint.mtbf_hours, step_time, interval)
-    writer.event("checkpoint_interval", step=step, cost_s=delta, cost="whole save" if cpu else "blocking",
-                 mtbf_hours=cfg.checkpoint.mtbf_hours, step_time_s=step_time, interval_steps=interval)
+    log.info(
+        "checkpoint.interval = auto: a save costs %.3fs (%s), MTBF %.2fh, step %.3fs -> every %d steps",
+        delta,
+        "whole save, CPU" if cpu else "blocking part",
+        cfg.checkpoint.mtbf_hours,
+        step_time,
+        interval,
+    )
+    writer.event(
+        "checkpoint_interval",
+        step=step,
+        cost_s=delta,
+        cost="whole save" if cpu else "blocking",
+        mtbf_hours=cfg.checkpoint.mtbf_hours,
+        step_time_s=step_time,
+        interval_steps=interval,
+    )
     return interval, delta
 
 
@@ -335,8 +448,12 @@ class _PreemptionFlag:
 
 
 def _setup_process(t: TrainingConfig, env: DistEnv) -> None:
-    logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
+    logging.basicConfig(
+        level=logging.INFO if env.is_main else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
     threads = t.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
     if t.deterministic:
@@ -390,7 +507,11 @@ def _main_first(env: DistEnv, world: DeviceMesh | None, fn):
 
 
 def _layout(dims: ParallelDims, cfg: Config) -> str:
-    sizes = [f"{n}{getattr(dims, n)}" for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, n) > 1]
+    sizes = [
+        f"{n}{getattr(dims, n)}"
+        for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        if getattr(dims, n) > 1
+    ]
     extra = [cfg.parallel.data_parallel] if dims.dp_size * dims.cp > 1 else []
     extra += [cfg.parallel.pp_schedule] if dims.pp > 1 else []
     extra += ["sequence-parallel"] if cfg.parallel.sequence_parallel else []
@@ -399,11 +520,23 @@ def _layout(dims: ParallelDims, cfg: Config) -> str:
 
 def _log_line(step: int, total: int, m: dict) -> None:
     val = f" | val {m['val_loss']:.4f}" if "val_loss" in m else ""
-    log.info("step %d/%d | loss %.4f%s | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.2f%% | mem %.0f MiB", step,
-             total, m["loss"], val, m["lr"], m["grad_norm"], m["tokens_per_s"], 100 * m["mfu"], m["mem_peak_mib"])
+    log.info(
+        "step %d/%d | loss %.4f%s | lr %.2e | gnorm %.3f | %.0f tok/s | mfu %.2f%% | mem %.0f MiB",
+        step,
+        total,
+        m["loss"],
+        val,
+        m["lr"],
+        m["grad_norm"],
+        m["tokens_per_s"],
+        100 * m["mfu"],
+        m["mem_peak_mib"],
+    )
 
 
-def _summary(cfg: Config, run_dir: Path, last: dict, evals: dict, wall: float, env: DistEnv, step: int) -> dict:
+def _summary(
+    cfg: Config, run_dir: Path, last: dict, evals: dict, wall: float, env: DistEnv, step: int
+) -> dict:
     steps = sorted(evals)
     return {
         "steps": step,

@@ -20,8 +20,10 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += _training(cfg.training, cfg.data.seq_len, dp_size)
     problems += _optimizer(cfg.optimizer)
     if cfg.training.eval_interval > 0 and cfg.data.val_fraction == 0:
-        problems.append("training.eval_interval > 0 needs held-out data: set data.val_fraction > 0, or "
-                        "training.eval_interval 0")
+        problems.append(
+            "training.eval_interval > 0 needs held-out data: set data.val_fraction > 0, or "
+            "training.eval_interval 0"
+        )
     if cfg.metrics.log_interval < 1:
         problems.append("metrics.log_interval must be >= 1")
     if cfg.parallel.ddp_bucket_mb < 1:
@@ -33,9 +35,13 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += validate_specs(cfg.resilience.inject, world_size)
     r = cfg.resilience
     if min(r.max_restarts, r.memory_interval, r.hang_timeout_s, r.memory_ttl_hours) < 0:
-        problems.append("resilience.max_restarts, memory_interval, hang_timeout_s and memory_ttl_hours must be >= 0")
+        problems.append(
+            "resilience.max_restarts, memory_interval, hang_timeout_s and memory_ttl_hours must be >= 0"
+        )
     if cfg.resilience.straggler_factor and cfg.resilience.straggler_factor <= 1:
-        problems.append("resilience.straggler_factor must be > 1 (a multiple of the median step time), or 0 (off)")
+        problems.append(
+            "resilience.straggler_factor must be > 1 (a multiple of the median step time), or 0 (off)"
+        )
     if not problems:
         problems += _parallel(cfg, world_size, dp_size)
     if not problems:
@@ -58,21 +64,38 @@ def _parallel(cfg: Config, world_size: int, dp_size: int) -> list[str]:
     p = cfg.parallel
     vocab = _tokenizer_vocab(cfg.data.tokenizer)
     args = resolve_model_args(cfg.model, vocab, cfg.data.seq_len)
-    problems = validate_parallel(p, world_size, args.n_heads, args.n_kv_heads, args.vocab_size,
-                                 ffn_hidden=args.ffn_hidden, seq_len=cfg.data.seq_len,
-                                 tie_embeddings=args.tie_embeddings)
+    problems = validate_parallel(
+        p,
+        world_size,
+        args.n_heads,
+        args.n_kv_heads,
+        args.vocab_size,
+        ffn_hidden=args.ffn_hidden,
+        seq_len=cfg.data.seq_len,
+        tie_embeddings=args.tie_embeddings,
+    )
     if p.cp > 1:
         chunks = 2 * p.cp if p.cp_load_balance else p.cp
         if cfg.data.seq_len % chunks:
-            problems.append(f"data.seq_len {cfg.data.seq_len} must be a multiple of {chunks} for cp = {p.cp} "
-                            f"({'zig-zag: 2 chunks per rank' if p.cp_load_balance else 'one chunk per rank'}); "
-                            f"use {max(1, round(cfg.data.seq_len / chunks)) * chunks}")
+            problems.append(
+                f"data.seq_len {cfg.data.seq_len} must be a multiple of {chunks} for cp = {p.cp} "
+                f"({'zig-zag: 2 chunks per rank' if p.cp_load_balance else 'one chunk per rank'}); "
+                f"use {max(1, round(cfg.data.seq_len / chunks)) * chunks}"
+            )
     if p.pp > 1:
         local = global_batch_sequences(cfg.training, cfg.data.seq_len) // max(dp_size, 1)
         m = p.pp_microbatches or max(1, local // cfg.training.micro_batch)
-        problems += pipeline_problems(p.pp_schedule, p.pp, p.pp_virtual_stages, m, n_layers=args.n_layers,
-                                      local_batch=local, tie_embeddings=args.tie_embeddings,
-                                      data_parallel=p.data_parallel, dp=dp_size * p.cp)
+        problems += pipeline_problems(
+            p.pp_schedule,
+            p.pp,
+            p.pp_virtual_stages,
+            m,
+            n_layers=args.n_layers,
+            local_batch=local,
+            tie_embeddings=args.tie_embeddings,
+            data_parallel=p.data_parallel,
+            dp=dp_size * p.cp,
+        )
     return problems
 
 
@@ -123,8 +146,10 @@ def _model(m: ModelConfig) -> list[str]:
     elif (dim // heads) % 2:
         problems.append(f"head size dim/n_heads = {dim // heads} is odd; RoPE rotates pairs, so make it even")
     if heads % kv:
-        problems.append(f"model.n_heads {heads} is not divisible by model.n_kv_heads {kv} (grouped-query "
-                        "attention shares each key/value head among n_heads/n_kv_heads query heads)")
+        problems.append(
+            f"model.n_heads {heads} is not divisible by model.n_kv_heads {kv} (grouped-query "
+            "attention shares each key/value head among n_heads/n_kv_heads query heads)"
+        )
     if m.rope_theta is not None and m.rope_theta <= 0:
         problems.append("model.rope_theta must be > 0")
     if m.init_std <= 0:
@@ -132,11 +157,15 @@ def _model(m: ModelConfig) -> list[str]:
     if m.init_from:
         hf = Path(m.init_from[3:])
         if not m.init_from.startswith("hf:"):
-            problems.append(f"model.init_from '{m.init_from}' is not understood; write hf:DIR for a Hugging Face "
-                            "Llama directory")
+            problems.append(
+                f"model.init_from '{m.init_from}' is not understood; write hf:DIR for a Hugging Face "
+                "Llama directory"
+            )
         elif not (hf / "config.json").is_file() or not any(hf.glob("*.safetensors")):
-            problems.append(f"model.init_from: '{hf}' needs config.json and .safetensors weights (pickle files are "
-                            "never loaded)")
+            problems.append(
+                f"model.init_from: '{hf}' needs config.json and .safetensors weights (pickle files are "
+                "never loaded)"
+            )
     return problems
 
 
@@ -176,15 +205,19 @@ def _training(t: TrainingConfig, seq_len: int, dp_size: int) -> list[str]:
         problems.append(f"training.micro_batch must be >= 1, got {t.micro_batch}")
         return problems
     if t.global_batch_tokens > 0 and seq_len >= 2 and t.global_batch_tokens % seq_len:
-        problems.append(f"training.global_batch_tokens {t.global_batch_tokens} is not a multiple of data.seq_len "
-                        f"{seq_len}; use {max(1, t.global_batch_tokens // seq_len) * seq_len}")
+        problems.append(
+            f"training.global_batch_tokens {t.global_batch_tokens} is not a multiple of data.seq_len "
+            f"{seq_len}; use {max(1, t.global_batch_tokens // seq_len) * seq_len}"
+        )
     gb = global_batch_sequences(t, max(seq_len, 1))
     per_step = t.micro_batch * dp_size
     if gb < 1 or gb % per_step:
         fix = max(1, round(gb / per_step)) * per_step
-        problems.append(f"the global batch of {gb} sequences is not divisible by training.micro_batch "
-                        f"{t.micro_batch} x {dp_size} data-parallel ranks; use training.global_batch {fix}, "
-                        f"or change training.micro_batch")
+        problems.append(
+            f"the global batch of {gb} sequences is not divisible by training.micro_batch "
+            f"{t.micro_batch} x {dp_size} data-parallel ranks; use training.global_batch {fix}, "
+            f"or change training.micro_batch"
+        )
     if t.grad_clip < 0:
         problems.append("training.grad_clip must be >= 0 (0 disables clipping)")
     if t.eval_interval < 0 or t.eval_sequences < 1:
@@ -220,8 +253,10 @@ def _run(r: RunConfig, c) -> list[str]:
     resumable = c.enabled and not c.storage and any((path / "checkpoints").glob("step-*/commit.json"))
     for marker in ("events.jsonl", "metrics.jsonl"):
         if (path / marker).exists() and not resumable:
-            return [f"run.dir '{r.dir}' already holds a run ({marker}) with no checkpoint to resume from; it is "
-                    "never overwritten: choose a new --run.dir, or move that directory away"]
+            return [
+                f"run.dir '{r.dir}' already holds a run ({marker}) with no checkpoint to resume from; it is "
+                "never overwritten: choose a new --run.dir, or move that directory away"
+            ]
     if path.exists() and not path.is_dir():
         return [f"run.dir '{r.dir}' is a file, not a directory; choose another --run.dir"]
     ancestor = path
@@ -250,9 +285,14 @@ def _fits_in_memory(cfg: Config, world_size: int) -> list[str]:
         have, where = torch.cuda.get_device_properties(0).total_memory, "GPU"
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1), "host memory share"
+        have, where = (
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1),
+            "host memory share",
+        )
     if need > have:
-        return [f"model.preset '{cfg.model.preset}' needs {need / 2**30:.1f} GiB per process for weights, "
-                f"gradients and AdamW state, more than the {have / 2**30:.1f} GiB {where}; choose a smaller "
-                "model.preset (e.g. debug or 125M)"]
+        return [
+            f"model.preset '{cfg.model.preset}' needs {need / 2**30:.1f} GiB per process for weights, "
+            f"gradients and AdamW state, more than the {have / 2**30:.1f} GiB {where}; choose a smaller "
+            "model.preset (e.g. debug or 125M)"
+        ]
     return []

@@ -18,8 +18,9 @@ QUICK = ["--metrics.progress", "false", "--metrics.tensorboard", "false", "--tra
 
 def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "scaletrain", *args]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                          env=os.environ.copy()) as p:
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=os.environ.copy()
+    ) as p:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -28,7 +29,9 @@ def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.
             time.sleep(3)
             p.kill()
             out, err = p.communicate()
-            raise AssertionError(f"timed out after {timeout} s: {' '.join(args)}\nstdout:\n{out}\nstderr:\n{err}") from None
+            raise AssertionError(
+                f"timed out after {timeout} s: {' '.join(args)}\nstdout:\n{out}\nstderr:\n{err}"
+            ) from None
     proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")

@@ -16,9 +16,15 @@ from scaletrain.errors import UserError
 from scaletrain.models.llama import ModelArgs, Transformer
 
 _LAYER_NAMES = {
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
-    "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 
 
@@ -51,17 +57,32 @@ def from_hf_name(name: str) -> str:
 
 def hf_config(args: ModelArgs, eod_id: int | None = None) -> dict:
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab_size,
-        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "hidden_act": "silu", "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
     }
     if args.rope_scaling == "llama3":
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": args.rope_original_max_len}
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": args.rope_scaling_factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": args.rope_original_max_len,
+        }
     if eod_id is not None:
         cfg["eos_token_id"] = eod_id
     return cfg
@@ -70,28 +91,42 @@ def hf_config(args: ModelArgs, eod_id: int | None = None) -> dict:
 def args_from_hf_config(cfg: dict) -> dict:
     """model.* config fields from an HF Llama config.json."""
     if cfg.get("model_type") != "llama":
-        raise UserError(f"config.json has model_type '{cfg.get('model_type')}'; only Llama checkpoints import")
+        raise UserError(
+            f"config.json has model_type '{cfg.get('model_type')}'; only Llama checkpoints import"
+        )
     out = {
-        "dim": cfg["hidden_size"], "n_layers": cfg["num_hidden_layers"], "n_heads": cfg["num_attention_heads"],
+        "dim": cfg["hidden_size"],
+        "n_layers": cfg["num_hidden_layers"],
+        "n_heads": cfg["num_attention_heads"],
         "n_kv_heads": cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-        "ffn_hidden": cfg["intermediate_size"], "vocab_size": cfg["vocab_size"], "norm_eps": cfg["rms_norm_eps"],
-        "rope_theta": float(cfg.get("rope_theta", 10000.0)), "tie_embeddings": cfg.get("tie_word_embeddings", False),
+        "ffn_hidden": cfg["intermediate_size"],
+        "vocab_size": cfg["vocab_size"],
+        "norm_eps": cfg["rms_norm_eps"],
+        "rope_theta": float(cfg.get("rope_theta", 10000.0)),
+        "tie_embeddings": cfg.get("tie_word_embeddings", False),
         "rope_scaling": "none",
     }
     scaling = cfg.get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        out.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),
-                   rope_original_max_len=int(scaling["original_max_position_embeddings"]))
+        out.update(
+            rope_scaling="llama3",
+            rope_scaling_factor=float(scaling["factor"]),
+            rope_original_max_len=int(scaling["original_max_position_embeddings"]),
+        )
     elif scaling:
         raise UserError(f"rope_scaling {scaling} is not supported; only llama3 scaling imports")
     return out
 
 
-def export_hf(model: Transformer, out: Path, tokenizer_file: Path | None = None, eod_id: int | None = None) -> None:
+def export_hf(
+    model: Transformer, out: Path, tokenizer_file: Path | None = None, eod_id: int | None = None
+) -> None:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty; choose a new output directory")
     out.mkdir(parents=True, exist_ok=True)
-    sd = {to_hf_name(k): v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+    sd = {
+        to_hf_name(k): v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()
+    }
     if model.args.tie_embeddings:
         sd.pop("lm_head.weight", None)  # HF re-ties it from the embedding
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -107,8 +142,11 @@ def read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
-        hint = f" ({', '.join(pickled)} are pickle files, which are never loaded: convert them to safetensors)" \
-            if pickled else ""
+        hint = (
+            f" ({', '.join(pickled)} are pickle files, which are never loaded: convert them to safetensors)"
+            if pickled
+            else ""
+        )
         raise UserError(f"{path} has no .safetensors weights{hint}")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
@@ -128,8 +166,10 @@ def load_hf_weights(model: Transformer, path: Path) -> None:
         raise UserError(f"the Hugging Face checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
     for k, v in sd.items():
         if tuple(ours[k].shape) != tuple(v.shape):
-            raise UserError(f"{k}: shape {tuple(ours[k].shape)} in the checkpoint, {tuple(v.shape)} in the model "
-                            "(does the config match config.json?)")
+            raise UserError(
+                f"{k}: shape {tuple(ours[k].shape)} in the checkpoint, {tuple(v.shape)} in the model "
+                "(does the config match config.json?)"
+            )
     with torch.no_grad():
         for k, v in sd.items():
             v.copy_(ours[k].to(v.dtype))
@@ -142,8 +182,12 @@ def verify_with_transformers(model: Transformer, out: Path, atol: float = 1e-5) 
     except ImportError:
         return None
     hf = transformers.LlamaForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
-    x = torch.randint(0, model.args.vocab_size, (2, min(32, model.args.max_seq_len)),
-                      generator=torch.Generator().manual_seed(0))
+    x = torch.randint(
+        0,
+        model.args.vocab_size,
+        (2, min(32, model.args.max_seq_len)),
+        generator=torch.Generator().manual_seed(0),
+    )
     with torch.no_grad():
         diff = (hf(x).logits - model.float()(x)).abs().max().item()
     if diff > atol:

@@ -25,7 +25,7 @@ def write_commit(fs: fsspec.AbstractFileSystem, ckpt_dir: str, info: dict) -> No
     either no marker or a complete one."""
     files = {}
     for path in sorted(fs.find(ckpt_dir)):
-        name = path[len(ckpt_dir.rstrip("/")) + 1:]
+        name = path[len(ckpt_dir.rstrip("/")) + 1 :]
         if name != COMMIT and not name.endswith(".tmp"):
             files[name] = {"size": fs.size(path), "sha256": _sha256(fs, path)}
     body = json.dumps({**info, "time": time.time(), "files": files}, indent=1)

@@ -29,9 +29,17 @@ _STEP_DIR = re.compile(r"step-(\d{8})$")
 
 
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointConfig, root: str, state: dict, *, rank: int, world_size: int,
-                 event: Callable[..., None] = lambda *a, **k: None,
-                 on_commit: Callable[[int, str], None] = lambda step, path: None):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        root: str,
+        state: dict,
+        *,
+        rank: int,
+        world_size: int,
+        event: Callable[..., None] = lambda *a, **k: None,
+        on_commit: Callable[[int, str], None] = lambda step, path: None,
+    ):
         self.cfg = cfg
         self.root = root.rstrip("/")
         self.fs, _ = fsspec.core.url_to_fs(self.root)
@@ -69,10 +77,21 @@ class CheckpointManager:
             # change the weights; before_update() waits for it before the optimizer does.
             if self.stager is None:
                 cuda = torch.cuda.is_available()
-                self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                           use_async_staging=True, use_non_blocking_copy=cuda))
-            resp = dcp.async_save(self.state, storage_writer=writer, process_group=self.group, no_dist=no_dist,
-                                  async_stager=self.stager)
+                self.stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=cuda,
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=cuda,
+                    )
+                )
+            resp = dcp.async_save(
+                self.state,
+                storage_writer=writer,
+                process_group=self.group,
+                no_dist=no_dist,
+                async_stager=self.stager,
+            )
             self.staging = getattr(resp, "staging_completion", None)
             self.pending = (step, getattr(resp, "upload_completion", resp))
         else:
@@ -121,7 +140,9 @@ class CheckpointManager:
     def _commit(self, step: int) -> None:
         if self.rank == 0:
             write_commit(self.fs, self.path(step), {"step": step})
-            self.event("checkpoint_saved", step=step, path=self.path(step), blocking_s=self.stalls.pop(step, 0.0))
+            self.event(
+                "checkpoint_saved", step=step, path=self.path(step), blocking_s=self.stalls.pop(step, 0.0)
+            )
             self._retain()
             self.on_commit(step, self.path(step))
         self._barrier()
@@ -129,7 +150,7 @@ class CheckpointManager:
     def _retain(self) -> None:
         """Keep the newest keep_last committed checkpoints plus every keep_every-th; drop older partial saves."""
         steps = self.committed_steps()
-        keep = set(steps[-self.cfg.keep_last:]) if self.cfg.keep_last > 0 else set(steps)
+        keep = set(steps[-self.cfg.keep_last :]) if self.cfg.keep_last > 0 else set(steps)
         if self.cfg.keep_every > 0:
             keep |= {s for s in steps if s % self.cfg.keep_every == 0}
         newest = steps[-1] if steps else -1
@@ -171,7 +192,9 @@ class CheckpointManager:
         if train_state is not None:
             rows = read_metadata(path).state_dict_metadata["train.rng"].size[0]
             train_state.saved_ranks = rows
-        dcp.load(self.state, storage_reader=make_reader(path), process_group=self.group, no_dist=self.group is None)
+        dcp.load(
+            self.state, storage_reader=make_reader(path), process_group=self.group, no_dist=self.group is None
+        )
         if self.rank == 0:
             self.event("checkpoint_loaded", step=choice, path=path)
         log.info("resumed from %s", path)

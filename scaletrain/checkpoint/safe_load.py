@@ -15,11 +15,23 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from scaletrain.errors import UserError
 
 # DCP's .metadata is a pickle of plain dataclasses from these modules; anything else is refused.
-_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                    "torch.distributed.checkpoint.planner"}
-_ALLOWED = {("collections", "OrderedDict"), ("torch.serialization", "_get_layout"), ("torch", "Size"),
-            ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("pathlib", "PosixPath"),
-            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+_ALLOWED_MODULES = {
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+}
+_ALLOWED = {
+    ("collections", "OrderedDict"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
 
 
 class UnsafeCheckpointError(UserError):
@@ -34,11 +46,14 @@ class _AllowListUnpickler(pickle.Unpickler):
                 return obj
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                            torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
-        raise UnsafeCheckpointError(f"checkpoint metadata refers to '{module}.{name}', which a checkpoint never "
-                                    "needs; refusing to load it (it could run code)")
+        raise UnsafeCheckpointError(
+            f"checkpoint metadata refers to '{module}.{name}', which a checkpoint never "
+            "needs; refusing to load it (it could run code)"
+        )
 
 
 def safe_unpickle(data: bytes) -> Any:

@@ -69,7 +69,9 @@ class SchedulerState(Stateful):
     def load_state_dict(self, sd: dict) -> None:
         for sched in self.schedulers:
             sched.last_epoch = int(sd["last_epoch"])
-            lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+            lrs = [
+                base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)
+            ]
             for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
             sched._last_lr = lrs
@@ -106,8 +108,11 @@ class TrainState(Stateful):
         return torch.stack(rows)
 
     def state_dict(self) -> dict:
-        rng = (torch.empty(self.saved_ranks, torch.get_rng_state().numel(), dtype=torch.uint8)
-               if self.saved_ranks else self._rng_rows())
+        rng = (
+            torch.empty(self.saved_ranks, torch.get_rng_state().numel(), dtype=torch.uint8)
+            if self.saved_ranks
+            else self._rng_rows()
+        )
         return {"step": torch.tensor(self.step), "tokens": torch.tensor(self.tokens), "rng": rng}
 
     def load_state_dict(self, sd: dict) -> None:

@@ -175,9 +175,16 @@ class Transformer(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight, std=args.init_std)
         depth_std = args.init_std / math.sqrt(2 * args.n_layers)
         for layer in self.layers.values():
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1,
-                        layer.feed_forward.w3):
-                nn.init.trunc_normal_(lin.weight, std=args.init_std, a=-3 * args.init_std, b=3 * args.init_std)
+            for lin in (
+                layer.attention.wq,
+                layer.attention.wk,
+                layer.attention.wv,
+                layer.feed_forward.w1,
+                layer.feed_forward.w3,
+            ):
+                nn.init.trunc_normal_(
+                    lin.weight, std=args.init_std, a=-3 * args.init_std, b=3 * args.init_std
+                )
             for lin in (layer.attention.wo, layer.feed_forward.w2):
                 nn.init.trunc_normal_(lin.weight, std=depth_std, a=-3 * depth_std, b=3 * depth_std)
             layer.attention_norm.reset_parameters()

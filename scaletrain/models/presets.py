@@ -18,10 +18,24 @@ _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, rope_scali
 # "take the tokenizer's".
 PRESETS: dict[str, dict] = {
     "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352, vocab_size=None),
-    "125M": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_hidden=2048, vocab_size=50304,
-                 tie_embeddings=True),
-    "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192, tie_embeddings=True,
-               **{**_LLAMA3, "rope_scaling_factor": 32.0}),
+    "125M": dict(
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=12,
+        ffn_hidden=2048,
+        vocab_size=50304,
+        tie_embeddings=True,
+    ),
+    "1B": dict(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        tie_embeddings=True,
+        **{**_LLAMA3, "rope_scaling_factor": 32.0},
+    ),
     "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, **_LLAMA3),
     "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672, **_LLAMA3),
     "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248, **_LLAMA3),

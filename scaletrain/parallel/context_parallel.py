@@ -55,15 +55,18 @@ def cp_positions(seq_len: int, cp_rank: int, cp_size: int, load_balance: bool) -
     if seq_len % n_chunks:
         fit = -(-seq_len // n_chunks) * n_chunks
         what = f"2·cp = {n_chunks} (load-balanced zig-zag layout)" if load_balance else f"cp = {n_chunks}"
-        raise ValueError(f"context parallel: sequence length {seq_len} is not divisible by {what}. Set data.seq_len "
-                         f"to a multiple of {n_chunks} (e.g. {fit}), or change parallel.cp.")
+        raise ValueError(
+            f"context parallel: sequence length {seq_len} is not divisible by {what}. Set data.seq_len "
+            f"to a multiple of {n_chunks} (e.g. {fit}), or change parallel.cp."
+        )
     chunk = seq_len // n_chunks
     ids = [cp_rank, n_chunks - 1 - cp_rank] if load_balance else [cp_rank]
     return torch.cat([torch.arange(i * chunk, (i + 1) * chunk) for i in ids])
 
 
-def cp_split(tokens_or_targets: torch.Tensor, cp_rank: int, cp_size: int, load_balance: bool, *,
-             dim: int = 1) -> torch.Tensor:
+def cp_split(
+    tokens_or_targets: torch.Tensor, cp_rank: int, cp_size: int, load_balance: bool, *, dim: int = 1
+) -> torch.Tensor:
     """This rank's share of a batch along the sequence dimension (`dim`, 1 for [batch, seq]), in the layout of
     `cp_positions`."""
     pos = cp_positions(tokens_or_targets.shape[dim], cp_rank, cp_size, load_balance)
@@ -85,12 +88,16 @@ class BlockPlan:
     mask: torch.Tensor | None
 
 
-def block_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, device: torch.device | None = None) -> BlockPlan | None:
+def block_plan(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, device: torch.device | None = None
+) -> BlockPlan | None:
     """Causal visibility by original positions (query may see key iff q_pos >= k_pos); None when the block lies
     entirely in the queries' future and can be skipped. Both layouts give sorted positions, so the visible queries
     are a suffix and the visible keys a prefix: slicing to them is what makes zig-zag blocks cost half (one half
     of the queries sees the whole block, or all queries see one half of it, with no mask)."""
-    assert bool((q_pos[1:] > q_pos[:-1]).all()) and bool((k_pos[1:] > k_pos[:-1]).all()), "positions must ascend"
+    assert bool((q_pos[1:] > q_pos[:-1]).all()) and bool((k_pos[1:] > k_pos[:-1]).all()), (
+        "positions must ascend"
+    )
     k_end = int(torch.searchsorted(k_pos, q_pos[-1], right=True))
     q_start = int(torch.searchsorted(q_pos, k_pos[0]))
     if k_end == 0 or q_start == len(q_pos):
@@ -104,12 +111,13 @@ def block_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, device: torch.device | 
 def _scores(q: torch.Tensor, k: torch.Tensor, plan: BlockPlan, scale: float) -> torch.Tensor:
     # Grouped-query layout: q is [batch, kv_heads, group, seq, dim], k is [batch, kv_heads, seq, dim]; query head
     # h uses kv head h // group, as SDPA's enable_gqa (repeat_interleave) does, without materialising repeats.
-    s = torch.einsum("bhgqd,bhkd->bhgqk", q[..., plan.q_start:, :], k[..., : plan.k_end, :]) * scale
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q[..., plan.q_start :, :], k[..., : plan.k_end, :]) * scale
     return s if plan.mask is None else s.masked_fill(~plan.mask, float("-inf"))
 
 
-def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan,
-                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the queries from `plan.q_start` on to one block: (out, log-sum-exp of the scores)."""
     s = _scores(q, k, plan, scale)
     lse = torch.logsumexp(s, dim=-1)
@@ -118,8 +126,9 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 
 
 @torch.no_grad()
-def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-                q_start: int) -> None:
+def merge_block(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, q_start: int
+) -> None:
     """Fold one block's partial result into the running one, in place: the online softmax with log-sum-exp
     (Milakov & Gimelshein 2018; Liu et al. 2023, "Ring Attention"). out = Σ_b exp(lse_b − lse)·out_b, where
     lse = log Σ_b exp(lse_b); start from out = 0, lse = −inf."""
@@ -129,17 +138,24 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     m.copy_(new)
 
 
-def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                             lse: torch.Tensor, delta: torch.Tensor, plan: BlockPlan,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    plan: BlockPlan,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients through one block, recomputed from q/k/v and the final lse (FlashAttention-2's backward, Dao
     2023): P = exp(S − lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − delta) with delta = rowsum(dO ∘ O). Returns dq for the
     queries from `plan.q_start` on, and dk/dv for the first `plan.k_end` keys (summed over each kv head's group)."""
-    qs, ks, vs = q[..., plan.q_start:, :], k[..., : plan.k_end, :], v[..., : plan.k_end, :]
-    do = dout[..., plan.q_start:, :]
-    p = torch.exp(_scores(q, k, plan, scale) - lse[..., plan.q_start:].unsqueeze(-1))
+    qs, ks, vs = q[..., plan.q_start :, :], k[..., : plan.k_end, :], v[..., : plan.k_end, :]
+    do = dout[..., plan.q_start :, :]
+    p = torch.exp(_scores(q, k, plan, scale) - lse[..., plan.q_start :].unsqueeze(-1))
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, vs) - delta[..., plan.q_start:].unsqueeze(-1))
+    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, vs) - delta[..., plan.q_start :].unsqueeze(-1))
     dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, ks) * scale
     dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, qs) * scale
     return dq, dk, dv
@@ -180,8 +196,10 @@ class _Ring:
         if self.size == 1:
             return _Pending([], send)
         recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=(self.rank + 1) % self.size, tag=tag),
-               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=(self.rank - 1) % self.size, tag=tag)]
+        ops = [
+            dist.P2POp(dist.isend, send, group=self.group, group_peer=(self.rank + 1) % self.size, tag=tag),
+            dist.P2POp(dist.irecv, recv, group=self.group, group_peer=(self.rank - 1) % self.size, tag=tag),
+        ]
         return _Pending(dist.batch_isend_irecv(ops), recv)
 
 
@@ -189,7 +207,9 @@ def _grouped(t: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor
     return t.to(dtype).unflatten(1, (kv_heads, t.shape[1] // kv_heads))
 
 
-def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
+) -> tuple[torch.Tensor, torch.Tensor]:
     cdt, scale = compute_dtype(q.dtype), q.shape[-1] ** -0.5
     qg = _grouped(q, k.shape[1], cdt)
     out = torch.zeros_like(qg)
@@ -206,8 +226,15 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
     return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
 
-def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, ring: _Ring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    ring: _Ring,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K/V go round the ring again, each followed by its gradient accumulator: at step i rank r holds the block of
     rank r−i together with what ranks r−i .. r−1 added to its dK/dV, adds its own queries' share and passes both
     on; one last hop after the final step brings each accumulator home to the block's owner."""
@@ -224,7 +251,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         if plan is not None:
             kc, vc = kv.to(cdt).unbind(0)
             dq_b, dk_b, dv_b = attention_block_backward(qg, kc, vc, dog, lseg, delta, plan, scale)
-            dq[..., plan.q_start:, :] += dq_b
+            dq[..., plan.q_start :, :] += dq_b
             dkv[0, ..., : plan.k_end, :] += dk_b
             dkv[1, ..., : plan.k_end, :] += dv_b
         if acc_in is not None:
@@ -270,15 +297,23 @@ class RingAttention:
         if key not in self._rings:
             seq = local_len * self.size
             q_pos = cp_positions(seq, self.rank, self.size, self.load_balance)
-            plans = [block_plan(q_pos, cp_positions(seq, (self.rank - i) % self.size, self.size, self.load_balance),
-                                device) for i in range(self.size)]
+            plans = [
+                block_plan(
+                    q_pos,
+                    cp_positions(seq, (self.rank - i) % self.size, self.size, self.load_balance),
+                    device,
+                )
+                for i in range(self.size)
+            ]
             self._rings[key] = _Ring(self.group, self.rank, self.size, plans)
         return self._rings[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
-            raise ValueError(f"ring attention needs self-attention shapes with kv heads dividing q heads; got q "
-                             f"{tuple(q.shape)}, k {tuple(k.shape)}")
+            raise ValueError(
+                f"ring attention needs self-attention shapes with kv heads dividing q heads; got q "
+                f"{tuple(q.shape)}, k {tuple(k.shape)}"
+            )
         return _RingAttentionFn.apply(q, k, v, self._ring(q.shape[2], q.device))
 
 
@@ -309,13 +344,19 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool) -> nn
     ring = RingAttention(cp_mesh.get_group(), load_balance=load_balance)
     for layer in model.layers.values():
         layer.attention.sdpa = ring
-    log.info("applied context parallel over %d ranks: %s attention on %s, %s layout", cp_mesh.size(), backend,
-             device.type, "zig-zag load-balanced" if load_balance else "contiguous")
+    log.info(
+        "applied context parallel over %d ranks: %s attention on %s, %s layout",
+        cp_mesh.size(),
+        backend,
+        device.type,
+        "zig-zag load-balanced" if load_balance else "contiguous",
+    )
     return model
 
 
-def cp_shard_batch(inputs: torch.Tensor, targets: torch.Tensor, cp_mesh: DeviceMesh,
-                   load_balance: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cp_shard_batch(
+    inputs: torch.Tensor, targets: torch.Tensor, cp_mesh: DeviceMesh, load_balance: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This cp rank's (inputs, targets, positions) for a [batch, seq] batch; pass `positions=` to the model."""
     rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
     pos = cp_positions(inputs.shape[1], rank, size, load_balance).to(inputs.device)
@@ -329,7 +370,17 @@ def causal_work(seq_len: int, cp_rank: int, cp_size: int, load_balance: bool) ->
 
 
 __all__ = [
-    "BlockPlan", "RingAttention", "apply_cp", "attention_block_backward", "attention_block_forward", "block_plan",
-    "causal_work", "compute_dtype", "cp_positions", "cp_shard_batch", "cp_split", "merge_block",
+    "BlockPlan",
+    "RingAttention",
+    "apply_cp",
+    "attention_block_backward",
+    "attention_block_forward",
+    "block_plan",
+    "causal_work",
+    "compute_dtype",
+    "cp_positions",
+    "cp_shard_batch",
+    "cp_split",
+    "merge_block",
     "select_cp_backend",
 ]

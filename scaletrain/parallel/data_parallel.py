@@ -40,8 +40,9 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: int) -> nn.Modul
     return wrapped
 
 
-def build_zero1_optimizer(model: nn.Module, opt_cfg: OptimizerConfig, device: torch.device,
-                          dp_mesh: DeviceMesh) -> ZeroRedundancyOptimizer:
+def build_zero1_optimizer(
+    model: nn.Module, opt_cfg: OptimizerConfig, device: torch.device, dp_mesh: DeviceMesh
+) -> ZeroRedundancyOptimizer:
     """ZeRO-1 (Rajbhandari et al. 2020): each rank keeps AdamW state only for its share of the parameters, steps
     them, and broadcasts the updated values. Gradients stay whole (DDP all-reduces them).
 
@@ -57,13 +58,21 @@ def build_zero1_optimizer(model: nn.Module, opt_cfg: OptimizerConfig, device: to
     opt = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=dp_mesh.get_group(), **defaults)
     local = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
     total = sum(p.numel() for g in groups for p in g["params"])
-    log.info("applied ZeRO-1 over %d ranks: this rank holds AdamW state for %.1f%% of the parameters",
-             dp_mesh.size(), 100 * local / max(total, 1))
+    log.info(
+        "applied ZeRO-1 over %d ranks: this rank holds AdamW state for %.1f%% of the parameters",
+        dp_mesh.size(),
+        100 * local / max(total, 1),
+    )
     return opt
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
-               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
     """FSDP2 `fully_shard`: one unit per transformer block plus the root (embedding, final norm, output), so one
     block's parameters are gathered at a time. Parameters, gradients and optimizer state are sharded (ZeRO-3).
 
@@ -78,8 +87,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     # FSDP keeps the root's parameters gathered after forward whatever the flag (backward needs them at once).
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     kind = "HSDP" if mesh.ndim == 2 else ("FSDP (ZeRO-3)" if reshard_after_forward else "ZeRO-2 (FSDP2)")
-    log.info("applied %s over mesh %s, %d block units + root", kind, dict(zip(mesh.mesh_dim_names, mesh.shape)),
-             len(blocks))
+    log.info(
+        "applied %s over mesh %s, %d block units + root",
+        kind,
+        dict(zip(mesh.mesh_dim_names, mesh.shape)),
+        len(blocks),
+    )
     return model
 
 

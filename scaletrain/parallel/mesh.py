@@ -60,9 +60,11 @@ def check_restartable_store(env) -> None:
     it; a job launched with torchrun's own restarts must set it too)."""
     shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if shared and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        raise UserError("torchrun restarts workers here (--max-restarts > 0) but shares its TCP store with them, so a "
-                        "restarted group would fail to connect (torch 2.13 keeps the previous attempt's keys). "
-                        "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every node.")
+        raise UserError(
+            "torchrun restarts workers here (--max-restarts > 0) but shares its TCP store with them, so a "
+            "restarted group would fail to connect (torch 2.13 keeps the previous attempt's keys). "
+            "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every node."
+        )
 
 
 # The world mesh's dimensions, outermost first. Pipeline stages are outermost (their traffic is the lightest:
@@ -116,7 +118,9 @@ class ParallelDims:
         if self.world_size == 1:
             self.mesh, self._flat = None, {}
             return None
-        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(
+            device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
+        )
         # Kept here rather than sliced back out of the root mesh by name (PyTorch deprecates that for flattened
         # dims).
         self._flat = {name: mesh[dims]._flatten(mesh_dim_name=name) for name, dims in FLAT_DIMS.items()}
@@ -138,8 +142,9 @@ class ParallelDims:
         # Same ranks as dp_cp, re-split in two: the replicate groups, and the shard groups folding in cp. Built
         # once (it creates process groups, a collective call).
         if "hsdp" not in self._flat:
-            self._flat["hsdp"] = self._flat["dp_cp"]._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp),
-                                                                ("dp_replicate", "dp_shard_cp"))
+            self._flat["hsdp"] = self._flat["dp_cp"]._unflatten(
+                0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
+            )
         return self._flat["hsdp"]
 
     def local_rank(self, name: str) -> int:
@@ -181,8 +186,11 @@ def _resolved_dp_shard(pcfg: ParallelConfig, world_size: int) -> int:
 
 
 def _size_problems(pcfg: ParallelConfig, world_size: int) -> list[str]:
-    bad = [f"parallel.{n} must be >= 1, got {getattr(pcfg, n)}" for n in ("dp_replicate", "tp", "pp", "cp")
-           if getattr(pcfg, n) < 1]
+    bad = [
+        f"parallel.{n} must be >= 1, got {getattr(pcfg, n)}"
+        for n in ("dp_replicate", "tp", "pp", "cp")
+        if getattr(pcfg, n) < 1
+    ]
     if pcfg.dp_shard < 1 and pcfg.dp_shard != -1:
         bad.append(f"parallel.dp_shard must be >= 1 or -1 (the rest of the world), got {pcfg.dp_shard}")
     if bad:
@@ -191,54 +199,96 @@ def _size_problems(pcfg: ParallelConfig, world_size: int) -> list[str]:
     if pcfg.dp_shard == -1:
         rest = pcfg.pp * pcfg.dp_replicate * pcfg.cp * pcfg.tp
         if world_size % rest:
-            return [f"parallel.dp_shard = -1 fills the rest of the world, but {sizes} = {rest} does not divide the "
-                    f"world size {world_size}; change those sizes or the number of processes"]
+            return [
+                f"parallel.dp_shard = -1 fills the rest of the world, but {sizes} = {rest} does not divide the "
+                f"world size {world_size}; change those sizes or the number of processes"
+            ]
         return []
     product = pcfg.pp * pcfg.dp_replicate * pcfg.dp_shard * pcfg.cp * pcfg.tp
     if product != world_size:
-        return [f"parallel sizes {sizes} x dp_shard {pcfg.dp_shard} = {product}, but the world has {world_size} "
-                "processes; make the product equal the world size (dp_shard = -1 fills the rest)"]
+        return [
+            f"parallel sizes {sizes} x dp_shard {pcfg.dp_shard} = {product}, but the world has {world_size} "
+            "processes; make the product equal the world size (dp_shard = -1 fills the rest)"
+        ]
     return []
 
 
-def validate_parallel(pcfg: ParallelConfig, world_size: int, n_heads: int, n_kv_heads: int, vocab_size: int, *,
-                      ffn_hidden: int | None = None, seq_len: int | None = None,
-                      tie_embeddings: bool = False) -> list[str]:
+def validate_parallel(
+    pcfg: ParallelConfig,
+    world_size: int,
+    n_heads: int,
+    n_kv_heads: int,
+    vocab_size: int,
+    *,
+    ffn_hidden: int | None = None,
+    seq_len: int | None = None,
+    tie_embeddings: bool = False,
+) -> list[str]:
     """Every problem of the parallel layout at once, each with its fix; [] when the layout runs."""
     problems = _size_problems(pcfg, world_size)
     mode = pcfg.data_parallel
     if pcfg.dp_replicate > 1 and mode != "hsdp":
-        problems.append(f"parallel.dp_replicate = {pcfg.dp_replicate} needs parallel.data_parallel = 'hsdp' "
-                        f"(replicate across groups, shard within); with '{mode}' set dp_replicate = 1")
+        problems.append(
+            f"parallel.dp_replicate = {pcfg.dp_replicate} needs parallel.data_parallel = 'hsdp' "
+            f"(replicate across groups, shard within); with '{mode}' set dp_replicate = 1"
+        )
     if mode == "hsdp" and pcfg.dp_replicate == 1:
-        problems.append("parallel.data_parallel = 'hsdp' with dp_replicate = 1 is plain sharding: use "
-                        "data_parallel = 'fsdp', or set dp_replicate > 1")
+        problems.append(
+            "parallel.data_parallel = 'hsdp' with dp_replicate = 1 is plain sharding: use "
+            "data_parallel = 'fsdp', or set dp_replicate > 1"
+        )
     tp = pcfg.tp
     dp_cp = pcfg.dp_replicate * _resolved_dp_shard(pcfg, world_size) * pcfg.cp
     if tp > 1 and mode in ("ddp", "zero1") and dp_cp > 1:
         # With no data-parallel ranks (dp_cp = 1) no DDP is applied, so pure TP runs whatever the mode says.
-        problems.append(f"parallel.data_parallel = '{mode}' cannot be combined with tp = {tp} over {dp_cp} "
-                        "data-parallel ranks: DDP does not handle the DTensor parameters that tensor parallel "
-                        "creates; use data_parallel = 'fsdp' or 'zero2' with tp")
+        problems.append(
+            f"parallel.data_parallel = '{mode}' cannot be combined with tp = {tp} over {dp_cp} "
+            "data-parallel ranks: DDP does not handle the DTensor parameters that tensor parallel "
+            "creates; use data_parallel = 'fsdp' or 'zero2' with tp"
+        )
     if tp > 1:
         divisible = [
             ("model.n_heads", n_heads, "attention is split by whole query heads"),
-            ("model.n_kv_heads", n_kv_heads, "each rank needs whole key/value heads for its share of query heads"),
-            ("the vocabulary size", vocab_size, "the embedding and the output layer are split by vocabulary rows"),
-            ("model.ffn_hidden", ffn_hidden, "the MLP is split along its hidden size (w1/w3 columns, w2 rows)"),
+            (
+                "model.n_kv_heads",
+                n_kv_heads,
+                "each rank needs whole key/value heads for its share of query heads",
+            ),
+            (
+                "the vocabulary size",
+                vocab_size,
+                "the embedding and the output layer are split by vocabulary rows",
+            ),
+            (
+                "model.ffn_hidden",
+                ffn_hidden,
+                "the MLP is split along its hidden size (w1/w3 columns, w2 rows)",
+            ),
         ]
         if pcfg.sequence_parallel and seq_len is not None and pcfg.cp >= 1 and seq_len % pcfg.cp == 0:
-            what = "data.seq_len" if pcfg.cp == 1 else f"the {seq_len // pcfg.cp} tokens per cp rank of data.seq_len"
-            divisible.append((what, seq_len // pcfg.cp, "sequence parallel splits every sequence over the tp ranks"))
+            what = (
+                "data.seq_len"
+                if pcfg.cp == 1
+                else f"the {seq_len // pcfg.cp} tokens per cp rank of data.seq_len"
+            )
+            divisible.append(
+                (what, seq_len // pcfg.cp, "sequence parallel splits every sequence over the tp ranks")
+            )
         for what, n, why in divisible:
             if n is not None and n % tp:
-                problems.append(f"parallel.tp = {tp} does not divide {what} {n} ({why}); choose a tp that divides it")
+                problems.append(
+                    f"parallel.tp = {tp} does not divide {what} {n} ({why}); choose a tp that divides it"
+                )
     if tp > 1 and tie_embeddings:
-        problems.append("tensor parallel splits the embedding by vocabulary rows and the output layer by vocabulary "
-                        "columns, so one tied matrix cannot serve both; set model.tie_embeddings = false or tp = 1")
+        problems.append(
+            "tensor parallel splits the embedding by vocabulary rows and the output layer by vocabulary "
+            "columns, so one tied matrix cannot serve both; set model.tie_embeddings = false or tp = 1"
+        )
     if pcfg.sequence_parallel and tp == 1:
-        problems.append("parallel.sequence_parallel splits the norms' activations over the tensor-parallel ranks and "
-                        "needs tp > 1; set parallel.tp > 1 or sequence_parallel = false")
+        problems.append(
+            "parallel.sequence_parallel splits the norms' activations over the tensor-parallel ranks and "
+            "needs tp > 1; set parallel.tp > 1 or sequence_parallel = false"
+        )
     return problems
 
 

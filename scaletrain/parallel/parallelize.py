@@ -46,16 +46,18 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, pcfg: ParallelConf
     return apply_fsdp(model, mesh, reshard_after_forward=mode != "zero2")
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, *, device: torch.device,
-                n_microbatches: int) -> ParallelModel:
+def parallelize(
+    model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, *, device: torch.device, n_microbatches: int
+) -> ParallelModel:
     loss_parallel = dims.tp_enabled and not dims.pp_enabled  # a pipeline's loss runs inside the schedule
 
     def per_stage(m: nn.Module) -> nn.Module:
         if dims.tp_enabled:
             from scaletrain.parallel.tensor_parallel import apply_tp
 
-            m = apply_tp(m, dims.submesh("tp"), sequence_parallel=pcfg.sequence_parallel,
-                         loss_parallel=loss_parallel)
+            m = apply_tp(
+                m, dims.submesh("tp"), sequence_parallel=pcfg.sequence_parallel, loss_parallel=loss_parallel
+            )
         if dims.cp_enabled:
             from scaletrain.parallel.context_parallel import apply_cp
 
@@ -65,7 +67,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, *, d
     if dims.pp_enabled:
         from scaletrain.parallel.pipeline import apply_pp
 
-        pp = apply_pp(model, dims.submesh("pp"), schedule=pcfg.pp_schedule, n_microbatches=n_microbatches,
-                      virtual_stages=pcfg.pp_virtual_stages, device=device, parallelize_fn=per_stage)
+        pp = apply_pp(
+            model,
+            dims.submesh("pp"),
+            schedule=pcfg.pp_schedule,
+            n_microbatches=n_microbatches,
+            virtual_stages=pcfg.pp_virtual_stages,
+            device=device,
+            parallelize_fn=per_stage,
+        )
         return ParallelModel(list(pp.modules), pp, loss_parallel)
     return ParallelModel([per_stage(model)], None, loss_parallel)

@@ -70,7 +70,9 @@ def layers_per_stage(n_layers: int, n_stages: int) -> list[int]:
     vocabulary is large) and the loss, so they are the ones to get fewer layers. If the middle stages cannot take the
     whole remainder, the first stage takes one more (an embedding lookup is cheaper than the output projection)."""
     if n_stages > n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {n_stages} pipeline stages of at least one layer each")
+        raise ValueError(
+            f"cannot split {n_layers} layers into {n_stages} pipeline stages of at least one layer each"
+        )
     base, extra = divmod(n_layers, n_stages)
     counts = [base] * n_stages
     order = list(range(1, n_stages - 1)) + [0, n_stages - 1]
@@ -79,9 +81,18 @@ def layers_per_stage(n_layers: int, n_stages: int) -> list[int]:
     return counts
 
 
-def pipeline_problems(schedule: str, pp: int, virtual_stages: int, n_microbatches: int, *, n_layers: int | None = None,
-                      local_batch: int | None = None, tie_embeddings: bool = False, data_parallel: str | None = None,
-                      dp: int = 1) -> list[str]:
+def pipeline_problems(
+    schedule: str,
+    pp: int,
+    virtual_stages: int,
+    n_microbatches: int,
+    *,
+    n_layers: int | None = None,
+    local_batch: int | None = None,
+    tie_embeddings: bool = False,
+    data_parallel: str | None = None,
+    dp: int = 1,
+) -> list[str]:
     """Every reason this pipeline cannot run, each with its fix (empty when it can). The micro-batch rules are those
     the torch schedules enforce (or would fail on mid-step), checked here so that they fail before any work starts."""
     if schedule not in SCHEDULES:
@@ -94,37 +105,55 @@ def pipeline_problems(schedule: str, pp: int, virtual_stages: int, n_microbatche
     if v < 1:
         problems.append(f"parallel.pp_virtual_stages must be >= 1 for {schedule}, got {virtual_stages}")
     if n_layers is not None and n_stages > n_layers:
-        fix = "parallel.pp or parallel.pp_virtual_stages" if schedule.startswith("interleaved") else "parallel.pp"
-        problems.append(f"the model has {n_layers} layers but {schedule} with pp={pp} needs {n_stages} stages "
-                        f"({v} per rank) of at least one layer each; lower {fix}, or use a model with "
-                        f">= {n_stages} layers")
+        fix = (
+            "parallel.pp or parallel.pp_virtual_stages"
+            if schedule.startswith("interleaved")
+            else "parallel.pp"
+        )
+        problems.append(
+            f"the model has {n_layers} layers but {schedule} with pp={pp} needs {n_stages} stages "
+            f"({v} per rank) of at least one layer each; lower {fix}, or use a model with "
+            f">= {n_stages} layers"
+        )
     if tie_embeddings and n_stages > 1:
-        problems.append("tied embeddings cannot be split over pipeline stages: the first stage (embedding) and the last "
-                        "(output) would each update their own copy; set model.tie_embeddings false, or parallel.pp 1")
+        problems.append(
+            "tied embeddings cannot be split over pipeline stages: the first stage (embedding) and the last "
+            "(output) would each update their own copy; set model.tie_embeddings false, or parallel.pp 1"
+        )
     if data_parallel in ("ddp", "zero1") and dp > 1 and pp > 1:
         # torch 2.13: DDP's reducer fails on the pipeline's interleaved micro-batch forwards/backwards ("rebuilt
         # parameter indices size is not same"), and with static_graph=True it averages wrongly. FSDP2 works.
-        problems.append(f"parallel.data_parallel {data_parallel} (DDP) cannot run inside pipeline stages; with "
-                        "parallel.pp > 1 use data_parallel fsdp, zero2 or hsdp")
+        problems.append(
+            f"parallel.data_parallel {data_parallel} (DDP) cannot run inside pipeline stages; with "
+            "parallel.pp > 1 use data_parallel fsdp, zero2 or hsdp"
+        )
     m = n_microbatches
     if m < 1:
         problems.append(f"the number of pipeline micro-batches must be >= 1, got {m}")
         return problems
     if schedule == "1f1b" and m < pp:
-        problems.append(f"1f1b needs at least as many micro-batches as stages: {m} < {pp}; set "
-                        f"parallel.pp_microbatches >= {pp} (bubble (p-1)/(m+p-1) shrinks with more)")
+        problems.append(
+            f"1f1b needs at least as many micro-batches as stages: {m} < {pp}; set "
+            f"parallel.pp_microbatches >= {pp} (bubble (p-1)/(m+p-1) shrinks with more)"
+        )
     if schedule in ("interleaved_1f1b", "interleaved_zb"):
         rounds = max(1, m // pp)
         if m % rounds:
-            problems.append(f"{schedule} runs micro-batches in rounds of pp={pp}: {m} micro-batches is neither a "
-                            f"multiple of {pp} nor fewer than {pp}; use {rounds * pp} or {(rounds + 1) * pp}")
+            problems.append(
+                f"{schedule} runs micro-batches in rounds of pp={pp}: {m} micro-batches is neither a "
+                f"multiple of {pp} nor fewer than {pp}; use {rounds * pp} or {(rounds + 1) * pp}"
+            )
     if schedule == "dualpipev" and m < 2 * pp:
-        problems.append(f"dualpipev needs at least as many micro-batches as stages: {m} < {2 * pp}; set "
-                        f"parallel.pp_microbatches >= {2 * pp}")
+        problems.append(
+            f"dualpipev needs at least as many micro-batches as stages: {m} < {2 * pp}; set "
+            f"parallel.pp_microbatches >= {2 * pp}"
+        )
     if local_batch is not None and local_batch % m:
-        problems.append(f"the local batch of {local_batch} sequences does not split into {m} equal micro-batches "
-                        "(unequal ones would weigh sequences unequally in the mean loss); make the batch a multiple "
-                        "of parallel.pp_microbatches")
+        problems.append(
+            f"the local batch of {local_batch} sequences does not split into {m} equal micro-batches "
+            "(unequal ones would weigh sequences unequally in the mean loss); make the batch a multiple "
+            "of parallel.pp_microbatches"
+        )
     return problems
 
 
@@ -133,8 +162,9 @@ def resolve_microbatches(pp_microbatches: int, local_batch: int, micro_batch: in
     return pp_microbatches if pp_microbatches > 0 else max(1, local_batch // micro_batch)
 
 
-def split_model(model: Transformer, pp_rank: int, pp_size: int, virtual_stages: int,
-                style: Literal["loop", "v"]) -> list[tuple[int, Transformer]]:
+def split_model(
+    model: Transformer, pp_rank: int, pp_size: int, virtual_stages: int, style: Literal["loop", "v"]
+) -> list[tuple[int, Transformer]]:
     """(stage index, module) for each stage `pp_rank` holds. Each module is a copy of `model` (materialised or on
     meta) with only its stage's layers, keyed as in the full model so parameter names and checkpoints match; the first
     stage keeps the embedding, the last the final norm and the output. Parts a stage drops are never copied."""
@@ -145,17 +175,21 @@ def split_model(model: Transformer, pp_rank: int, pp_size: int, virtual_stages: 
         raise ValueError(f"pp_rank {pp_rank} is outside a pipeline of {pp_size} ranks")
     n_layers = len(model.layers)
     if n_stages > n_layers:
-        raise ValueError(f"the model has {n_layers} layers but the pipeline needs {n_stages} stages (pp={pp_size} x "
-                         f"{virtual_stages} per rank) of at least one layer each; lower parallel.pp or "
-                         "parallel.pp_virtual_stages, or use more layers")
+        raise ValueError(
+            f"the model has {n_layers} layers but the pipeline needs {n_stages} stages (pp={pp_size} x "
+            f"{virtual_stages} per rank) of at least one layer each; lower parallel.pp or "
+            "parallel.pp_virtual_stages, or use more layers"
+        )
     if model.args.tie_embeddings and n_stages > 1:
-        raise ValueError("tied embeddings cannot be split over pipeline stages; set model.tie_embeddings false")
+        raise ValueError(
+            "tied embeddings cannot be split over pipeline stages; set model.tie_embeddings false"
+        )
     counts = layers_per_stage(n_layers, n_stages)
     keys = list(model.layers.keys())
     starts = [sum(counts[:s]) for s in range(n_stages)]
     out = []
     for s in rank_stages(pp_rank, pp_size, virtual_stages, style):
-        keep = set(keys[starts[s]: starts[s] + counts[s]])
+        keep = set(keys[starts[s] : starts[s] + counts[s]])
         first, last = s == 0, s == n_stages - 1
         dropped = [m for k, m in model.layers.items() if k not in keep]
         dropped += [] if first else [model.tok_embeddings]
@@ -177,8 +211,14 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, schedule_name: str, n_microbatches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device):
+def build_schedule(
+    stages: list[tuple[int, nn.Module]],
+    pp_mesh: DeviceMesh,
+    schedule_name: str,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+):
     """Wrap this rank's stage modules in `PipelineStage`s and build the torch schedule; returns (stages, schedule).
 
     Gradients: each micro-batch's mean loss is divided by the number of micro-batches n *before* its backward, and
@@ -189,18 +229,26 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_mesh: DeviceMesh, sch
     pp = pp_mesh.size()
     expected = stages_per_rank(schedule_name, len(stages)) if schedule_name in SCHEDULES else len(stages)
     if len(stages) != expected:
-        raise ValueError(f"{schedule_name} runs {expected} stage(s) per rank, got {len(stages)}; split the model "
-                         f"with virtual_stages={expected}")
+        raise ValueError(
+            f"{schedule_name} runs {expected} stage(s) per rank, got {len(stages)}; split the model "
+            f"with virtual_stages={expected}"
+        )
     problems = pipeline_problems(schedule_name, pp, len(stages), n_microbatches)
     if problems:
         raise ValueError("; ".join(problems))
     num_stages = pp * len(stages)
     group = pp_mesh.get_group()
-    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
+    pipeline_stages = [
+        PipelineStage(module, index, num_stages, device, group=group) for index, module in stages
+    ]
     cls = SCHEDULES[schedule_name]
     target = pipeline_stages[0] if schedule_name in SINGLE_STAGE else pipeline_stages
-    schedule = cls(target, n_microbatches=n_microbatches, loss_fn=_MicrobatchMean(loss_fn, n_microbatches),
-                   scale_grads=False)
+    schedule = cls(
+        target,
+        n_microbatches=n_microbatches,
+        loss_fn=_MicrobatchMean(loss_fn, n_microbatches),
+        scale_grads=False,
+    )
     return pipeline_stages, schedule
 
 
@@ -217,20 +265,34 @@ class _MicrobatchMean:
         return loss if self.factor is None else loss * self.factor
 
 
-def pipeline_step(schedule, inputs: torch.Tensor, targets: torch.Tensor, *, is_first: bool, is_last: bool,
-                  pp_mesh: DeviceMesh, loss_factor: float | None = None) -> torch.Tensor:
+def pipeline_step(
+    schedule,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    is_first: bool,
+    is_last: bool,
+    pp_mesh: DeviceMesh,
+    loss_factor: float | None = None,
+) -> torch.Tensor:
     """One pipelined forward/backward over this rank's batch (every pp rank passes the same one; only the first stage
     reads the inputs and the last the targets). Returns the mean loss over the batch on every pp rank.
     `loss_factor` multiplies the loss before backward (fault injection: NaN)."""
     n = schedule._n_microbatches  # the schedules expose no public accessor
     if inputs.shape[0] % n:
-        raise ValueError(f"a batch of {inputs.shape[0]} sequences does not split into {n} equal micro-batches")
+        raise ValueError(
+            f"a batch of {inputs.shape[0]} sequences does not split into {n} equal micro-batches"
+        )
     losses: list[torch.Tensor] | None = [] if is_last else None
     mean = schedule._loss_fn  # our _MicrobatchMean (build_schedule), held by the schedule
     mean.factor = loss_factor
     try:
-        schedule.step(*((inputs,) if is_first else ()), target=targets if is_last else None, losses=losses,
-                      return_outputs=False)
+        schedule.step(
+            *((inputs,) if is_first else ()),
+            target=targets if is_last else None,
+            losses=losses,
+            return_outputs=False,
+        )
     finally:
         mean.factor = None
     loss = torch.zeros((), dtype=torch.float32, device=inputs.device)
@@ -243,7 +305,9 @@ def pipeline_step(schedule, inputs: torch.Tensor, targets: torch.Tensor, *, is_f
     return loss
 
 
-def clip_grad_norm_pp(parameters: Iterable[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh) -> torch.Tensor:
+def clip_grad_norm_pp(
+    parameters: Iterable[nn.Parameter], max_norm: float, pp_mesh: DeviceMesh
+) -> torch.Tensor:
     """Global L2 norm of the gradients of every stage, and clip with it. Each rank holds different parameters, so the
     squared local norms are summed over the pp group; clipping with a local norm would scale stages differently."""
     params = [p for p in parameters if p.grad is not None]
@@ -278,9 +342,18 @@ class PipelineParts:
     n_stages: int
     placement: Literal["loop", "v"]
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_factor: float | None = None) -> torch.Tensor:
-        return pipeline_step(self.schedule, inputs, targets, is_first=self.has_first, is_last=self.has_last,
-                             pp_mesh=self.pp_mesh, loss_factor=loss_factor)
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_factor: float | None = None
+    ) -> torch.Tensor:
+        return pipeline_step(
+            self.schedule,
+            inputs,
+            targets,
+            is_first=self.has_first,
+            is_last=self.has_last,
+            pp_mesh=self.pp_mesh,
+            loss_factor=loss_factor,
+        )
 
     @torch.no_grad()
     def eval_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -322,15 +395,29 @@ class PipelineParts:
         return out
 
 
-def apply_pp(model: Transformer, pp_mesh: DeviceMesh, *, schedule: str, n_microbatches: int, virtual_stages: int = 2,
-             device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = pipeline_loss,
-             parallelize_fn: Callable[[nn.Module], nn.Module] | None = None) -> PipelineParts:
+def apply_pp(
+    model: Transformer,
+    pp_mesh: DeviceMesh,
+    *,
+    schedule: str,
+    n_microbatches: int,
+    virtual_stages: int = 2,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = pipeline_loss,
+    parallelize_fn: Callable[[nn.Module], nn.Module] | None = None,
+) -> PipelineParts:
     """Split `model` into this rank's stages and build the schedule. `parallelize_fn` (TP, recompute, FSDP) is applied
     to each stage module before it is wrapped, so those run inside a stage; the caller may drop `model` afterwards."""
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     n_layers = len(model.layers)
-    problems = pipeline_problems(schedule, pp, virtual_stages, n_microbatches, n_layers=n_layers,
-                                 tie_embeddings=model.args.tie_embeddings)
+    problems = pipeline_problems(
+        schedule,
+        pp,
+        virtual_stages,
+        n_microbatches,
+        n_layers=n_layers,
+        tie_embeddings=model.args.tie_embeddings,
+    )
     if problems:
         raise ValueError("; ".join(problems))
     v = stages_per_rank(schedule, virtual_stages)
@@ -340,12 +427,32 @@ def apply_pp(model: Transformer, pp_mesh: DeviceMesh, *, schedule: str, n_microb
     stages, sched = build_schedule(parts, pp_mesh, schedule, n_microbatches, loss_fn, device)
     ids = [s for s, _ in parts]
     counts = layers_per_stage(n_layers, pp * v)
-    interleaved = f", interleaved (p-1)/(v·m+p-1) = {ideal_bubble(pp, n_microbatches, v):.1%}" if v > 1 else ""
-    log.info("applied pipeline %s: pp=%d, %d stage(s) per rank (this rank: %s), layers per stage %s, %d micro-batches, "
-             "ideal bubble (p-1)/(m+p-1) = %.1f%%%s", schedule, pp, v, ids, counts, n_microbatches,
-             100 * ideal_bubble(pp, n_microbatches), interleaved)
-    return PipelineParts(nn.ModuleList([m for _, m in parts]), ids, stages, sched, pp_mesh, has_first=0 in ids,
-                         has_last=pp * v - 1 in ids, n_stages=pp * v, placement=placement_style(schedule))
+    interleaved = (
+        f", interleaved (p-1)/(v·m+p-1) = {ideal_bubble(pp, n_microbatches, v):.1%}" if v > 1 else ""
+    )
+    log.info(
+        "applied pipeline %s: pp=%d, %d stage(s) per rank (this rank: %s), layers per stage %s, %d micro-batches, "
+        "ideal bubble (p-1)/(m+p-1) = %.1f%%%s",
+        schedule,
+        pp,
+        v,
+        ids,
+        counts,
+        n_microbatches,
+        100 * ideal_bubble(pp, n_microbatches),
+        interleaved,
+    )
+    return PipelineParts(
+        nn.ModuleList([m for _, m in parts]),
+        ids,
+        stages,
+        sched,
+        pp_mesh,
+        has_first=0 in ids,
+        has_last=pp * v - 1 in ids,
+        n_stages=pp * v,
+        placement=placement_style(schedule),
+    )
 
 
 # Evaluation's activations carry a header (dtype, rank, shape) so that the receiver needs no shape inference.
@@ -356,16 +463,19 @@ _HEADER = 8
 def _send_activation(h: torch.Tensor, dst: int, group) -> list:
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[0], header[1] = _DTYPES.index(h.dtype), h.ndim
-    header[2: 2 + h.ndim] = torch.tensor(h.shape)
+    header[2 : 2 + h.ndim] = torch.tensor(h.shape)
     header, h = header.to(h.device), h.contiguous()
     # The tensors travel with their works: they must stay alive until the sends complete.
-    return [(dist.isend(header, group=group, group_dst=dst), header), (dist.isend(h, group=group, group_dst=dst), h)]
+    return [
+        (dist.isend(header, group=group, group_dst=dst), header),
+        (dist.isend(h, group=group, group_dst=dst), h),
+    ]
 
 
 def _recv_activation(src: int, group, device: torch.device) -> torch.Tensor:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.recv(header, group=group, group_src=src)
     dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-    h = torch.empty(header[2: 2 + ndim].tolist(), dtype=dtype, device=device)
+    h = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
     dist.recv(h, group=group, group_src=src)
     return h

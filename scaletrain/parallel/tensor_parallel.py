@@ -33,14 +33,18 @@ class ReplicateParallel(ParallelStyle):
     def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for p_name, p in list(module.named_parameters(recurse=False)):
             # Every rank holds the same values (the model is materialised identically everywhere): no broadcast.
-            module.register_parameter(p_name, nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()],
-                                                                              run_check=False)))
+            module.register_parameter(
+                p_name, nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()], run_check=False))
+            )
 
     @staticmethod
     def _input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x = inputs[0]
-        x = x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor) else DTensor.from_local(
-            x, mesh, [Replicate()], run_check=False)
+        x = (
+            x.redistribute(mesh, [Replicate()])
+            if isinstance(x, DTensor)
+            else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        )
         return (x, *inputs[1:])
 
     @staticmethod
@@ -68,22 +72,27 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
     if getattr(model, "tok_embeddings", None) is not None:
         # Rowwise on an embedding splits the vocabulary rows; each rank looks up its ids, masks the others and the
         # partial sums are reduced (or reduce-scattered onto the sequence under SP).
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=local)
+        plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=local
+        )
     for name in model.layers:
         p = f"layers.{name}."
         plan[p + "attention_norm"] = norm_style()
         if sequence_parallel:
             # All-gather the normed sequence before attention (it needs every position); cos/sin untouched.
-            plan[p + "attention"] = PrepareModuleInput(input_layouts=(seq, None, None),
-                                                       desired_input_layouts=(Replicate(), None, None),
-                                                       use_local_output=True)
+            plan[p + "attention"] = PrepareModuleInput(
+                input_layouts=(seq, None, None),
+                desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            )
         for w in ("wq", "wk", "wv"):
             plan[p + f"attention.{w}"] = ColwiseParallel()
         plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq, use_local_output=local)
         plan[p + "ffn_norm"] = norm_style()
         if sequence_parallel:
-            plan[p + "feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                                          use_local_output=True)
+            plan[p + "feed_forward"] = PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
         plan[p + "feed_forward.w1"] = ColwiseParallel()
         plan[p + "feed_forward.w3"] = ColwiseParallel()
         plan[p + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq, use_local_output=local)
@@ -92,20 +101,34 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
     if getattr(model, "output", None) is not None:
         # Loss parallel keeps the logits sharded by vocabulary (a DTensor) so that cross-entropy never gathers the
         # [tokens, vocab] matrix; otherwise they are gathered into a plain replicated tensor.
-        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                         use_local_output=not loss_parallel)
+        plan["output"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
+) -> nn.Module:
     """Shard the model's existing weights over `tp_mesh` in place (call before FSDP)."""
-    if getattr(model.args, "tie_embeddings", False) and model.output is not None and model.tok_embeddings is not None:
+    if (
+        getattr(model.args, "tie_embeddings", False)
+        and model.output is not None
+        and model.tok_embeddings is not None
+    ):
         # One tensor cannot be both row-split (embedding) and column-split (output) by vocabulary.
         raise ValueError("tensor parallel does not support tied embeddings; set model.tie_embeddings = false")
-    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel=sequence_parallel,
-                                               loss_parallel=loss_parallel))
-    log.info("applied tensor parallel over %d ranks%s%s", tp_mesh.size(), ", sequence parallel" if sequence_parallel
-             else "", ", loss parallel" if loss_parallel else "")
+    parallelize_module(
+        model, tp_mesh, tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    )
+    log.info(
+        "applied tensor parallel over %d ranks%s%s",
+        tp_mesh.size(),
+        ", sequence parallel" if sequence_parallel else "",
+        ", loss parallel" if loss_parallel else "",
+    )
     return model
 
 

@@ -13,12 +13,22 @@ from pathlib import Path
 DEFAULT_HANG_EXIT_CODE = 86  # the watchdog's exit code when scaletrain.resilience.watchdog is absent
 CONFIG_EXIT_CODE = 2  # scaletrain.cli: a ConfigError ends the process with status 2
 
-KINDS = ("out_of_memory", "collective_timeout", "hang", "nan", "killed", "preempted", "config_error",
-         "user_exception", "unknown")
+KINDS = (
+    "out_of_memory",
+    "collective_timeout",
+    "hang",
+    "nan",
+    "killed",
+    "preempted",
+    "config_error",
+    "user_exception",
+    "unknown",
+)
 
 _OOM = re.compile(
     r"CUDA out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory|can't allocate memory",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 # What the kernel's OOM killer leaves behind (dmesg, a container runtime's or a scheduler's message).
 _OOM_KILLER = re.compile(r"oom[-_ ]?kill|Out of memory: Killed process|OOMKilled|oom_reaper", re.IGNORECASE)
 # gloo and NCCL give up on a collective (or a peer died under it); the c10d store timing out at rendezvous.
@@ -29,7 +39,8 @@ _COLLECTIVE = re.compile(
     r"|NCCL communicator was aborted|NCCL (?:error|timeout)|ncclRemoteError|ncclSystemError"
     r"|ProcessGroupNCCL.*?(?:timeout|timed out)|ProcessGroupGloo.*?(?:timeout|timed out)"
     r"|Socket Timeout|DistNetworkError|DistStoreError",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 _NAN = re.compile(r"non-finite loss|rollbacks? exhausted|\bNaN\b.*\broll(?:ed)? ?back", re.IGNORECASE)
 _CONFIG = re.compile(r"problem\(s\) in the configuration")
 # Our log line "step 12/100 | loss ..." (train._log_line) and phrases such as "... at step 12".
@@ -75,7 +86,9 @@ def classify(exitcode: int | None, signal: int | None, log_tail: str) -> Diagnos
         return Diagnosis(kind, curable=kind != "config_error", detail=detail, step=step)
 
     if exitcode == CONFIG_EXIT_CODE or _CONFIG.search(log_tail):
-        return make("config_error", _matching_line(_CONFIG, log_tail) or f"exit code {exitcode}: configuration error")
+        return make(
+            "config_error", _matching_line(_CONFIG, log_tail) or f"exit code {exitcode}: configuration error"
+        )
     if exitcode is not None and exitcode == hang_exit_code():
         return make("hang", f"the watchdog ended a hung worker (exit code {exitcode})")
     if line := _matching_line(_OOM, log_tail):
@@ -133,7 +146,7 @@ def last_exception(text: str) -> str | None:
     if not starts:
         return None
     # Frames ("  File ...", source lines, "^^^^" markers) are indented; the exception line is the first that is not.
-    for line in lines[starts[-1] + 1:]:
+    for line in lines[starts[-1] + 1 :]:
         if line.strip() and not line[0].isspace():
             return line.strip()[:300]
     return None
@@ -160,7 +173,10 @@ class RestartPolicy:
             key = (diag.kind, _HEX.sub("0x?", diag.detail), diag.step)
             self._seen[key] += 1
             if self._seen[key] >= 2:
-                return False, f"the same failure happened twice at step {diag.step}, so it is deterministic: {what}"
+                return (
+                    False,
+                    f"the same failure happened twice at step {diag.step}, so it is deterministic: {what}",
+                )
         if self.restarts >= self.max_restarts:
             return False, f"restarts used up ({self.restarts} of {self.max_restarts}): {what}"
         self.restarts += 1

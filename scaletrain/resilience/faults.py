@@ -103,17 +103,26 @@ def _parse(text: str) -> tuple[FaultSpec | None, list[str]]:
         try:
             parsed[key] = float(value) if key == "factor" else int(value)
         except ValueError:
-            problems.append(f'{where}: {key} must be {"a number" if key == "factor" else "an integer"}, got "{value}"')
+            problems.append(
+                f'{where}: {key} must be {"a number" if key == "factor" else "an integer"}, got "{value}"'
+            )
             continue
         low = {"rank": 0, "step": 1}.get(key)
         if low is not None and parsed[key] < low:
             problems.append(f"{where}: {key} must be >= {low}, got {value}")
         if key == "factor" and not (math.isfinite(parsed[key]) and parsed[key] > 1):
-            problems.append(f"{where}: factor must be a number > 1 (3 makes each step take 3x as long), got {value}")
+            problems.append(
+                f"{where}: factor must be a number > 1 (3 makes each step take 3x as long), got {value}"
+            )
     if problems:
         return None, problems
-    spec = FaultSpec(text=text.strip(), kind=kind, rank=_opt_int(parsed.get("rank")),
-                     step=_opt_int(parsed.get("step")), factor=parsed.get("factor"))
+    spec = FaultSpec(
+        text=text.strip(),
+        kind=kind,
+        rank=_opt_int(parsed.get("rank")),
+        step=_opt_int(parsed.get("step")),
+        factor=parsed.get("factor"),
+    )
     return spec, []
 
 
@@ -128,8 +137,10 @@ def validate_specs(specs: list[str], world_size: int | None = None) -> list[str]
         spec, errs = _parse(text)
         problems += errs
         if spec is not None and world_size is not None and spec.rank is not None and spec.rank >= world_size:
-            problems.append(f'resilience.inject "{text}": rank {spec.rank} does not exist in a world of '
-                            f"{world_size} process(es); it would never fire")
+            problems.append(
+                f'resilience.inject "{text}": rank {spec.rank} does not exist in a world of '
+                f"{world_size} process(es); it would never fire"
+            )
     return problems
 
 
@@ -180,11 +191,14 @@ class FaultInjector:
             elif spec.kind == "raise":
                 raise InjectedFault(f"injected fault {spec.text!r} on rank {self.rank} at step {step}")
             else:
-                log.warning("injected hang %r: rank %d sleeps at the start of step %d", spec.text, self.rank, step)
+                log.warning(
+                    "injected hang %r: rank %d sleeps at the start of step %d", spec.text, self.rank, step
+                )
                 _sleep_forever()
 
-    def corrupt_batch(self, step: int, inputs: torch.Tensor, targets: torch.Tensor,
-                      vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def corrupt_batch(
+        self, step: int, inputs: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """spike: replace the targets with random tokens, so the loss jumps as on a batch of garbage data.
 
         The tokens come from a generator seeded by the step, so a drill is repeatable. Without `vocab_size` they are
@@ -302,7 +316,8 @@ def _largest_shard(ckpt_dir: Path) -> Path | None:
     the metadata (a flipped byte there fails loudly anyway; a flipped weight byte is the silent case to catch)."""
     files = [p for p in ckpt_dir.rglob("*") if p.is_file()]
     shards = [p for p in files if p.suffix == ".distcp"] or [
-        p for p in files if p.name not in ("commit.json", ".metadata") and not p.name.endswith(".tmp")]
+        p for p in files if p.name not in ("commit.json", ".metadata") and not p.name.endswith(".tmp")
+    ]
     return max(sorted(shards), key=lambda p: p.stat().st_size, default=None)
 
 

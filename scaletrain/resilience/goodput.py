@@ -52,13 +52,19 @@ def compute_goodput(run_dir: Path, pending: dict | None = None, now: float | Non
     restarts, failures}.
     """
     run_dir = Path(run_dir)
-    events = sorted((e for e in read_jsonl(run_dir / "events.jsonl") if _num(e.get("time")) is not None),
-                    key=lambda e: e["time"])
-    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") + [pending or {}] if isinstance(r.get("step"), int)]
+    events = sorted(
+        (e for e in read_jsonl(run_dir / "events.jsonl") if _num(e.get("time")) is not None),
+        key=lambda e: e["time"],
+    )
+    records = [
+        r for r in read_jsonl(run_dir / "metrics.jsonl") + [pending or {}] if isinstance(r.get("step"), int)
+    ]
     starts = [e for e in events if e.get("kind") == "start"]
     if not starts:
-        raise ValueError(f"{run_dir / 'events.jsonl'} has no 'start' event: is {run_dir} a run directory whose "
-                         "training started?")
+        raise ValueError(
+            f"{run_dir / 'events.jsonl'} has no 'start' event: is {run_dir} a run directory whose "
+            "training started?"
+        )
     timed = bool(records) and all(_num(r.get("time")) is not None for r in records)
 
     t0 = min(e["time"] for e in events if e.get("kind") in ("start", "job_start"))
@@ -104,12 +110,20 @@ def _step_time(events: list[dict], records: list[dict], timed: bool) -> tuple[fl
     """(productive, recomputed) seconds: each step's last execution, and all its earlier ones."""
     resets = [(e["time"], _resume_step(e)) for e in events if _resume_step(e) is not None]
     # Where training can have gone back to: a start's or a rollback's step, or any saved checkpoint.
-    resume_points = sorted({step for _, step in resets} | {e["step"] for e in events if
-                            e.get("kind") == "checkpoint_saved" and isinstance(e.get("step"), int)})
+    resume_points = sorted(
+        {step for _, step in resets}
+        | {
+            e["step"]
+            for e in events
+            if e.get("kind") == "checkpoint_saved" and isinstance(e.get("step"), int)
+        }
+    )
     if timed:
         # Resets before records of the same instant: a segment's `start` is written before its first step.
-        timeline = sorted([(t, 0, step) for t, step in resets] + [(r["time"], 1, r) for r in records],
-                          key=lambda item: (item[0], item[1]))
+        timeline = sorted(
+            [(t, 0, step) for t, step in resets] + [(r["time"], 1, r) for r in records],
+            key=lambda item: (item[0], item[1]),
+        )
     else:
         timeline = [(0.0, 1, r) for r in records]
     base = resets[0][1] if resets else 0  # the first start's step
@@ -149,8 +163,9 @@ def _restart_time(events: list[dict], starts: list[dict], timed_records: list[di
         if stops:
             stopped = min(stops)
         elif timed_records is not None:  # no word of the stop: the segment's last sign of life
-            alive = [e["time"] for e in between] + [r["time"] for r in timed_records
-                                                    if prev["time"] <= r["time"] < nxt["time"]]
+            alive = [e["time"] for e in between] + [
+                r["time"] for r in timed_records if prev["time"] <= r["time"] < nxt["time"]
+            ]
             stopped = max(alive, default=prev["time"])
         else:
             continue  # untimed records may lie anywhere in the gap: leave it to other_s rather than count twice

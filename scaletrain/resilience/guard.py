@@ -22,16 +22,31 @@ log = logging.getLogger("scaletrain")
 
 
 class Guard:
-    def __init__(self, cfg: ResilienceConfig, run_dir: Path, *, rank: int, world_size: int, layout: str,
-                 vocab_size: int, event, device_type: str = "cpu", run_id: str = ""):
+    def __init__(
+        self,
+        cfg: ResilienceConfig,
+        run_dir: Path,
+        *,
+        rank: int,
+        world_size: int,
+        layout: str,
+        vocab_size: int,
+        event,
+        device_type: str = "cpu",
+        run_id: str = "",
+    ):
         self.cfg = cfg
         self.rank = rank
         self.vocab_size = vocab_size
         self.event = event  # rank 0's writer; faults on other ranks append directly
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
-        self.injector = FaultInjector(cfg.inject, rank, run_dir,
-                                      event if rank == 0 else functools.partial(append_event, run_dir)) \
-            if cfg.inject else None
+        self.injector = (
+            FaultInjector(
+                cfg.inject, rank, run_dir, event if rank == 0 else functools.partial(append_event, run_dir)
+            )
+            if cfg.inject
+            else None
+        )
         self.tracker = self.watchdog = None
         if cfg.hang_timeout_s > 0:
             self.tracker = CollectiveTracker()
@@ -39,11 +54,22 @@ class Guard:
             self.watchdog = Watchdog(cfg.hang_timeout_s, run_dir, rank, self.tracker)
         self.nan = NanGuard(cfg.nan_rollback_after) if cfg.nan_check else None
         self.spike = SpikeDetector(cfg.spike_window, cfg.spike_zscore) if cfg.spike_zscore > 0 else None
-        self.straggler = StragglerMonitor(cfg.straggler_factor, cfg.straggler_interval) \
-            if cfg.straggler_factor > 0 else None
-        self.memory = MemoryTier(job_key(run_dir, run_id), make_layout_key(world_size, layout), group=self.group,
-                                 max_bytes=cfg.memory_max_mb << 20,
-                                 ttl_s=cfg.memory_ttl_hours * 3600) if cfg.memory_interval > 0 else None
+        self.straggler = (
+            StragglerMonitor(cfg.straggler_factor, cfg.straggler_interval)
+            if cfg.straggler_factor > 0
+            else None
+        )
+        self.memory = (
+            MemoryTier(
+                job_key(run_dir, run_id),
+                make_layout_key(world_size, layout),
+                group=self.group,
+                max_bytes=cfg.memory_max_mb << 20,
+                ttl_s=cfg.memory_ttl_hours * 3600,
+            )
+            if cfg.memory_interval > 0
+            else None
+        )
         self.first_step = True
         # A rank's own work per step, for straggler detection: wall time evens out across ranks in lock-step
         # training (the fast ones wait in the collectives), but a gloo wait blocks without using the CPU, so on CPU
@@ -60,10 +86,16 @@ class Guard:
         stored = ckpt.committed_steps()[-1:] if ckpt is not None else []
         if mem is not None and (not stored or mem >= stored[0]):
             self.memory.restore(mem, state)
-            self.event("checkpoint_loaded", step=mem, source="memory",
-                       from_peer=bool(getattr(self.memory, "restored_from_peer", False)),
-                       seconds=self.memory.last_restore_s)
-            log.info("resumed from the in-memory snapshot of step %d (%.2fs)", mem, self.memory.last_restore_s)
+            self.event(
+                "checkpoint_loaded",
+                step=mem,
+                source="memory",
+                from_peer=bool(getattr(self.memory, "restored_from_peer", False)),
+                seconds=self.memory.last_restore_s,
+            )
+            log.info(
+                "resumed from the in-memory snapshot of step %d (%.2fs)", mem, self.memory.last_restore_s
+            )
             return "memory"
         if ckpt is not None and ckpt.load_latest() is not None:
             return "storage"
@@ -92,8 +124,12 @@ class Guard:
         if self.nan is not None:
             decision = self.nan.check(float(loss), float(grad_norm))
             if decision != "ok":
-                self.event("skipped_step", step=step, reason="non-finite loss or gradient",
-                           skipped_total=self.nan.skipped_total)
+                self.event(
+                    "skipped_step",
+                    step=step,
+                    reason="non-finite loss or gradient",
+                    skipped_total=self.nan.skipped_total,
+                )
                 return decision
         if self.spike is not None:
             value = float(mean_loss())
@@ -115,10 +151,14 @@ class Guard:
             return None
         restored = state["train"].step
         loader.load_state_dict({**loader.state_dict(), "next_sample": next_sample})  # skip the bad batches
-        self.event("rollback", step=step, to_step=restored, source=source,
-                   skipped_batches=step - restored)
-        log.warning("step %d: rolled back to step %d (%s) and skipped %d batch(es)", step, restored, source,
-                    step - restored)
+        self.event("rollback", step=step, to_step=restored, source=source, skipped_batches=step - restored)
+        log.warning(
+            "step %d: rolled back to step %d (%s) and skipped %d batch(es)",
+            step,
+            restored,
+            source,
+            step - restored,
+        )
         return restored
 
     def step_end(self, step: int, state: dict) -> None:
@@ -128,13 +168,22 @@ class Guard:
             self.straggler.record(self.busy_clock() - self._busy0)
             for s in self.straggler.check(step, self.group):
                 self.event("straggler", step=step, **s)
-                log.warning("straggler: rank %d works %.3fs per step, %.1fx the median %.3fs", s["rank"],
-                            s["busy_s"], s["ratio"], s["median_s"])
+                log.warning(
+                    "straggler: rank %d works %.3fs per step, %.1fx the median %.3fs",
+                    s["rank"],
+                    s["busy_s"],
+                    s["ratio"],
+                    s["median_s"],
+                )
         if self.memory is not None and step % self.cfg.memory_interval == 0:
             t0 = time.perf_counter()
             if self.memory.snapshot(step, state):
-                self.event("memory_snapshot", step=step, seconds=time.perf_counter() - t0,
-                           bytes=self.memory.bytes_used())
+                self.event(
+                    "memory_snapshot",
+                    step=step,
+                    seconds=time.perf_counter() - t0,
+                    bytes=self.memory.bytes_used(),
+                )
         if self.watchdog is not None:
             self.watchdog.step_finished()
         self.first_step = False

@@ -28,7 +28,7 @@ class NanGuard:
         """Updates not applied because of a non-finite loss or gradient norm (the rollback step included)."""
 
     def check(self, loss: float, grad_norm: float) -> Decision:
-        """"ok", "skip" (zero the gradients, do not step) or "rollback" (restore the newest snapshot).
+        """ "ok", "skip" (zero the gradients, do not step) or "rollback" (restore the newest snapshot).
 
         Pass the gradient norm after the all-reduce (what `StepRunner.clip` returns): it is the same on every rank,
         so all ranks take the same decision. Passing 0-d tensors works too; `float()` syncs with the device once.

@@ -81,8 +81,10 @@ def _encode(v: Any, key: str) -> Any:
         return [_encode(x, key) for x in v]
     if isinstance(v, dict):
         return {"__dict__": {str(k): _encode(x, key) for k, x in v.items()}}
-    raise ValueError(f"state leaf {key!r} of type {type(v).__name__} cannot be snapshotted (tensors, dicts and "
-                     "JSON scalars only)")
+    raise ValueError(
+        f"state leaf {key!r} of type {type(v).__name__} cannot be snapshotted (tensors, dicts and "
+        "JSON scalars only)"
+    )
 
 
 def _decode(v: Any) -> Any:
@@ -136,8 +138,9 @@ def _savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fill(target: dict, prefix: str, tensors: dict[str, torch.Tensor], leaves: dict[str, Any],
-          errors: list[str]) -> None:
+def _fill(
+    target: dict, prefix: str, tensors: dict[str, torch.Tensor], leaves: dict[str, Any], errors: list[str]
+) -> None:
     """Copy snapshot values into a Stateful's own state_dict (in place; DTensors into their local shard)."""
     for flat, container, k, v in _items(target, prefix):
         if isinstance(v, torch.Tensor):
@@ -146,7 +149,9 @@ def _fill(target: dict, prefix: str, tensors: dict[str, torch.Tensor], leaves: d
             if src is None:
                 errors.append(f"{flat}: not in the snapshot")
             elif src.shape != dst.shape or src.dtype != dst.dtype:
-                errors.append(f"{flat}: snapshot {src.dtype}{list(src.shape)}, state {dst.dtype}{list(dst.shape)}")
+                errors.append(
+                    f"{flat}: snapshot {src.dtype}{list(src.shape)}, state {dst.dtype}{list(dst.shape)}"
+                )
             else:
                 dst.copy_(src)
         elif flat in leaves:
@@ -187,8 +192,16 @@ class MemoryTier:
     """One rank's view of the tier. Every method but bytes_used() is collective over `group` (a dedicated gloo
     group; None for one process), so all ranks call them in the same order with the same step."""
 
-    def __init__(self, job_key: str, layout_key: str, *, group: dist.ProcessGroup | None = None,
-                 max_bytes: int = 2048 << 20, root: str | os.PathLike | None = None, ttl_s: float = 0.0):
+    def __init__(
+        self,
+        job_key: str,
+        layout_key: str,
+        *,
+        group: dist.ProcessGroup | None = None,
+        max_bytes: int = 2048 << 20,
+        root: str | os.PathLike | None = None,
+        ttl_s: float = 0.0,
+    ):
         self.group = group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
@@ -220,18 +233,31 @@ class MemoryTier:
             tensors.update(t)
             leaves.update(lv)
         tensors = _savable(tensors)
-        meta = {"format": _FORMAT, "step": step, "rank": self.rank, "world_size": self.world_size,
-                "layout_key": self.layout_key, "leaves": leaves}
+        meta = {
+            "format": _FORMAT,
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "layout_key": self.layout_key,
+            "leaves": leaves,
+        }
         # safetensors adds a JSON header (~100 bytes a tensor) to the raw bytes.
         estimate = sum(t.numel() * t.element_size() + 128 + len(k) for k, t in tensors.items())
         sizes = self._all_gather([estimate])[:, 0].tolist()
-        held = [sizes[r] + (sizes[(r - 1) % self.world_size] if self.world_size > 1 else 0)
-                for r in range(self.world_size)]
+        held = [
+            sizes[r] + (sizes[(r - 1) % self.world_size] if self.world_size > 1 else 0)
+            for r in range(self.world_size)
+        ]
         over = [r for r, n in enumerate(held) if n > self.max_bytes]
         if over:  # every rank sees every size, so all skip together
-            log.warning("memory tier: snapshot at step %d skipped: rank %d would hold %.0f MiB (own + replica), "
-                        "over the bound of %.0f MiB (resilience.memory_max_mb)", step, over[0],
-                        held[over[0]] / 2**20, self.max_bytes / 2**20)
+            log.warning(
+                "memory tier: snapshot at step %d skipped: rank %d would hold %.0f MiB (own + replica), "
+                "over the bound of %.0f MiB (resilience.memory_max_mb)",
+                step,
+                over[0],
+                held[over[0]] / 2**20,
+                self.max_bytes / 2**20,
+            )
             return False
 
         d = _step_dir(self.own, step)
@@ -265,9 +291,13 @@ class MemoryTier:
         rd.mkdir(parents=True)
         meta_in = torch.empty(their_meta, dtype=torch.uint8)
         out_file = _map_file(rd / TENSORS, their_n, create=True)
-        self._exchange([(torch.frombuffer(bytearray(meta_b), dtype=torch.uint8), self.next),
-                        (_map_file(d / TENSORS, n), self.next)],
-                       [(meta_in, self.prev), (out_file, self.prev)])
+        self._exchange(
+            [
+                (torch.frombuffer(bytearray(meta_b), dtype=torch.uint8), self.next),
+                (_map_file(d / TENSORS, n), self.next),
+            ],
+            [(meta_in, self.prev), (out_file, self.prev)],
+        )
         del out_file
         (rd / META).write_bytes(meta_in.numpy().tobytes())
         _write_marker(rd / COMPLETE, {"step": their_step, "bytes": their_n})
@@ -287,8 +317,12 @@ class MemoryTier:
         found = []
         for d in slot.iterdir():
             meta = _read_meta(d) if d.name.startswith("step-") else None
-            if (meta is not None and meta["layout_key"] == layout_key and meta["rank"] == owner
-                    and meta["world_size"] == self.world_size):
+            if (
+                meta is not None
+                and meta["layout_key"] == layout_key
+                and meta["rank"] == owner
+                and meta["world_size"] == self.world_size
+            ):
                 found.append(meta["step"])
         return sorted(found, reverse=True)[:_KEEP_STEPS]
 
@@ -299,7 +333,9 @@ class MemoryTier:
         key = self.layout_key if layout_key is None else layout_key
         own = self._steps(self.own, self.rank, key)
         held = self._steps(self.replica, self.prev, key) if self.world_size > 1 else []
-        table = self._all_gather([*own, *[-1] * (_KEEP_STEPS - len(own)), *held, *[-1] * (_KEEP_STEPS - len(held))])
+        table = self._all_gather(
+            [*own, *[-1] * (_KEEP_STEPS - len(own)), *held, *[-1] * (_KEEP_STEPS - len(held))]
+        )
         avail = []
         for r in range(self.world_size):
             mine = set(table[r, :_KEEP_STEPS].tolist())
@@ -335,14 +371,19 @@ class MemoryTier:
                 obj.load_state_dict(target)
         errors += [f"{k}: in the snapshot, not in the state" for k in [*tensors, *leaves]]
         if errors:
-            raise ValueError(f"memory tier: snapshot of step {step} does not fit the state ({len(errors)} "
-                             f"problems), e.g. {'; '.join(errors[:3])}")
+            raise ValueError(
+                f"memory tier: snapshot of step {step} does not fit the state ({len(errors)} "
+                f"problems), e.g. {'; '.join(errors[:3])}"
+            )
         self.last_restore_s = time.perf_counter() - t0
 
     def _own_meta(self, d: Path) -> dict | None:
         meta = _read_meta(d)
         ok = meta is not None and (meta["layout_key"], meta["rank"], meta["world_size"]) == (
-            self.layout_key, self.rank, self.world_size)
+            self.layout_key,
+            self.rank,
+            self.world_size,
+        )
         return meta if ok else None
 
     def _fetch_from_peer(self, step: int, need: list[int]) -> None:
@@ -361,20 +402,28 @@ class MemoryTier:
         found, n_meta, n = header_in.tolist()
         sends, recvs = [], []
         if meta is not None:
-            sends = [(torch.frombuffer(bytearray(meta_b), dtype=torch.uint8), self.prev),
-                     (_map_file(rd / TENSORS, meta["bytes"]), self.prev)]
+            sends = [
+                (torch.frombuffer(bytearray(meta_b), dtype=torch.uint8), self.prev),
+                (_map_file(rd / TENSORS, meta["bytes"]), self.prev),
+            ]
         if found:
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True)
-            recvs = [(torch.empty(n_meta, dtype=torch.uint8), self.next),
-                     (_map_file(d / TENSORS, n, create=True), self.next)]
+            recvs = [
+                (torch.empty(n_meta, dtype=torch.uint8), self.next),
+                (_map_file(d / TENSORS, n, create=True), self.next),
+            ]
         self._exchange(sends, recvs)
         if found:
             (d / META).write_bytes(recvs[0][0].numpy().tobytes())
             del recvs
             _write_marker(d / COMPLETE, {"step": step, "bytes": n})
-            log.warning("memory tier: rank %d restored its snapshot of step %d from rank %d's replica", self.rank,
-                        step, self.next)
+            log.warning(
+                "memory tier: rank %d restored its snapshot of step %d from rank %d's replica",
+                self.rank,
+                step,
+                self.next,
+            )
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
     def bytes_used(self) -> int:
@@ -406,8 +455,18 @@ class MemoryTier:
     def _exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
         """Point-to-point sends and receives (group ranks), posted together so a ring cannot deadlock, in chunks
         so that no single message nears 2 GiB (where transports' 32-bit sizes start to bite)."""
-        works = [dist.isend(c, group_dst=r, group=self.group) for t, r in sends for c in t.split(_CHUNK) if c.numel()]
-        works += [dist.irecv(c, group_src=r, group=self.group) for t, r in recvs for c in t.split(_CHUNK) if c.numel()]
+        works = [
+            dist.isend(c, group_dst=r, group=self.group)
+            for t, r in sends
+            for c in t.split(_CHUNK)
+            if c.numel()
+        ]
+        works += [
+            dist.irecv(c, group_src=r, group=self.group)
+            for t, r in recvs
+            for c in t.split(_CHUNK)
+            if c.numel()
+        ]
         for w in works:
             w.wait()
 
@@ -419,7 +478,7 @@ def remove_stale_jobs(root: Path, ttl_s: float, keep: str = "") -> list[str]:
     resumes from storage instead. Returns the removed job keys."""
     removed = []
     now = time.time()
-    for job in (root.iterdir() if root.is_dir() else []):
+    for job in root.iterdir() if root.is_dir() else []:
         if job.name == keep or not job.is_dir():
             continue
         # A snapshot creates or removes a step directory inside a slot, which updates the slot's mtime.
@@ -428,8 +487,11 @@ def remove_stale_jobs(root: Path, ttl_s: float, keep: str = "") -> list[str]:
             if now - newest > ttl_s:
                 shutil.rmtree(job, ignore_errors=True)
                 removed.append(job.name)
-                log.info("memory tier: removed stale snapshots of job %s (idle %.1f h)", job.name,
-                         (now - newest) / 3600)
+                log.info(
+                    "memory tier: removed stale snapshots of job %s (idle %.1f h)",
+                    job.name,
+                    (now - newest) / 3600,
+                )
     return removed
 
 

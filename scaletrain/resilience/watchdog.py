@@ -23,9 +23,21 @@ HANG_EXIT_CODE = 86
 """Exit status of a worker the watchdog ended. torchrun's agent sees a failed worker and restarts the group (within
 resilience.max_restarts); the launcher reads this status to report "hang" rather than "crash" for that rank."""
 
-TRACKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-           "broadcast_object_list", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-           "all_to_all_single")
+TRACKED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "all_to_all_single",
+)
 
 
 def append_event(run_dir: Path, kind: str, step: int | None, **fields: Any) -> None:
@@ -127,7 +139,9 @@ class Watchdog:
     newest checkpoint. Time between steps (evaluation, checkpoints) is not watched unless bracketed as a step.
     """
 
-    def __init__(self, timeout_s: float, run_dir: Path, rank: int, tracker: CollectiveTracker | None = None) -> None:
+    def __init__(
+        self, timeout_s: float, run_dir: Path, rank: int, tracker: CollectiveTracker | None = None
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"watchdog timeout must be > 0 seconds, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -174,16 +188,32 @@ class Watchdog:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         stacks = self.run_dir / f"hang-rank{self.rank}.txt"
         with open(stacks, "w") as f:
-            f.write(f"scaletrain watchdog: rank {self.rank}, step {step} has run {elapsed:.1f}s "
-                    f"(timeout {limit:g}s)\n")
+            f.write(
+                f"scaletrain watchdog: rank {self.rank}, step {step} has run {elapsed:.1f}s "
+                f"(timeout {limit:g}s)\n"
+            )
             f.write(f"last collective entered: {json.dumps(last)}\n")
             f.write("Python stacks of every thread (this watchdog thread included):\n\n")
             f.flush()  # faulthandler writes to the descriptor directly, after what we buffered
             faulthandler.dump_traceback(f, all_threads=True)
-        append_event(self.run_dir, "hang", step, rank=self.rank, timeout_s=limit, elapsed_s=round(elapsed, 3),
-                     last_collective=last, stacks_file=str(stacks))
-        log.error("rank %d: step %s exceeded the %gs watchdog timeout; stacks in %s; exiting with %d", self.rank,
-                  step, limit, stacks, HANG_EXIT_CODE)
+        append_event(
+            self.run_dir,
+            "hang",
+            step,
+            rank=self.rank,
+            timeout_s=limit,
+            elapsed_s=round(elapsed, 3),
+            last_collective=last,
+            stacks_file=str(stacks),
+        )
+        log.error(
+            "rank %d: step %s exceeded the %gs watchdog timeout; stacks in %s; exiting with %d",
+            self.rank,
+            step,
+            limit,
+            stacks,
+            HANG_EXIT_CODE,
+        )
         sys.stderr.flush()
         # os._exit, not sys.exit: the main thread is stuck (in C++, a lock, a collective) and would never run the
         # cleanup sys.exit waits for.

@@ -47,16 +47,28 @@ def reference_run(model: Transformer, batches, micro_batch: int = 4, grad_clip: 
     sched = build_lr_scheduler(opt, OPT, len(batches))
     losses, norms = [], []
     for x, y in batches:
-        loss, norm = train_step(model, opt, sched, x, y, micro_batch=micro_batch, autocast=contextlib.nullcontext(),
-                                grad_clip=grad_clip)
+        loss, norm = train_step(
+            model,
+            opt,
+            sched,
+            x,
+            y,
+            micro_batch=micro_batch,
+            autocast=contextlib.nullcontext(),
+            grad_clip=grad_clip,
+        )
         losses.append(loss.item())
         norms.append(norm.item())
-    return {"losses": losses, "grad_norms": norms, "state": {k: v.detach().clone() for k, v in
-                                                              model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
-def assert_close_run(got_losses, got_norms, got_state: dict | None, ref: dict, rtol: float = 1e-5,
-                     atol_params: float = 1e-5) -> None:
+def assert_close_run(
+    got_losses, got_norms, got_state: dict | None, ref: dict, rtol: float = 1e-5, atol_params: float = 1e-5
+) -> None:
     """Losses and grad norms within rtol of the reference at every step; final parameters equal."""
     assert len(got_losses) == len(ref["losses"])
     for i, (a, b) in enumerate(zip(got_losses, ref["losses"])):
@@ -66,4 +78,6 @@ def assert_close_run(got_losses, got_norms, got_state: dict | None, ref: dict, r
     if got_state is not None:
         for k, v in ref["state"].items():
             assert k in got_state, f"missing parameter {k}"
-            torch.testing.assert_close(got_state[k], v, rtol=0, atol=atol_params, msg=lambda m, k=k: f"{k}: {m}")
+            torch.testing.assert_close(
+                got_state[k], v, rtol=0, atol=atol_params, msg=lambda m, k=k: f"{k}: {m}"
+            )

@@ -30,7 +30,9 @@ def _check_ring_attention(group, rank: int, size: int) -> None:
     of full causal SDPA, in float64 (tight) and bf16 (fp32 inside, so close to the fp32 reference)."""
     g = torch.Generator().manual_seed(7)
     b, hq, hkv, s, d = 2, 4, 2, 8 * size, 8
-    q, k, v = (torch.randn(b, h, s, d, generator=g, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv))
+    q, k, v = (
+        torch.randn(b, h, s, d, generator=g, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv)
+    )
     dout = torch.randn(b, hq, s, d, generator=g, dtype=torch.float64)
     ref = causal_sdpa(q, k, v)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
@@ -46,8 +48,13 @@ def _check_ring_attention(group, rank: int, size: int) -> None:
             assert out.dtype == dt
             got = (out, *torch.autograd.grad(out, (ql, kl, vl), shard(dout, dt)))
             for name, a, want in zip(("out", "dq", "dk", "dv"), got, (ref, *ref_grads)):
-                torch.testing.assert_close(a.double(), shard(want), rtol=tol, atol=tol,
-                                           msg=lambda m, n=name, lb=lb, dt=dt: f"{n} lb={lb} {dt}: {m}")
+                torch.testing.assert_close(
+                    a.double(),
+                    shard(want),
+                    rtol=tol,
+                    atol=tol,
+                    msg=lambda m, n=name, lb=lb, dt=dt: f"{n} lb={lb} {dt}: {m}",
+                )
 
 
 def _train_cp(dp: int, cp: int, lb: bool, dp_rank: int, cp_mesh, world: dist.ProcessGroup | None) -> None:
@@ -84,8 +91,10 @@ def _train_cp(dp: int, cp: int, lb: bool, dp_rank: int, cp_mesh, world: dist.Pro
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses + norms, ref["losses"] + ref["grad_norms"]))
     params = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
     if dist.get_rank() == 0:  # the tolerance reached, for the record (pytest -s)
-        print(f"dp{dp} cp{cp} {'zigzag' if lb else 'contiguous'}: max rel diff loss/grad-norm {worst:.1e}, "
-              f"max abs param diff {params:.1e}")
+        print(
+            f"dp{dp} cp{cp} {'zigzag' if lb else 'contiguous'}: max rel diff loss/grad-norm {worst:.1e}, "
+            f"max abs param diff {params:.1e}"
+        )
     assert_close_run(losses, norms, state, ref, rtol=1e-5)
 
 

@@ -46,13 +46,23 @@ def _facts(model: nn.Module, optimizer) -> dict:
     inner = model.module if isinstance(model, DDP) else model
     wq = inner.layers["0"].attention.wq.weight
     sharded = isinstance(wq, DTensor)
-    facts = {"ddp": isinstance(model, DDP), "dtensor": sharded, "mesh": wq.device_mesh.ndim if sharded else 0,
-             "wq_local_numel": (wq.to_local() if sharded else wq).numel(), "wq_numel": wq.numel(),
-             "placements": [repr(p) for p in wq.placements] if sharded else [],
-             "norm_dtensor": isinstance(inner.layers["0"].attention_norm.weight, DTensor)}
-    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's AdamW in .optim
-    facts["opt_local_numel"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
-                                   for g in local.param_groups for p in g["params"])
+    facts = {
+        "ddp": isinstance(model, DDP),
+        "dtensor": sharded,
+        "mesh": wq.device_mesh.ndim if sharded else 0,
+        "wq_local_numel": (wq.to_local() if sharded else wq).numel(),
+        "wq_numel": wq.numel(),
+        "placements": [repr(p) for p in wq.placements] if sharded else [],
+        "norm_dtensor": isinstance(inner.layers["0"].attention_norm.weight, DTensor),
+    }
+    local = getattr(
+        optimizer, "optim", optimizer
+    )  # ZeroRedundancyOptimizer keeps its shard's AdamW in .optim
+    facts["opt_local_numel"] = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel()
+        for g in local.param_groups
+        for p in g["params"]
+    )
     facts["numel"] = sum(p.numel() for p in inner.parameters())
     return facts
 
@@ -92,8 +102,13 @@ def _train_layout(pcfg: ParallelConfig, world_size: int, args, batches) -> dict:
     # Each data-parallel rank takes its contiguous slice of the global batch, in two micro-batches.
     local = batches[0][0].shape[0] // dims.dp_size
     rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
-    runner = StepRunner(pm.parts, local // 2, contextlib.nullcontext(), grad_clip=1.0,
-                        loss_context=lambda: loss_context(pm.loss_parallel))
+    runner = StepRunner(
+        pm.parts,
+        local // 2,
+        contextlib.nullcontext(),
+        grad_clip=1.0,
+        loss_context=lambda: loss_context(pm.loss_parallel),
+    )
     losses, norms = [], []
     for x, y in batches:
         loss = runner.forward_backward(x[rows], y[rows])
@@ -116,7 +131,9 @@ def layouts_worker(rank: int, world_size: int, layouts: dict[str, dict], out: st
         got = _train_layout(ParallelConfig(**fields), world_size, args, batches)
         error = None
         try:
-            assert_close_run(got["losses"], got["norms"], got["state"], ref, rtol=1e-5, atol_params=PARAM_ATOL)
+            assert_close_run(
+                got["losses"], got["norms"], got["state"], ref, rtol=1e-5, atol_params=PARAM_ATOL
+            )
         except AssertionError as e:
             error = f"rank {rank}: {e}"
         errors = [None] * world_size
@@ -142,8 +159,10 @@ def run_layouts(tmp_path_factory, world_size: int, layouts: dict[str, dict]) -> 
 
 def check_equivalent(results: dict, name: str) -> dict:
     r = results[name]
-    print(f"{name}: max relative diff loss {r['loss_rel']:.1e}, grad norm {r['norm_rel']:.1e}; "
-          f"max abs param diff {r['param_abs']:.1e}")
+    print(
+        f"{name}: max relative diff loss {r['loss_rel']:.1e}, grad norm {r['norm_rel']:.1e}; "
+        f"max abs param diff {r['param_abs']:.1e}"
+    )
     assert r["error"] is None, r["error"]
     return r["facts"]
 

@@ -44,8 +44,13 @@ def _build(world_size: int, seed: int, train_steps: int) -> tuple[dict, dict]:
         opt.zero_grad(set_to_none=True)
         sched.step()
     train, loader = TrainState(dist.group.WORLD), FakeLoader()
-    state = {"model": ModelState([model]), "optimizer": OptimizerState([model], [opt]),
-             "lr_scheduler": SchedulerState([sched]), "data": LoaderState(loader), "train": train}
+    state = {
+        "model": ModelState([model]),
+        "optimizer": OptimizerState([model], [opt]),
+        "lr_scheduler": SchedulerState([sched]),
+        "data": LoaderState(loader),
+        "train": train,
+    }
     return state, {"model": model, "opt": opt, "sched": sched, "loader": loader, "train": train}
 
 
@@ -73,7 +78,12 @@ def _restarted(group, root: str, layout: str) -> dict:
     step = tier.latest_complete_step()
     if step is not None:
         tier.restore(step, state)
-    return {"step": step, "before": before, "tensors": _local_tensors(parts), "from_peer": tier.restored_from_peer}
+    return {
+        "step": step,
+        "before": before,
+        "tensors": _local_tensors(parts),
+        "from_peer": tier.restored_from_peer,
+    }
 
 
 def worker(rank: int, world_size: int, root: str, out: str) -> None:
@@ -94,27 +104,38 @@ def worker(rank: int, world_size: int, root: str, out: str) -> None:
         assert tier.snapshot(step, state)
     want = _local_tensors(parts)
     peer_file = tier.job_dir / f"rank{tier.prev}" / "step-00000010" / "tensors.safetensors"
-    seen["slots"] = {"own": sorted(d.name for d in tier.own.iterdir()),
-                     "replica": sorted(d.name for d in tier.replica.iterdir()),
-                     "replica_equals_peer": (tier.replica / "step-00000010" / "tensors.safetensors").read_bytes()
-                     == peer_file.read_bytes(), "bytes_used": tier.bytes_used()}
+    seen["slots"] = {
+        "own": sorted(d.name for d in tier.own.iterdir()),
+        "replica": sorted(d.name for d in tier.replica.iterdir()),
+        "replica_equals_peer": (tier.replica / "step-00000010" / "tensors.safetensors").read_bytes()
+        == peer_file.read_bytes(),
+        "bytes_used": tier.bytes_used(),
+    }
     dist.barrier(group)
 
     got = _restarted(group, root, layout)
-    seen["restart"] = {"step": got["step"], "identical": _same(got["tensors"], want),
-                       "changed_before": got["before"].keys() == want.keys() and not any(
-                           torch.equal(got["before"][k], want[k]) for k in want if k != "scalars"),
-                       "from_peer": got["from_peer"]}
-    seen["other_layout"] = MemoryTier("job", make_layout_key(world_size, "tp3"), group=group,
-                                      root=root).latest_complete_step()
+    seen["restart"] = {
+        "step": got["step"],
+        "identical": _same(got["tensors"], want),
+        "changed_before": got["before"].keys() == want.keys()
+        and not any(torch.equal(got["before"][k], want[k]) for k in want if k != "scalars"),
+        "from_peer": got["from_peer"],
+    }
+    seen["other_layout"] = MemoryTier(
+        "job", make_layout_key(world_size, "tp3"), group=group, root=root
+    ).latest_complete_step()
 
     # A lost node: rank 1's own slot is gone; rank 2 holds its replica.
     if rank == 1:
         shutil.rmtree(tier.own)
     dist.barrier(group)
     got = _restarted(group, root, layout)
-    seen["lost_own"] = {"step": got["step"], "identical": _same(got["tensors"], want), "from_peer": got["from_peer"],
-                        "healed": (tier.own / "step-00000010" / "COMPLETE").is_file()}
+    seen["lost_own"] = {
+        "step": got["step"],
+        "identical": _same(got["tensors"], want),
+        "from_peer": got["from_peer"],
+        "healed": (tier.own / "step-00000010" / "COMPLETE").is_file(),
+    }
 
     # Both copies of rank 2's data gone (its own slot and rank 0's replica of it): nothing to restore from memory.
     if rank == 2:

@@ -71,7 +71,9 @@ def _eval_sum_reference(args, state: dict, x: torch.Tensor, y: torch.Tensor) -> 
         return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
 
 
-def _train_case(rank: int, world_size: int, mesh, schedule: str, n_layers: int, m: int, global_batch: int) -> dict:
+def _train_case(
+    rank: int, world_size: int, mesh, schedule: str, n_layers: int, m: int, global_batch: int
+) -> dict:
     args = tiny_args(n_layers=n_layers)
     model = full_model(args)
     batches = global_batches(args, global_batch)
@@ -152,7 +154,10 @@ def pipeline_worker(rank: int, world_size: int, cases: dict, out: str) -> None:
         results[name] = {
             "error": next((r["error"] for r in every if r["error"]), None),
             "nan_injection": [r["nan_injection"] for r in every],
-            **{k: max(r[k] for r in every) for k in ("loss_rel", "norm_rel", "param_abs", "grad_rel", "eval_rel")},
+            **{
+                k: max(r[k] for r in every)
+                for k in ("loss_rel", "norm_rel", "param_abs", "grad_rel", "eval_rel")
+            },
             "eval_count": every[0]["eval_count"],
             "eval_expected": every[0]["eval_expected"],
             "per_rank": [{k: r[k] for k in ("stages", "layers", "ends")} for r in every],
@@ -181,8 +186,10 @@ def results_4(tmp_path_factory):
 
 def _check(results: dict, name: str) -> list[dict]:
     r = results[name]
-    print(f"{name}: max relative diff loss {r['loss_rel']:.1e}, grad norm {r['norm_rel']:.1e}, step-1 grads "
-          f"{r['grad_rel']:.1e}, eval {r['eval_rel']:.1e}; max abs param diff {r['param_abs']:.1e}")
+    print(
+        f"{name}: max relative diff loss {r['loss_rel']:.1e}, grad norm {r['norm_rel']:.1e}, step-1 grads "
+        f"{r['grad_rel']:.1e}, eval {r['eval_rel']:.1e}; max abs param diff {r['param_abs']:.1e}"
+    )
     assert r["error"] is None, r["error"]
     # Step 1, before any drift: every gradient tensor equals the reference's (error relative to the tensor's largest
     # entry; in practice they are bit-identical). A pipeline that summed micro-batches instead of averaging them would
@@ -229,14 +236,18 @@ def test_1f1b_on_four_ranks_matches_reference(results_4):
 
 # Stage split, balance and refusals: single process.
 
-@pytest.mark.parametrize("n_layers,n_stages,expected", [
-    (8, 4, [2, 2, 2, 2]),
-    (5, 2, [3, 2]),
-    (6, 4, [1, 2, 2, 1]),
-    (7, 4, [2, 2, 2, 1]),
-    (10, 4, [2, 3, 3, 2]),
-    (4, 4, [1, 1, 1, 1]),
-])
+
+@pytest.mark.parametrize(
+    "n_layers,n_stages,expected",
+    [
+        (8, 4, [2, 2, 2, 2]),
+        (5, 2, [3, 2]),
+        (6, 4, [1, 2, 2, 1]),
+        (7, 4, [2, 2, 2, 1]),
+        (10, 4, [2, 3, 3, 2]),
+        (4, 4, [1, 1, 1, 1]),
+    ],
+)
 def test_layers_are_balanced_with_lighter_ends(n_layers, n_stages, expected):
     assert layers_per_stage(n_layers, n_stages) == expected
 
@@ -285,18 +296,21 @@ def test_split_refusals():
         split_model(full_model(tiny_args(tie_embeddings=True)), 0, 2, 1, "loop")
 
 
-@pytest.mark.parametrize("schedule,pp,m,kw,match", [
-    ("1f1b", 4, 2, {}, "at least as many micro-batches as stages: 2 < 4"),
-    ("interleaved_1f1b", 2, 5, {}, "use 4 or 6"),
-    ("interleaved_zb", 4, 9, {}, "use 8 or 12"),
-    ("dualpipev", 2, 3, {}, "3 < 4"),
-    ("gpipe", 2, 4, {"local_batch": 6}, "6 sequences does not split into 4"),
-    ("zbv", 4, 8, {"n_layers": 6}, "6 layers but zbv with pp=4 needs 8 stages"),
-    ("interleaved_1f1b", 2, 4, {"n_layers": 3}, "lower parallel.pp or parallel.pp_virtual_stages"),
-    ("1f1b", 2, 4, {"tie_embeddings": True}, "tie_embeddings false"),
-    ("1f1b", 2, 4, {"data_parallel": "ddp", "dp": 2}, "use data_parallel fsdp"),
-    ("pipedream", 2, 4, {}, "unknown"),
-])
+@pytest.mark.parametrize(
+    "schedule,pp,m,kw,match",
+    [
+        ("1f1b", 4, 2, {}, "at least as many micro-batches as stages: 2 < 4"),
+        ("interleaved_1f1b", 2, 5, {}, "use 4 or 6"),
+        ("interleaved_zb", 4, 9, {}, "use 8 or 12"),
+        ("dualpipev", 2, 3, {}, "3 < 4"),
+        ("gpipe", 2, 4, {"local_batch": 6}, "6 sequences does not split into 4"),
+        ("zbv", 4, 8, {"n_layers": 6}, "6 layers but zbv with pp=4 needs 8 stages"),
+        ("interleaved_1f1b", 2, 4, {"n_layers": 3}, "lower parallel.pp or parallel.pp_virtual_stages"),
+        ("1f1b", 2, 4, {"tie_embeddings": True}, "tie_embeddings false"),
+        ("1f1b", 2, 4, {"data_parallel": "ddp", "dp": 2}, "use data_parallel fsdp"),
+        ("pipedream", 2, 4, {}, "unknown"),
+    ],
+)
 def test_pipeline_problems_name_the_fix(schedule, pp, m, kw, match):
     problems = pipeline_problems(schedule, pp, 2, m, **kw)
     assert any(match in p for p in problems), problems

@@ -20,7 +20,9 @@ WORK_S = 0.02
 
 def _ranks(rank: int, world_size: int, out: str) -> None:
     run_dir = Path(out)
-    injector = FaultInjector(["slow:rank=2,factor=4,step=5"], rank=rank, run_dir=run_dir, event=lambda *a, **k: None)
+    injector = FaultInjector(
+        ["slow:rank=2,factor=4,step=5"], rank=rank, run_dir=run_dir, event=lambda *a, **k: None
+    )
     monitor = StragglerMonitor(factor=2.0, interval=4)
     reports, walls = {}, []
     for step in range(1, 9):

@@ -14,14 +14,28 @@ import torch
 from scaletrain.convert import load_run_model
 from tests.helpers import DEBUG, QUICK, ROOT, read_jsonl, run_cli
 
-DET = [*QUICK, "--training.deterministic", "true", "--training.eval_interval", "0", "--metrics.log_interval", "1",
-       "--checkpoint.interval", "3"]
+DET = [
+    *QUICK,
+    "--training.deterministic",
+    "true",
+    "--training.eval_interval",
+    "0",
+    "--metrics.log_interval",
+    "1",
+    "--checkpoint.interval",
+    "3",
+]
 
 
 def _start(run, *extra):
-    return subprocess.Popen([sys.executable, "-m", "scaletrain", "train", "--config", DEBUG, "--run.dir", str(run),
-                             *DET, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=os.environ.copy())
+    return subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", "train", "--config", DEBUG, "--run.dir", str(run), *DET, *extra],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
 
 
 def _wait_for(predicate, timeout=120):
@@ -76,7 +90,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     commits = sorted((run / "checkpoints").glob("step-*/commit.json"))
     assert json.loads(commits[-1].read_text())["step"] == pre[0]["step"]
     # The next start resumes from it.
-    run_cli("train", "--config", DEBUG, "--run.dir", str(run), *DET, "--training.steps", str(pre[0]["step"] + 2))
+    run_cli(
+        "train", "--config", DEBUG, "--run.dir", str(run), *DET, "--training.steps", str(pre[0]["step"] + 2)
+    )
     start = [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "start"][-1]
     assert start["resumed"] and start["step"] == pre[0]["step"]
 
@@ -84,8 +100,18 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 def test_hugging_face_export_and_import_give_the_same_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     run = tmp_path / "run"
-    run_cli("train", "--config", DEBUG, "--run.dir", str(run), *QUICK, "--training.steps", "3",
-            "--training.eval_interval", "0")
+    run_cli(
+        "train",
+        "--config",
+        DEBUG,
+        "--run.dir",
+        str(run),
+        *QUICK,
+        "--training.steps",
+        "3",
+        "--training.eval_interval",
+        "0",
+    )
     out = tmp_path / "hf"
     proc = run_cli("convert", "--to", "hf", str(run), str(out))
     assert "logits match" in proc.stdout
@@ -98,9 +124,26 @@ def test_hugging_face_export_and_import_give_the_same_logits(tmp_path):
     cfg = tmp_path / "from_hf.toml"
     run_cli("convert", "--from", "hf", str(out), "--out", str(cfg))
     run2 = tmp_path / "run2"
-    run_cli("train", "--config", str(cfg), "--run.dir", str(run2), *QUICK, "--training.steps", "1",
-            "--optimizer.lr", "1e-12", "--training.eval_interval", "0", "--data.seq_len", "64",
-            "--training.global_batch", "8", "--training.micro_batch", "4")
+    run_cli(
+        "train",
+        "--config",
+        str(cfg),
+        "--run.dir",
+        str(run2),
+        *QUICK,
+        "--training.steps",
+        "1",
+        "--optimizer.lr",
+        "1e-12",
+        "--training.eval_interval",
+        "0",
+        "--data.seq_len",
+        "64",
+        "--training.global_batch",
+        "8",
+        "--training.micro_batch",
+        "4",
+    )
     imported = load_run_model(run2)[0].eval()
     with torch.no_grad():
         assert (hf(x).logits - imported(x)).abs().max() <= 1e-5

@@ -7,9 +7,22 @@ import pytest
 
 from tests.helpers import DEBUG, QUICK, read_jsonl, run_cli
 
-BASE = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--metrics.log_interval", "1",
-        "--checkpoint.interval", "0", "--optimizer.schedule", "constant", "--training.micro_batch", "2",
-        "--training.steps"]
+BASE = [
+    "--config",
+    DEBUG,
+    *QUICK,
+    "--training.eval_interval",
+    "0",
+    "--metrics.log_interval",
+    "1",
+    "--checkpoint.interval",
+    "0",
+    "--optimizer.schedule",
+    "constant",
+    "--training.micro_batch",
+    "2",
+    "--training.steps",
+]
 FSDP = ["--parallel.data_parallel", "fsdp"]
 # Each link loads the previous link's checkpoint and saves its own: a save/load round trip in every layout.
 CHAIN = [

@@ -18,6 +18,8 @@ def test_debug_job_reproduces_the_golden_losses(name, tmp_path):
     want = GOLD["layouts"][name]
     # Exact: the same kernels, thread count and reduction order give the same bits on CPU (two multi-process
     # recordings on the same commit were identical too, so no tolerance hides a change).
-    assert got["loss"] == want["loss"], f"losses moved from the golden run (recorded on {GOLD['recorded_on']})"
+    assert got["loss"] == want["loss"], (
+        f"losses moved from the golden run (recorded on {GOLD['recorded_on']})"
+    )
     assert got["grad_norm"] == want["grad_norm"]
     assert got["val_loss"] == want["val_loss"]

@@ -14,8 +14,21 @@ MIXED = [
 
 
 def test_mixed_layouts_match_the_single_process_run():
-    proc = run_cli("parity", "--config", DEBUG, "--steps", "4", "--layouts", *MIXED, "--training.micro_batch", "2",
-                   "--checkpoint.enabled", "false", timeout=900, check=False)
+    proc = run_cli(
+        "parity",
+        "--config",
+        DEBUG,
+        "--steps",
+        "4",
+        "--layouts",
+        *MIXED,
+        "--training.micro_batch",
+        "2",
+        "--checkpoint.enabled",
+        "false",
+        timeout=900,
+        check=False,
+    )
     lines = [line for line in proc.stdout.splitlines() if "nproc" in line]
     assert len(lines) == len(MIXED), proc.stdout + proc.stderr
     assert all(line.rstrip().endswith("OK (rtol 1e-05)") for line in lines), proc.stdout

@@ -29,11 +29,30 @@ def _inject(*specs):
 
 
 def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupted_run(tmp_path):
-    args = [*BASE, "--training.steps", "12", "--training.deterministic", "true", "--checkpoint.interval", "3",
-            "--resilience.memory_interval", "2"]
+    args = [
+        *BASE,
+        "--training.steps",
+        "12",
+        "--training.deterministic",
+        "true",
+        "--checkpoint.interval",
+        "3",
+        "--resilience.memory_interval",
+        "2",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     run_cli("train", "--nproc", "2", "--run.dir", str(ref), *args)
-    run_cli("train", "--nproc", "2", "--max-restarts", "2", "--run.dir", str(run), *args, _inject("kill:rank=1,step=7"))
+    run_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "2",
+        "--run.dir",
+        str(run),
+        *args,
+        _inject("kill:rank=1,step=7"),
+    )
     # One failure, one restart, blamed on the killed rank (not on its peer, which lost its connection to it).
     [failure] = _events(run, "failure")
     assert (failure["cause"], failure["rank"]) == ("killed", 1), failure
@@ -48,16 +67,40 @@ def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupte
 def test_a_slowed_rank_is_named_in_lock_step_data_parallel(tmp_path):
     # DDP's gradient all-reduce makes both ranks' wall-clock step times equal; busy time still tells them apart.
     run = tmp_path / "run"
-    run_cli("train", "--nproc", "2", "--run.dir", str(run), *BASE, "--training.steps", "9",
-            "--resilience.straggler_factor", "2", "--resilience.straggler_interval", "3", _inject("slow:rank=1,factor=4,step=4"))
+    run_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--run.dir",
+        str(run),
+        *BASE,
+        "--training.steps",
+        "9",
+        "--resilience.straggler_factor",
+        "2",
+        "--resilience.straggler_interval",
+        "3",
+        _inject("slow:rank=1,factor=4,step=4"),
+    )
     named = _events(run, "straggler")
-    assert [e["step"] for e in named] == [6, 9] and all(e["rank"] == 1 and e["ratio"] > 2 for e in named), named
+    assert [e["step"] for e in named] == [6, 9] and all(e["rank"] == 1 and e["ratio"] > 2 for e in named), (
+        named
+    )
 
 
 def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):
     run = tmp_path / "run"
-    run_cli("train", "--run.dir", str(run), *BASE, "--training.steps", "10", "--checkpoint.interval", "3",
-            _inject("nan:step=4", "write_error:step=6"))
+    run_cli(
+        "train",
+        "--run.dir",
+        str(run),
+        *BASE,
+        "--training.steps",
+        "10",
+        "--checkpoint.interval",
+        "3",
+        _inject("nan:step=4", "write_error:step=6"),
+    )
     (skipped,) = _events(run, "skipped_step")
     assert skipped["step"] == 4 and skipped["skipped_total"] == 1
     (failed,) = _events(run, "checkpoint_failed")
@@ -69,8 +112,21 @@ def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):
 
 def test_loss_spike_rolls_back_and_skips_the_bad_batches(tmp_path):
     run = tmp_path / "run"
-    run_cli("train", "--run.dir", str(run), *BASE, "--training.steps", "20", "--resilience.memory_interval", "4",
-            "--resilience.spike_zscore", "4", "--resilience.spike_window", "8", _inject("spike:step=15"))
+    run_cli(
+        "train",
+        "--run.dir",
+        str(run),
+        *BASE,
+        "--training.steps",
+        "20",
+        "--resilience.memory_interval",
+        "4",
+        "--resilience.spike_zscore",
+        "4",
+        "--resilience.spike_window",
+        "8",
+        _inject("spike:step=15"),
+    )
     (spike,) = _events(run, "loss_spike")
     (rollback,) = _events(run, "rollback")
     assert spike["step"] == 15 and rollback["to_step"] == 12 and rollback["skipped_batches"] == 3
@@ -81,8 +137,23 @@ def test_loss_spike_rolls_back_and_skips_the_bad_batches(tmp_path):
 
 def test_hang_is_caught_by_the_watchdog_and_the_job_recovers(tmp_path):
     run = tmp_path / "run"
-    run_cli("train", "--nproc", "2", "--max-restarts", "1", "--run.dir", str(run), *BASE, "--training.steps", "8",
-            "--checkpoint.interval", "2", "--resilience.hang_timeout_s", "3", _inject("hang:rank=1,step=5"))
+    run_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        "--run.dir",
+        str(run),
+        *BASE,
+        "--training.steps",
+        "8",
+        "--checkpoint.interval",
+        "2",
+        "--resilience.hang_timeout_s",
+        "3",
+        _inject("hang:rank=1,step=5"),
+    )
     fired = [e for e in _events(run, "fault_injected") if e["fault"].startswith("hang")][0]
     hangs = [e for e in _events(run, "hang") if e["rank"] == 1]
     assert hangs and hangs[0]["time"] - fired["time"] < 3 + 2  # within the timeout (+ the watchdog's tick)
@@ -94,9 +165,21 @@ def test_hang_is_caught_by_the_watchdog_and_the_job_recovers(tmp_path):
 
 def test_corrupted_checkpoint_falls_back_to_the_previous_one_after_a_crash(tmp_path):
     run = tmp_path / "run"
-    run_cli("train", "--max-restarts", "1", "--run.dir", str(run), *BASE, "--training.steps", "10",
-            "--checkpoint.interval", "3", "--checkpoint.async_save", "false",  # step 6 commits before the kill
-            _inject("corrupt_checkpoint:step=6", "kill:rank=0,step=8"))
+    run_cli(
+        "train",
+        "--max-restarts",
+        "1",
+        "--run.dir",
+        str(run),
+        *BASE,
+        "--training.steps",
+        "10",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.async_save",
+        "false",  # step 6 commits before the kill
+        _inject("corrupt_checkpoint:step=6", "kill:rank=0,step=8"),
+    )
     (rejected,) = _events(run, "checkpoint_rejected")
     assert rejected["step"] == 6 and "checksum" in rejected["reason"]
     assert [e["step"] for e in _events(run, "checkpoint_loaded")] == [3]
@@ -107,8 +190,21 @@ def test_auto_interval_is_measured_again_after_a_restart(tmp_path):
     # A restarted worker must choose its own interval: before, only the first run segment probed, so after a
     # restart no storage checkpoint was ever written again.
     run = tmp_path / "run"
-    run_cli("train", "--max-restarts", "1", "--run.dir", str(run), *BASE, "--training.steps", "16",
-            "--checkpoint.interval", "auto", "--checkpoint.mtbf_hours", "0.0001", _inject("kill:rank=0,step=9"))
+    run_cli(
+        "train",
+        "--max-restarts",
+        "1",
+        "--run.dir",
+        str(run),
+        *BASE,
+        "--training.steps",
+        "16",
+        "--checkpoint.interval",
+        "auto",
+        "--checkpoint.mtbf_hours",
+        "0.0001",
+        _inject("kill:rank=0,step=9"),
+    )
     probes = _events(run, "checkpoint_interval")
     [resumed] = [e["step"] for e in _events(run, "start") if e["resumed"]]
     assert [p["step"] for p in probes] == [5, resumed + 5], probes
@@ -120,7 +216,15 @@ def test_auto_interval_is_measured_again_after_a_restart(tmp_path):
 
 
 def test_elastic_4_2_4_workers_keep_the_data_order_and_the_losses(tmp_path):
-    args = [*BASE, "--optimizer.schedule", "constant", "--training.micro_batch", "2", "--checkpoint.interval", "0"]
+    args = [
+        *BASE,
+        "--optimizer.schedule",
+        "constant",
+        "--training.micro_batch",
+        "2",
+        "--checkpoint.interval",
+        "0",
+    ]
     ref = tmp_path / "ref"
     run_cli("train", "--run.dir", str(ref), *args, "--training.steps", "9")
     run = tmp_path / "run"
@@ -141,19 +245,53 @@ def _free_port() -> int:
 def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path):
     # Two agents joined by c10d rendezvous on localhost act as two nodes; node 1's worker is killed at step 6 and
     # torchrun's own restart brings both nodes back, resuming the deterministic run bit for bit.
-    args = [*BASE, "--training.steps", "10", "--training.deterministic", "true", "--checkpoint.interval", "3",
-            "--resilience.memory_interval", "2"]
+    args = [
+        *BASE,
+        "--training.steps",
+        "10",
+        "--training.deterministic",
+        "true",
+        "--checkpoint.interval",
+        "3",
+        "--resilience.memory_interval",
+        "2",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     run_cli("train", "--nproc", "2", "--run.dir", str(ref), *args)
     port = _free_port()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     agents = []
     for node, is_host in enumerate((1, 0)):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}",
-               "--rdzv-conf", f"is_host={is_host},join_timeout=120", "--local-addr", "127.0.0.1",
-               "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "scaletrain", "train", "--run.dir", str(run),
-               *args, _inject("kill:rank=1,step=6")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            f"job{port}",
+            "--rdzv-conf",
+            f"is_host={is_host},join_timeout=120",
+            "--local-addr",
+            "127.0.0.1",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "0.2",
+            "-m",
+            "scaletrain",
+            "train",
+            "--run.dir",
+            str(run),
+            *args,
+            _inject("kill:rank=1,step=6"),
+        ]
         log = open(tmp_path / f"node{node}.log", "w")  # a file, not a pipe: nobody reads it while they run
         agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env))
         time.sleep(1 if node == 0 else 0)  # the host's store first

@@ -43,16 +43,42 @@ def _losses(run):
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("ref") / "run"
-    run_cli("train", "--config", DEBUG, "--run.dir", str(run), *QUICK, "--training.steps", "10",
-            "--metrics.log_interval", "1", "--training.eval_interval", "0")
+    run_cli(
+        "train",
+        "--config",
+        DEBUG,
+        "--run.dir",
+        str(run),
+        *QUICK,
+        "--training.steps",
+        "10",
+        "--metrics.log_interval",
+        "1",
+        "--training.eval_interval",
+        "0",
+    )
     return _losses(run)
 
 
 def test_nproc_2_matches_single_process(reference_run, tmp_path):
     """Same global batches, gradients averaged by DDP: fp32 losses equal the single-process run (rtol 1e-5)."""
     run = tmp_path / "dp2"
-    run_cli("train", "--nproc", "2", "--config", DEBUG, "--run.dir", str(run), *QUICK, "--training.steps", "10",
-            "--metrics.log_interval", "1", "--training.eval_interval", "0")
+    run_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--config",
+        DEBUG,
+        "--run.dir",
+        str(run),
+        *QUICK,
+        "--training.steps",
+        "10",
+        "--metrics.log_interval",
+        "1",
+        "--training.eval_interval",
+        "0",
+    )
     loss, gnorm = _losses(run)
     ref_loss, ref_gnorm = reference_run
     assert len(loss) == 10
@@ -63,9 +89,30 @@ def test_nproc_2_matches_single_process(reference_run, tmp_path):
 
 def test_torchrun_module_entry_point(reference_run, tmp_path):
     run = tmp_path / "torchrun"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "scaletrain",
-           "train", "--config", DEBUG, "--run.dir", str(run), *QUICK, "--training.steps", "10",
-           "--metrics.log_interval", "1", "--training.eval_interval", "0", "--training.micro_batch", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "scaletrain",
+        "train",
+        "--config",
+        DEBUG,
+        "--run.dir",
+        str(run),
+        *QUICK,
+        "--training.steps",
+        "10",
+        "--metrics.log_interval",
+        "1",
+        "--training.eval_interval",
+        "0",
+        "--training.micro_batch",
+        "2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     loss, _ = _losses(run)
@@ -74,9 +121,18 @@ def test_torchrun_module_entry_point(reference_run, tmp_path):
 
 def test_data_smaller_than_one_global_batch(tmp_path):
     (tmp_path / "tiny.txt").write_text("x" * 400)  # 6 windows of 64 tokens: 1 for validation, 5 < 8 to train
-    proc = run_cli("train", "--config", DEBUG, "--run.dir", str(tmp_path / "run"), *QUICK,
-                   f"--data.sources=[{{path='{tmp_path}/tiny.txt'}}]", "--data.cache_dir", str(tmp_path / "c"),
-                   check=False)
+    proc = run_cli(
+        "train",
+        "--config",
+        DEBUG,
+        "--run.dir",
+        str(tmp_path / "run"),
+        *QUICK,
+        f"--data.sources=[{{path='{tmp_path}/tiny.txt'}}]",
+        "--data.cache_dir",
+        str(tmp_path / "c"),
+        check=False,
+    )
     assert proc.returncode == 1
     assert "fewer than one global batch of 8" in proc.stderr and "training.global_batch" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -93,22 +149,44 @@ def test_existing_run_directory_is_never_overwritten(tmp_path):
 
 def test_ctrl_c_exits_cleanly_and_keeps_the_run(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "scaletrain", "train", "--config", DEBUG, "--run.dir", str(run),
-                             *QUICK, "--training.steps", "100000", "--metrics.log_interval", "1"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
-                            # As a terminal's foreground job gets it. A suite started in the background of a
-                            # non-interactive shell (as CI may be) inherits SIGINT ignored, and Python then never
-                            # raises KeyboardInterrupt: the cause of this test's earlier CI timeouts.
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "train",
+            "--config",
+            DEBUG,
+            "--run.dir",
+            str(run),
+            *QUICK,
+            "--training.steps",
+            "100000",
+            "--metrics.log_interval",
+            "1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+        # As a terminal's foreground job gets it. A suite started in the background of a
+        # non-interactive shell (as CI may be) inherits SIGINT ignored, and Python then never
+        # raises KeyboardInterrupt: the cause of this test's earlier CI timeouts.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 120
-    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(
-            read_jsonl(run / "metrics.jsonl")) >= 2):
+    while time.time() < deadline and not (
+        (run / "metrics.jsonl").exists() and len(read_jsonl(run / "metrics.jsonl")) >= 2
+    ):
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGUSR1)  # every thread's stack into stderr (the CLI's faulthandler), then stop it
+        proc.send_signal(
+            signal.SIGUSR1
+        )  # every thread's stack into stderr (the CLI's faulthandler), then stop it
         time.sleep(3)
         proc.kill()
         _, err = proc.communicate()
@@ -121,28 +199,80 @@ def test_ctrl_c_exits_cleanly_and_keeps_the_run(tmp_path):
 
 def test_prepare_data_trains_a_bpe_tokenizer_then_training_uses_it(tmp_path):
     corpus = tmp_path / "docs.jsonl"
-    corpus.write_text("".join(f'{{"body": "document {i}: the quick brown fox jumps over the lazy dog {i % 7}"}}\n'
-                              for i in range(400)))
+    corpus.write_text(
+        "".join(
+            f'{{"body": "document {i}: the quick brown fox jumps over the lazy dog {i % 7}"}}\n'
+            for i in range(400)
+        )
+    )
     tok = tmp_path / "tok.json"
     src = f"--data.sources=[{{path='{corpus}', field='body'}}]"
     cache = ["--data.cache_dir", str(tmp_path / "cache")]
-    proc = run_cli("prepare-data", "--config", DEBUG, src, *cache, "--train-tokenizer", "--vocab-size", "400",
-                   "--tokenizer-out", str(tok))
+    proc = run_cli(
+        "prepare-data",
+        "--config",
+        DEBUG,
+        src,
+        *cache,
+        "--train-tokenizer",
+        "--vocab-size",
+        "400",
+        "--tokenizer-out",
+        str(tok),
+    )
     assert tok.exists() and "--data.tokenizer" in proc.stdout
-    again = run_cli("prepare-data", "--config", DEBUG, src, *cache, "--train-tokenizer", "--vocab-size", "400",
-                    "--tokenizer-out", str(tok), check=False)
+    again = run_cli(
+        "prepare-data",
+        "--config",
+        DEBUG,
+        src,
+        *cache,
+        "--train-tokenizer",
+        "--vocab-size",
+        "400",
+        "--tokenizer-out",
+        str(tok),
+        check=False,
+    )
     assert again.returncode != 0 and "exists" in again.stderr  # never overwrites the tokenizer it made
     run = tmp_path / "run"
-    run_cli("train", "--config", DEBUG, src, *cache, "--data.tokenizer", str(tok), "--run.dir", str(run), *QUICK,
-            "--training.steps", "4", "--data.seq_len", "16", "--training.eval_interval", "0")
+    run_cli(
+        "train",
+        "--config",
+        DEBUG,
+        src,
+        *cache,
+        "--data.tokenizer",
+        str(tok),
+        "--run.dir",
+        str(run),
+        *QUICK,
+        "--training.steps",
+        "4",
+        "--data.seq_len",
+        "16",
+        "--training.eval_interval",
+        "0",
+    )
     # 400 tokens pad to 448 embedding rows: the model was sized by the trained tokenizer, not the byte one.
     start = read_jsonl(run / "events.jsonl")[0]
     assert start["parameters"] == 820352 + 2 * (448 - 320) * 128
 
 
 def test_deterministic_runs_are_bit_identical(tmp_path):
-    args = ["--config", DEBUG, *QUICK, "--training.steps", "5", "--metrics.log_interval", "1",
-            "--training.deterministic", "true", "--training.eval_interval", "0"]
+    args = [
+        "--config",
+        DEBUG,
+        *QUICK,
+        "--training.steps",
+        "5",
+        "--metrics.log_interval",
+        "1",
+        "--training.deterministic",
+        "true",
+        "--training.eval_interval",
+        "0",
+    ]
     for name in ("a", "b"):
         run_cli("train", *args, "--run.dir", str(tmp_path / name))
     a, b = (read_jsonl(tmp_path / n / "metrics.jsonl") for n in ("a", "b"))
@@ -150,7 +280,8 @@ def test_deterministic_runs_are_bit_identical(tmp_path):
 
 
 def test_launcher_refuses_a_bad_layout_before_starting_workers(tmp_path):
-    proc = run_cli("train", "--nproc", "3", "--config", DEBUG, "--run.dir", str(tmp_path / "run"), *QUICK,
-                   check=False)
+    proc = run_cli(
+        "train", "--nproc", "3", "--config", DEBUG, "--run.dir", str(tmp_path / "run"), *QUICK, check=False
+    )
     assert proc.returncode == 2 and "x 3 data-parallel ranks" in proc.stderr
     assert not (tmp_path / "run").exists()

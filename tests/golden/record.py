@@ -37,7 +37,9 @@ def run_layout(name: str, run_dir: Path) -> dict:
 
 
 def main() -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     out = {"recorded_on": commit, "config": "configs/debug.toml", "args": COMMON, "layouts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in LAYOUTS:

@@ -37,8 +37,13 @@ def make_state(seed=0):
     sched.step()
     train = TrainState()
     loader = FakeLoader()
-    state = {"model": ModelState([model]), "optimizer": OptimizerState([model], [opt]),
-             "lr_scheduler": SchedulerState([sched]), "data": LoaderState(loader), "train": train}
+    state = {
+        "model": ModelState([model]),
+        "optimizer": OptimizerState([model], [opt]),
+        "lr_scheduler": SchedulerState([sched]),
+        "data": LoaderState(loader),
+        "train": train,
+    }
     return state, model, opt, sched, loader, train
 
 
@@ -46,8 +51,9 @@ def make_state(seed=0):
 def test_save_then_load_restores_everything(tmp_path, async_save):
     state, model, opt, sched, loader, train = make_state()
     train.step, train.tokens, loader.next_sample = 7, 700, 56
-    mgr = CheckpointManager(CheckpointConfig(async_save=async_save), str(tmp_path / "ck"), state, rank=0,
-                            world_size=1)
+    mgr = CheckpointManager(
+        CheckpointConfig(async_save=async_save), str(tmp_path / "ck"), state, rank=0, world_size=1
+    )
     mgr.save(7)
     mgr.wait()
     want = {k: v.clone() for k, v in model.state_dict().items()}
@@ -63,10 +69,16 @@ def test_save_then_load_restores_everything(tmp_path, async_save):
 
 
 def test_corrupted_and_half_written_checkpoints_fall_back(tmp_path):
-    state, *_ , train = make_state()
+    state, *_, train = make_state()
     events = []
-    mgr = CheckpointManager(CheckpointConfig(async_save=False), str(tmp_path), state, rank=0, world_size=1,
-                            event=lambda kind, **kw: events.append((kind, kw)))
+    mgr = CheckpointManager(
+        CheckpointConfig(async_save=False),
+        str(tmp_path),
+        state,
+        rank=0,
+        world_size=1,
+        event=lambda kind, **kw: events.append((kind, kw)),
+    )
     for step in (1, 2, 3):
         train.step = step
         mgr.save(step)
@@ -85,8 +97,13 @@ def test_corrupted_and_half_written_checkpoints_fall_back(tmp_path):
 
 def test_retention_keeps_last_k_and_every_mth(tmp_path):
     state, *_ = make_state()
-    mgr = CheckpointManager(CheckpointConfig(async_save=False, keep_last=2, keep_every=4), str(tmp_path), state,
-                            rank=0, world_size=1)
+    mgr = CheckpointManager(
+        CheckpointConfig(async_save=False, keep_last=2, keep_every=4),
+        str(tmp_path),
+        state,
+        rank=0,
+        world_size=1,
+    )
     for step in range(1, 10):
         mgr.save(step)
     assert mgr.committed_steps() == [4, 8, 9] or mgr.committed_steps() == [4, 8, 9]

@@ -23,8 +23,22 @@ def test_every_shipped_config_loads_and_validates(path):
 
 
 def test_both_override_spellings_and_types():
-    cfg = load_config(None, ["--training.steps", "7", "--optimizer.lr=1e-4", "--training.deterministic", "true",
-                             "--optimizer.betas", "[0.8, 0.9]", "--model.n_layers", "2", "--run.name", "123"])
+    cfg = load_config(
+        None,
+        [
+            "--training.steps",
+            "7",
+            "--optimizer.lr=1e-4",
+            "--training.deterministic",
+            "true",
+            "--optimizer.betas",
+            "[0.8, 0.9]",
+            "--model.n_layers",
+            "2",
+            "--run.name",
+            "123",
+        ],
+    )
     assert cfg.training.steps == 7 and cfg.optimizer.lr == 1e-4 and cfg.training.deterministic is True
     assert cfg.optimizer.betas == [0.8, 0.9] and cfg.model.n_layers == 2 and cfg.run.name == "123"
 
@@ -34,7 +48,9 @@ def test_toml_sections_and_data_sources(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text(f'[training]\nsteps = 3\n[[data.sources]]\npath = "{tmp_path}/*.txt"\nweight = 2\n')
     cfg = load_config(str(toml), ["--training.steps", "4"])
-    assert cfg.training.steps == 4 and cfg.data.sources[0].weight == 2.0 and cfg.data.sources[0].format == "auto"
+    assert (
+        cfg.training.steps == 4 and cfg.data.sources[0].weight == 2.0 and cfg.data.sources[0].format == "auto"
+    )
 
 
 def test_unknown_keys_name_the_nearest_valid_key():
@@ -45,14 +61,32 @@ def test_unknown_keys_name_the_nearest_valid_key():
 
 
 def test_every_problem_is_reported_at_once():
-    got = problems("--training.steps", "abc", "--training.precision", "fp16", "--optimizer.lr", "-1",
-                   "--training.global_batch", "10", "--training.micro_batch", "4")
+    got = problems(
+        "--training.steps",
+        "abc",
+        "--training.precision",
+        "fp16",
+        "--optimizer.lr",
+        "-1",
+        "--training.global_batch",
+        "10",
+        "--training.micro_batch",
+        "4",
+    )
     joined = "\n".join(got)
     assert "'training.steps' must be an integer" in joined
     assert "'training.precision'" in joined and "fp32, bf16" in joined
     # Type errors stop before value checks: fix the types, then the values are checked together.
-    got = problems("--optimizer.lr", "-1", "--training.global_batch", "10", "--training.micro_batch", "4",
-                   "--model.n_kv_heads", "3")
+    got = problems(
+        "--optimizer.lr",
+        "-1",
+        "--training.global_batch",
+        "10",
+        "--training.micro_batch",
+        "4",
+        "--model.n_kv_heads",
+        "3",
+    )
     joined = "\n".join(got)
     assert "optimizer.lr must be > 0" in joined
     assert "not divisible by training.micro_batch 4" in joined and "use training.global_batch 8" in joined
@@ -67,8 +101,10 @@ def test_global_batch_must_divide_by_micro_batch_times_dp():
 
 
 def test_global_batch_in_tokens():
-    cfg = load_config(None, ["--training.global_batch_tokens", "2048", "--data.seq_len", "256",
-                             "--training.micro_batch", "8"])
+    cfg = load_config(
+        None,
+        ["--training.global_batch_tokens", "2048", "--data.seq_len", "256", "--training.micro_batch", "8"],
+    )
     assert cfg.training.global_batch_tokens == 2048
     assert "multiple of data.seq_len" in problems("--training.global_batch_tokens", "1000")[0]
 

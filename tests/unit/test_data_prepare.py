@@ -59,7 +59,9 @@ def _worker_sigterm_is_default(_path) -> bool:
     return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
-def test_workers_stop_on_sigterm_even_when_the_trainer_catches_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_workers_stop_on_sigterm_even_when_the_trainer_catches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     # The trainer turns SIGTERM into a preemption flag before it prepares data; forked pool workers inherited that
     # handler, ignored Pool.terminate() and hung the run (seen in CI). Workers must restore the default action.
     previous = signal.signal(signal.SIGTERM, lambda *a: None)

@@ -23,10 +23,18 @@ def tier(tmp_path, **kw) -> MemoryTier:
 
 
 def test_flatten_unflatten_round_trip():
-    sd = {"model": {"a.weight": torch.randn(3, 2), "nested": {"b": torch.arange(4), "empty": {}}},
-          "optimizer": {"param_groups.a.weight.lr": 1e-3, "param_groups.a.weight.betas": (0.9, 0.95),
-                        "param_groups.a.weight.foreach": None, "amsgrad": False, "name": "adamw", "ids": [1, 2]},
-          "train": {"step": torch.tensor(7)}}
+    sd = {
+        "model": {"a.weight": torch.randn(3, 2), "nested": {"b": torch.arange(4), "empty": {}}},
+        "optimizer": {
+            "param_groups.a.weight.lr": 1e-3,
+            "param_groups.a.weight.betas": (0.9, 0.95),
+            "param_groups.a.weight.foreach": None,
+            "amsgrad": False,
+            "name": "adamw",
+            "ids": [1, 2],
+        },
+        "train": {"step": torch.tensor(7)},
+    }
     tensors, leaves = flatten_state(sd)
     assert set(tensors) == {"model/a.weight", "model/nested/b", "train/step"}
     json.dumps(leaves)  # the non-tensor leaves are plain JSON

@@ -8,7 +8,9 @@ from scaletrain.models.presets import PRESETS, preset_parameter_count
 
 
 def tiny(**kw) -> Transformer:
-    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16, **kw)
+    args = ModelArgs(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16, **kw
+    )
     model = build_meta_model(args)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -48,7 +50,9 @@ def test_tied_embeddings_share_storage():
     assert model.tok_embeddings.weight.grad is not None
 
 
-@pytest.mark.parametrize("name,expected", [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9), ("1B", 1.236e9)])
+@pytest.mark.parametrize(
+    "name,expected", [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9), ("1B", 1.236e9)]
+)
 def test_presets_count_published_sizes_on_meta(name, expected):
     total = preset_parameter_count(name, vocab_size=128256)["total"]
     assert abs(total - expected) / expected < 0.002
@@ -72,16 +76,36 @@ def test_logits_match_huggingface_llama():
     model = tiny(rope_theta=10000.0)
     a = model.args
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_hidden, num_hidden_layers=a.n_layers,
-        num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, rms_norm_eps=a.norm_eps,
-        rope_theta=a.rope_theta, max_position_embeddings=a.max_seq_len, tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False)
+        vocab_size=a.vocab_size,
+        hidden_size=a.dim,
+        intermediate_size=a.ffn_hidden,
+        num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads,
+        rms_norm_eps=a.norm_eps,
+        rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_seq_len,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight,
-          "lm_head.weight": model.output.weight}
-    names = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-             "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
-             "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    sd = {
+        "model.embed_tokens.weight": model.tok_embeddings.weight,
+        "model.norm.weight": model.norm.weight,
+        "lm_head.weight": model.output.weight,
+    }
+    names = {
+        "attention.wq": "self_attn.q_proj",
+        "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj",
+        "attention.wo": "self_attn.o_proj",
+        "feed_forward.w1": "mlp.gate_proj",
+        "feed_forward.w2": "mlp.down_proj",
+        "feed_forward.w3": "mlp.up_proj",
+        "attention_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
     for i, layer in model.layers.items():
         for ours, theirs in names.items():
             sd[f"model.layers.{i}.{theirs}.weight"] = layer.get_submodule(ours).weight

@@ -15,15 +15,18 @@ def check(world: int, **fields) -> list[str]:
     return validate_parallel(ParallelConfig(**fields), world, **MODEL)
 
 
-@pytest.mark.parametrize("world, fields", [
-    (1, {}),
-    (8, {}),
-    (8, dict(data_parallel="zero1")),
-    (8, dict(data_parallel="fsdp", tp=2, sequence_parallel=True)),
-    (8, dict(data_parallel="hsdp", dp_replicate=2, tp=2)),
-    (2, dict(tp=2)),  # pure TP: no data-parallel ranks, so the ddp default applies nothing and is fine
-    (4, dict(data_parallel="zero2", tp=2)),
-])
+@pytest.mark.parametrize(
+    "world, fields",
+    [
+        (1, {}),
+        (8, {}),
+        (8, dict(data_parallel="zero1")),
+        (8, dict(data_parallel="fsdp", tp=2, sequence_parallel=True)),
+        (8, dict(data_parallel="hsdp", dp_replicate=2, tp=2)),
+        (2, dict(tp=2)),  # pure TP: no data-parallel ranks, so the ddp default applies nothing and is fine
+        (4, dict(data_parallel="zero2", tp=2)),
+    ],
+)
 def test_valid_layouts_pass(world, fields):
     assert check(world, **fields) == []
 
@@ -52,8 +55,15 @@ def test_ddp_modes_refuse_tp(mode):
 
 
 def test_tp_divisibility_names_each_reason():
-    problems = validate_parallel(ParallelConfig(data_parallel="fsdp", tp=3, sequence_parallel=True), 3, n_heads=4,
-                                 n_kv_heads=2, vocab_size=100, ffn_hidden=128, seq_len=32)
+    problems = validate_parallel(
+        ParallelConfig(data_parallel="fsdp", tp=3, sequence_parallel=True),
+        3,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=100,
+        ffn_hidden=128,
+        seq_len=32,
+    )
     text = "\n".join(problems)
     assert len(problems) == 5, text
     for what in ("n_heads 4", "n_kv_heads 2", "vocabulary size 100", "ffn_hidden 128", "seq_len 32"):
@@ -67,8 +77,15 @@ def test_tp_refuses_tied_embeddings():
 
 
 def test_sequence_parallel_splits_each_cp_ranks_tokens():
-    problems = validate_parallel(ParallelConfig(data_parallel="fsdp", tp=4, cp=2, sequence_parallel=True), 8,
-                                 n_heads=4, n_kv_heads=4, vocab_size=128, ffn_hidden=128, seq_len=20)
+    problems = validate_parallel(
+        ParallelConfig(data_parallel="fsdp", tp=4, cp=2, sequence_parallel=True),
+        8,
+        n_heads=4,
+        n_kv_heads=4,
+        vocab_size=128,
+        ffn_hidden=128,
+        seq_len=20,
+    )
     assert len(problems) == 1 and "the 10 tokens per cp rank" in problems[0]
 
 

@@ -57,13 +57,16 @@ def test_chained_and_prefixed_traceback_reports_the_exception_that_ended_the_pro
     assert last_exception("no traceback here\nValueError: looks like one but is not") is None
 
 
-@pytest.mark.parametrize("line", [
-    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total capacity)",
-    "RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried",
-    "OSError: [Errno 12] Cannot allocate memory",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total capacity)",
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried",
+        "OSError: [Errno 12] Cannot allocate memory",
+    ],
+)
 def test_out_of_memory_wins_over_the_traceback_around_it(line):
-    log = LOG_STEPS + "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n" + line + "\n"
+    log = LOG_STEPS + 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n' + line + "\n"
     d = classify(1, None, log)
     assert (d.kind, d.curable, d.step) == ("out_of_memory", True, 20)
     assert d.detail == line
@@ -77,15 +80,18 @@ def test_sigkill_is_oom_only_with_an_oom_killer_hint():
         assert (d.kind, d.curable, d.step) == ("killed", True, 20), (exitcode, sig)
 
 
-@pytest.mark.parametrize("line", [
-    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
-    "for recv operation to complete",
-    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:2919",
-    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection reset by peer",
-    "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, Timeout(ms)=600000)",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
+        "for recv operation to complete",
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:2919",
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection reset by peer",
+        "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, Timeout(ms)=600000)",
+    ],
+)
 def test_collective_timeouts(line):
-    log = LOG_STEPS + "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n" + line + "\n"
+    log = LOG_STEPS + 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n' + line + "\n"
     d = classify(1, None, log)
     assert (d.kind, d.curable, d.detail) == ("collective_timeout", True, line)
 
@@ -126,7 +132,10 @@ def test_unknown_failures_name_what_is_known():
     assert classify(1, None, "") == Diagnosis("unknown", True, "exit code 1", None)
     assert classify(-11, None, LOG_STEPS).detail == "killed by SIGSEGV"
     d = classify(1, None, "[default0]:error: no tokenised shards in data/cache: run prepare-data first\n")
-    assert (d.kind, d.detail) == ("unknown", "error: no tokenised shards in data/cache: run prepare-data first")
+    assert (d.kind, d.detail) == (
+        "unknown",
+        "error: no tokenised shards in data/cache: run prepare-data first",
+    )
 
 
 def test_root_cause_prefers_the_rank_that_failed_by_itself_over_peers_that_lost_it():
@@ -175,7 +184,9 @@ def test_policy_stops_when_the_same_exception_recurs_at_the_same_step():
     assert not restart and "deterministic" in reason and "step 40" in reason
     assert policy.restarts == 3
     assert policy.decide(_exc("no grad for <Tensor at 0x7f3a01>", 7))[0]
-    assert not policy.decide(_exc("no grad for <Tensor at 0x55d2ff>", 7))[0]  # the same error, another address
+    assert not policy.decide(_exc("no grad for <Tensor at 0x55d2ff>", 7))[
+        0
+    ]  # the same error, another address
 
 
 def test_policy_keeps_restarting_repeated_timeouts_and_unknown_steps():
@@ -235,7 +246,9 @@ def test_a_rank_that_lost_its_peer_lingers_so_the_agent_blames_the_peer(monkeypa
         cli._linger_if_a_peer_failed("ValueError: bad value in user code")
         assert slept == [] and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
         cli._linger_if_a_peer_failed("RuntimeError: [pair.cc:537] Read error: Connection reset by peer.")
-        assert slept == [cli.LINGER_S] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the agent's stop ends it
+        assert (
+            slept == [cli.LINGER_S] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        )  # the agent's stop ends it
         monkeypatch.delenv("LOCAL_RANK")
         cli._linger_if_a_peer_failed("RuntimeError: Connection reset by peer")  # no agent: nobody to wait for
         assert slept == [cli.LINGER_S]

@@ -37,25 +37,41 @@ def _injector(tmp_path: Path, specs: list[str], rank: int = 0) -> tuple[FaultInj
 
 
 def test_parse_specs_reads_every_kind():
-    specs = parse_specs(["kill:rank=1,step=5", "nan:step=3", "slow:rank=2,factor=2.5", "slow:rank=0,factor=3,step=7",
-                         "corrupt_checkpoint:step=6", " write_error: step=6 "])
+    specs = parse_specs(
+        [
+            "kill:rank=1,step=5",
+            "nan:step=3",
+            "slow:rank=2,factor=2.5",
+            "slow:rank=0,factor=3,step=7",
+            "corrupt_checkpoint:step=6",
+            " write_error: step=6 ",
+        ]
+    )
     assert [(s.kind, s.rank, s.step, s.factor) for s in specs] == [
-        ("kill", 1, 5, None), ("nan", None, 3, None), ("slow", 2, None, 2.5), ("slow", 0, 7, 3.0),
-        ("corrupt_checkpoint", None, 6, None), ("write_error", None, 6, None)]
+        ("kill", 1, 5, None),
+        ("nan", None, 3, None),
+        ("slow", 2, None, 2.5),
+        ("slow", 0, 7, 3.0),
+        ("corrupt_checkpoint", None, 6, None),
+        ("write_error", None, 6, None),
+    ]
     assert specs[-1].text == "write_error: step=6"
 
 
-@pytest.mark.parametrize("spec, expect", [
-    ("kil:rank=1,step=5", 'unknown kind "kil"'),
-    ("kill", "expected kind:key=value"),
-    ("kill:rank=1", 'kill needs "step"; it takes rank, step'),
-    ("nan:step=3,when=4", 'unknown key "when" for nan; it takes step[, rank]'),
-    ("kill:rank=x,step=5", 'rank must be an integer, got "x"'),
-    ("raise:rank=0,step=0", "step must be >= 1"),
-    ("slow:rank=0,factor=1", "factor must be a number > 1"),
-    ("hang:rank=0,rank=1,step=2", '"rank" is given twice'),
-    ("spike:step", '"step" is not key=value'),
-])
+@pytest.mark.parametrize(
+    "spec, expect",
+    [
+        ("kil:rank=1,step=5", 'unknown kind "kil"'),
+        ("kill", "expected kind:key=value"),
+        ("kill:rank=1", 'kill needs "step"; it takes rank, step'),
+        ("nan:step=3,when=4", 'unknown key "when" for nan; it takes step[, rank]'),
+        ("kill:rank=x,step=5", 'rank must be an integer, got "x"'),
+        ("raise:rank=0,step=0", "step must be >= 1"),
+        ("slow:rank=0,factor=1", "factor must be a number > 1"),
+        ("hang:rank=0,rank=1,step=2", '"rank" is given twice'),
+        ("spike:step", '"step" is not key=value'),
+    ],
+)
 def test_bad_specs_are_named_with_the_fix(spec, expect):
     problems = validate_specs([spec])
     assert len(problems) >= 1 and spec.strip() in problems[0]
@@ -115,7 +131,9 @@ def test_kill_sigkills_the_process_after_recording(tmp_path):
             inj.at_step_start(step)
         print("survived", flush=True)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "step 2" in proc.stdout and "fault_injected" in proc.stdout and "survived" not in proc.stdout
     records = json.loads((tmp_path / faults.FIRED_FILE).read_text())
@@ -129,7 +147,9 @@ def test_nan_fires_on_every_rank_without_a_rank_key(tmp_path):
     injectors = [_injector(tmp_path, ["nan:step=3"], rank=r) for r in range(3)]
     assert all(inj.loss_factor(2) is None for inj, _ in injectors)
     assert all(math.isnan(inj.loss_factor(3)) for inj, _ in injectors)
-    assert all(inj.loss_factor(3) is None for inj, _ in injectors)  # a rollback replaying step 3 trains normally
+    assert all(
+        inj.loss_factor(3) is None for inj, _ in injectors
+    )  # a rollback replaying step 3 trains normally
     assert sorted(r["rank"] for r in injectors[0][0].fired()) == [0, 1, 2]
     only1 = _injector(tmp_path / "b", ["nan:step=3,rank=1"], rank=0)[0]
     assert only1.loss_factor(3) is None

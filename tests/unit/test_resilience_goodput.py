@@ -33,8 +33,10 @@ def _check(g: dict) -> dict:
 
 
 def test_clean_run(tmp_path):
-    events = [{"time": 100.0, "kind": "start", "step": 0, "resumed": False},
-              {"time": 125.0, "kind": "end", "step": 20}]
+    events = [
+        {"time": 100.0, "kind": "start", "step": 0, "resumed": False},
+        {"time": 125.0, "kind": "end", "step": 20},
+    ]
     records = [{"step": 10, "step_time_s": 1.0}, {"step": 20, "step_time_s": 1.2}]
     g = _check(compute_goodput(_write(tmp_path, events, records)))
     assert g["total_s"] == pytest.approx(25.0)
@@ -46,15 +48,21 @@ def test_clean_run(tmp_path):
 
 def test_a_running_job_counts_its_last_record_before_writing_it(tmp_path):
     # The final summary asks for goodput before the last record is written: that record and the time now count.
-    events = [{"time": 100.0, "kind": "start", "step": 0}, {"time": 110.0, "kind": "memory_snapshot", "step": 9}]
+    events = [
+        {"time": 100.0, "kind": "start", "step": 0},
+        {"time": 110.0, "kind": "memory_snapshot", "step": 9},
+    ]
     run = _write(tmp_path, events, [{"step": 10, "step_time_s": 1.0}])
     g = _check(compute_goodput(run, pending={"step": 20, "step_time_s": 0.5}, now=125.0))
     assert (g["total_s"], g["productive_s"]) == (pytest.approx(25.0), pytest.approx(15.0))
 
 
 def test_job_start_counts_the_launch_before_the_first_worker(tmp_path):
-    events = [{"time": 90.0, "kind": "job_start"}, {"time": 100.0, "kind": "start", "step": 0},
-              {"time": 125.0, "kind": "end", "step": 20}]
+    events = [
+        {"time": 90.0, "kind": "job_start"},
+        {"time": 100.0, "kind": "start", "step": 0},
+        {"time": 125.0, "kind": "end", "step": 20},
+    ]
     g = _check(compute_goodput(_write(tmp_path, events, [{"step": 20, "step_time_s": 1.0}])))
     assert g["total_s"] == pytest.approx(35.0)
     assert g["other_s"] == pytest.approx(15.0)
@@ -63,15 +71,21 @@ def test_job_start_counts_the_launch_before_the_first_worker(tmp_path):
 def _restart_run(timed: bool) -> tuple[list[dict], list[dict]]:
     """Segment 1 runs steps 1-17 at 0.5 s (logged at 5, 10, 15; checkpoint at 10) and fails at t=20; the launcher
     restarts it and segment 2 resumes from step 10 at t=30, running steps 11-20 at 0.4 s."""
-    events = [{"time": 0.0, "kind": "start", "step": 0, "resumed": False},
-              {"time": 5.5, "kind": "checkpoint_saved", "step": 10},
-              {"time": 20.0, "kind": "failure", "step": None, "exitcode": 1},
-              {"time": 21.0, "kind": "restart", "step": None},
-              {"time": 30.0, "kind": "start", "step": 10, "resumed": True},
-              {"time": 36.0, "kind": "end", "step": 20}]
-    records = [{"step": 5, "step_time_s": 0.5, "time": 3.0}, {"step": 10, "step_time_s": 0.5, "time": 5.5},
-               {"step": 15, "step_time_s": 0.5, "time": 8.0},
-               {"step": 15, "step_time_s": 0.4, "time": 32.0}, {"step": 20, "step_time_s": 0.4, "time": 34.0}]
+    events = [
+        {"time": 0.0, "kind": "start", "step": 0, "resumed": False},
+        {"time": 5.5, "kind": "checkpoint_saved", "step": 10},
+        {"time": 20.0, "kind": "failure", "step": None, "exitcode": 1},
+        {"time": 21.0, "kind": "restart", "step": None},
+        {"time": 30.0, "kind": "start", "step": 10, "resumed": True},
+        {"time": 36.0, "kind": "end", "step": 20},
+    ]
+    records = [
+        {"step": 5, "step_time_s": 0.5, "time": 3.0},
+        {"step": 10, "step_time_s": 0.5, "time": 5.5},
+        {"step": 15, "step_time_s": 0.5, "time": 8.0},
+        {"step": 15, "step_time_s": 0.4, "time": 32.0},
+        {"step": 20, "step_time_s": 0.4, "time": 34.0},
+    ]
     if not timed:
         records = [{k: v for k, v in r.items() if k != "time"} for r in records]
     return events, records
@@ -92,8 +106,12 @@ def test_restart_counts_recomputed_steps_and_the_restart_gap(tmp_path, timed):
 def test_a_resumed_window_starts_at_the_resume_step_not_the_last_record(tmp_path):
     # Segment 1 logged step 9 (log every 3), saved step 10 and died at 11; segment 2 resumes at 10 and logs 12:
     # its window is steps 11-12, and step 10's time is the one from segment 1's unlogged window (lost to other).
-    events = [{"time": 0.0, "kind": "start", "step": 0}, {"time": 12.0, "kind": "failure"},
-              {"time": 20.0, "kind": "start", "step": 10}, {"time": 23.0, "kind": "end", "step": 12}]
+    events = [
+        {"time": 0.0, "kind": "start", "step": 0},
+        {"time": 12.0, "kind": "failure"},
+        {"time": 20.0, "kind": "start", "step": 10},
+        {"time": 23.0, "kind": "end", "step": 12},
+    ]
     records = [{"step": 9, "step_time_s": 1.0, "time": 9.0}, {"step": 12, "step_time_s": 1.0, "time": 22.0}]
     g = _check(compute_goodput(_write(tmp_path, events, records)))
     assert g["productive_s"] == pytest.approx(9 + 2)
@@ -101,8 +119,11 @@ def test_a_resumed_window_starts_at_the_resume_step_not_the_last_record(tmp_path
 
 
 def test_restart_without_a_failure_event_uses_the_last_sign_of_life(tmp_path):
-    events = [{"time": 0.0, "kind": "start", "step": 0}, {"time": 15.0, "kind": "start", "step": 0},
-              {"time": 20.0, "kind": "end", "step": 4}]
+    events = [
+        {"time": 0.0, "kind": "start", "step": 0},
+        {"time": 15.0, "kind": "start", "step": 0},
+        {"time": 20.0, "kind": "end", "step": 4},
+    ]
     records = [{"step": 4, "step_time_s": 1.0, "time": 4.5}, {"step": 4, "step_time_s": 1.0, "time": 19.0}]
     g = _check(compute_goodput(_write(tmp_path, events, records)))
     assert g["restart_s"] == pytest.approx(15.0 - 4.5)
@@ -111,13 +132,15 @@ def test_restart_without_a_failure_event_uses_the_last_sign_of_life(tmp_path):
 
 
 def test_checkpoint_stalls_and_evals_are_subtracted(tmp_path):
-    events = [{"time": 0.0, "kind": "start", "step": 0},
-              {"time": 3.0, "kind": "eval", "step": 0, "val_loss": 6.0, "duration_s": 2.5},
-              {"time": 14.0, "kind": "checkpoint_saved", "step": 10, "blocking_s": 0.75},
-              {"time": 26.0, "kind": "checkpoint_saved", "step": 20, "blocking_s": 0.25},
-              {"time": 27.0, "kind": "checkpoint_saved", "step": 20},  # a writer without blocking_s: nothing
-              {"time": 29.0, "kind": "eval", "step": 20, "val_loss": 5.0, "duration_s": 1.5},
-              {"time": 30.0, "kind": "end", "step": 20}]
+    events = [
+        {"time": 0.0, "kind": "start", "step": 0},
+        {"time": 3.0, "kind": "eval", "step": 0, "val_loss": 6.0, "duration_s": 2.5},
+        {"time": 14.0, "kind": "checkpoint_saved", "step": 10, "blocking_s": 0.75},
+        {"time": 26.0, "kind": "checkpoint_saved", "step": 20, "blocking_s": 0.25},
+        {"time": 27.0, "kind": "checkpoint_saved", "step": 20},  # a writer without blocking_s: nothing
+        {"time": 29.0, "kind": "eval", "step": 20, "val_loss": 5.0, "duration_s": 1.5},
+        {"time": 30.0, "kind": "end", "step": 20},
+    ]
     records = [{"step": 10, "step_time_s": 1.0}, {"step": 20, "step_time_s": 1.0}]
     g = _check(compute_goodput(_write(tmp_path, events, records)))
     assert g["checkpoint_stall_s"] == pytest.approx(1.0)
@@ -131,12 +154,18 @@ def test_rollback_reruns_are_recomputed(tmp_path, timed):
     # NaN at step 8: roll back to the step-5 state in the same process and re-run steps 6-10.
     # Timed records: the rollback event's to_step says where the re-run began. Untimed: only the step numbers
     # say that a re-run began, and it is taken to begin after the newest checkpoint below it.
-    events = [{"time": 0.0, "kind": "start", "step": 0},
-              {"time": 5.0, "kind": "checkpoint_saved", "step": 5} if not timed else {"time": 5.0, "kind": "x"},
-              {"time": 8.5, "kind": "rollback", "step": 8} | ({"to_step": 5} if timed else {}),
-              {"time": 16.0, "kind": "end", "step": 10}]
-    records = [{"step": 4, "step_time_s": 1.0, "time": 4.0}, {"step": 8, "step_time_s": 1.0, "time": 8.0},
-               {"step": 6, "step_time_s": 0.5, "time": 9.5}, {"step": 10, "step_time_s": 1.5, "time": 15.5}]
+    events = [
+        {"time": 0.0, "kind": "start", "step": 0},
+        {"time": 5.0, "kind": "checkpoint_saved", "step": 5} if not timed else {"time": 5.0, "kind": "x"},
+        {"time": 8.5, "kind": "rollback", "step": 8} | ({"to_step": 5} if timed else {}),
+        {"time": 16.0, "kind": "end", "step": 10},
+    ]
+    records = [
+        {"step": 4, "step_time_s": 1.0, "time": 4.0},
+        {"step": 8, "step_time_s": 1.0, "time": 8.0},
+        {"step": 6, "step_time_s": 0.5, "time": 9.5},
+        {"step": 10, "step_time_s": 1.5, "time": 15.5},
+    ]
     if not timed:
         records = [{k: v for k, v in r.items() if k != "time"} for r in records]
     g = _check(compute_goodput(_write(tmp_path, events, records)))
@@ -146,8 +175,11 @@ def test_rollback_reruns_are_recomputed(tmp_path, timed):
 
 
 def test_truncated_lines_are_skipped_and_a_run_needs_a_start(tmp_path):
-    run = _write(tmp_path / "a", [{"time": 0.0, "kind": "start", "step": 0}, {"time": 10.0, "kind": "end"}],
-                 [{"step": 5, "step_time_s": 1.0}])
+    run = _write(
+        tmp_path / "a",
+        [{"time": 0.0, "kind": "start", "step": 0}, {"time": 10.0, "kind": "end"}],
+        [{"step": 5, "step_time_s": 1.0}],
+    )
     with open(run / "events.jsonl", "a") as f:
         f.write('{"time": 11.0, "kind": "fail')  # a crash in the middle of a line
     g = _check(compute_goodput(run))

@@ -45,8 +45,13 @@ HUNG_WORKER = textwrap.dedent("""
 
 def test_watchdog_ends_a_hung_process_with_stacks_and_an_event(tmp_path):
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", HUNG_WORKER, str(tmp_path)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=90)
+    proc = subprocess.run(
+        [sys.executable, "-c", HUNG_WORKER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=90,
+    )
     assert proc.returncode == HANG_EXIT_CODE, proc.stdout + proc.stderr
     assert time.monotonic() - t0 < 60  # it did not wait out the sleep
     stacks = (tmp_path / "hang-rank3.txt").read_text()
@@ -55,7 +60,11 @@ def test_watchdog_ends_a_hung_process_with_stacks_and_an_event(tmp_path):
     (line,) = (tmp_path / "events.jsonl").read_text().splitlines()
     event = json.loads(line)
     assert {k: event[k] for k in ("kind", "step", "rank", "timeout_s")} == {
-        "kind": "hang", "step": 2, "rank": 3, "timeout_s": 1.0}
+        "kind": "hang",
+        "step": 2,
+        "rank": 3,
+        "timeout_s": 1.0,
+    }
     assert event["stacks_file"] == str(tmp_path / "hang-rank3.txt") and 1.0 <= event["elapsed_s"] < 10
     assert event["last_collective"]["name"] == "barrier" and event["last_collective"]["count"] == 2
     assert event["last_collective"]["group_size"] == 1 and isinstance(event["time"], float)

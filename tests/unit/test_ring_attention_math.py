@@ -76,17 +76,22 @@ def _simulate_ring(q, k, v, dout, cp, lb):
         plans = [(src, block_plan(pos[r], pos[(src)])) for src in ((r - i) % cp for i in range(cp))]
         for src, plan in plans:
             if plan is not None:
-                merge_block(out, lse, *attention_block_forward(qg, shard[src][1], shard[src][2], plan, scale),
-                            plan.q_start)
+                merge_block(
+                    out,
+                    lse,
+                    *attention_block_forward(qg, shard[src][1], shard[src][2], plan, scale),
+                    plan.q_start,
+                )
         dog = shard[r][3].unflatten(1, (hkv, -1))
         delta = (dog * out).sum(-1)
         dq = torch.zeros_like(qg)
         for src, plan in plans:
             if plan is None:
                 continue
-            dq_b, dk_b, dv_b = attention_block_backward(qg, shard[src][1], shard[src][2], dog, lse, delta, plan,
-                                                        scale)
-            dq[..., plan.q_start:, :] += dq_b
+            dq_b, dk_b, dv_b = attention_block_backward(
+                qg, shard[src][1], shard[src][2], dog, lse, delta, plan, scale
+            )
+            dq[..., plan.q_start :, :] += dq_b
             dks[src][..., : plan.k_end, :] += dk_b
             dvs[src][..., : plan.k_end, :] += dv_b
         outs.append(out.flatten(1, 2))
@@ -99,8 +104,9 @@ def _simulate_ring(q, k, v, dout, cp, lb):
 def test_blockwise_ring_math_equals_full_causal_sdpa(cp, lb):
     g = torch.Generator().manual_seed(cp)
     b, hq, hkv, s, d = 2, 4, 2, 8 * cp, 8
-    q, k, v = (torch.randn(b, h, s, d, generator=g, dtype=torch.float64, requires_grad=True)
-               for h in (hq, hkv, hkv))
+    q, k, v = (
+        torch.randn(b, h, s, d, generator=g, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv)
+    )
     dout = torch.randn(b, hq, s, d, generator=g, dtype=torch.float64)
     ref = causal_sdpa(q, k, v)
     ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (q, k, v), dout)
