@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain.checkpoint import CheckpointManager, ModelState, OptimizerState, TrainState
+from scaletrain.checkpoint.memory_tier import MemoryTier, default_root, make_layout_key
 from scaletrain.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from scaletrain.models import build_meta_model, resolve_model_args
 from scaletrain.optim import build_optimizer
-from scaletrain.resilience.memory_tier import MemoryTier, default_root, make_layout_key
 
 TARGET_RATIO = 10.0
 LAYOUT = make_layout_key(1, "single process")

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from scaletrain.checkpoint.memory_tier import MemoryTier, job_key, make_layout_key
 from scaletrain.config import ResilienceConfig
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.health import NanGuard, SpikeDetector, skip_update
-from scaletrain.resilience.memory_tier import MemoryTier, job_key, make_layout_key
 from scaletrain.resilience.straggler import StragglerMonitor
 from scaletrain.resilience.watchdog import CollectiveTracker, Watchdog, append_event
 

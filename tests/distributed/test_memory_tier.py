@@ -12,13 +12,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scaletrain.checkpoint import LoaderState, ModelState, OptimizerState, SchedulerState, TrainState
+from scaletrain.checkpoint import (
+    LoaderState,
+    ModelState,
+    OptimizerState,
+    SchedulerState,
+    TrainState,
+    memory_tier,
+)
+from scaletrain.checkpoint.memory_tier import MemoryTier, make_layout_key
 from scaletrain.config import ParallelConfig
 from scaletrain.optim import build_lr_scheduler, build_optimizer
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
-from scaletrain.resilience import memory_tier
-from scaletrain.resilience.memory_tier import MemoryTier, make_layout_key
 from tests.distributed.reference import OPT, full_model, tiny_args
 from tests.distributed.spawn import spawn
 from tests.unit.test_checkpoint import FakeLoader

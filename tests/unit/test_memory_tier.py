@@ -4,7 +4,7 @@ import logging
 import pytest
 import torch
 
-from scaletrain.resilience.memory_tier import (
+from scaletrain.checkpoint.memory_tier import (
     COMPLETE,
     META,
     MemoryTier,
