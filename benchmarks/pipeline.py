@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from scaletrain.models import ModelArgs, build_meta_model
-from scaletrain.parallel.pipeline import apply_pp, ideal_bubble, pipeline_loss, stages_per_rank
+from scaletrain.models import cross_entropy
+from scaletrain.parallel.pipeline import apply_pp, ideal_bubble, stages_per_rank
 
 CPU = torch.device("cpu")
 
@@ -74,7 +75,7 @@ def _worker(rank: int, pp: int, port: int, opts: argparse.Namespace, out) -> Non
                 n_microbatches=m,
                 virtual_stages=opts.virtual_stages,
                 device=CPU,
-                loss_fn=busy.wrap(pipeline_loss),
+                loss_fn=busy.wrap(cross_entropy),
             )
             del model
             for stage in parts.stages:

@@ -1,16 +1,13 @@
 """The one typed config tree: a dataclass per section, loaded from TOML plus dotted CLI overrides.
 
-Each component receives only its own section. `load_config` reports every problem at once (unknown keys with the
-nearest valid one, wrong types, impossible values) as a `ConfigError`, before any work starts.
+Each component receives only its own section. This module is a leaf of plain dataclasses: loading, overrides and
+validation live in scaletrain.config_io (`load_config`), which reports every problem at once as a `ConfigError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
-
-from scaletrain.errors import ConfigError
 
 
 @dataclass
@@ -173,6 +170,22 @@ class CheckpointConfig:
     """Mean time between failures of the whole job, for interval = auto."""
 
 
+FaultKind = Literal["kill", "raise", "hang", "nan", "spike", "slow", "corrupt_checkpoint", "write_error"]
+
+
+@dataclass
+class FaultConfig:
+    kind: FaultKind | None = None
+    """kill (SIGKILL), raise (an exception), hang (sleep forever), nan (NaN logits), spike (garbage targets),
+    slow (a straggler), corrupt_checkpoint (flip bytes after the commit), write_error (ENOSPC inside the writer)."""
+    rank: int | None = None
+    """The rank it fires on; unset: every rank (corrupt_checkpoint: rank 0)."""
+    step: int | None = None
+    """The step it fires at (slow: the first step it slows; unset: from the start)."""
+    factor: float | None = None
+    """slow only: each step takes this many times as long (> 1)."""
+
+
 @dataclass
 class ResilienceConfig:
     max_restarts: int = 0
@@ -204,10 +217,10 @@ class ResilienceConfig:
     memory_ttl_hours: float = 24.0
     """Snapshots of other jobs that wrote nothing for this long are removed from shared memory when a tier opens
     (a job that crashed for good leaves them behind). 0: never."""
-    inject: list[str] = field(default_factory=list)
-    """Fault injection for tests and drills, e.g. ["kill:rank=1,step=5", "nan:step=3", "spike:step=7",
-    "hang:rank=0,step=4", "slow:rank=1,factor=3", "raise:rank=0,step=5", "corrupt_checkpoint:step=6",
-    "write_error:step=6"]. Each fires once per job (not again after a restart)."""
+    inject: list[FaultConfig] = field(default_factory=list)
+    """Fault injection for tests and drills, a list of tables, e.g. [{kind="kill", rank=1, step=5},
+    {kind="nan", step=3}, {kind="slow", rank=1, factor=3}, {kind="write_error", step=6}]. Each fires once per job
+    (not again after a restart)."""
 
 
 @dataclass
@@ -241,44 +254,3 @@ class Config:
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunConfig = field(default_factory=RunConfig)
-
-
-def load_config(
-    path: str | None, overrides: list[str] | None = None, world_size: int = 1, check_run_dir: bool = True
-) -> Config:
-    """Read TOML, apply `--a.b value` overrides, type-check and validate; raise ConfigError listing every problem."""
-    from scaletrain.config_io import parse_overrides, read_toml, to_dataclass
-    from scaletrain.validate import validate
-
-    problems: list[str] = []
-    raw: dict = {}
-    if path:
-        try:
-            raw = read_toml(path)
-        except ConfigError as e:
-            raise ConfigError(e.problems) from None
-    problems += parse_overrides(overrides or [], raw)
-    cfg, type_problems = to_dataclass(Config, raw)
-    problems += type_problems
-    if not problems:
-        if not cfg.run.name and path:
-            import pathlib
-
-            cfg.run.name = pathlib.Path(path).stem
-        problems += validate(cfg, world_size, check_run_dir=check_run_dir)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
-
-
-def to_dict(cfg: object) -> dict:
-    """The config as plain TOML-writable data (None values dropped, as TOML has no null)."""
-
-    def clean(v):
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items() if x is not None}
-        if isinstance(v, list):
-            return [clean(x) for x in v]
-        return v
-
-    return clean(dataclasses.asdict(cfg))

@@ -1,7 +1,9 @@
-"""A small walker over the config dataclasses: TOML in and out, dotted CLI overrides, type checks, help text.
+"""The config tree in and out: `load_config` (TOML plus dotted CLI overrides, type checks, then validation), a
+walker over the dataclasses (TOML in and out, help text) and the default run-directory name.
 
 Written instead of using a CLI library so that every problem is collected and reported at once, each with the
-nearest valid key, before any work starts.
+nearest valid key, before any work starts. scaletrain.config stays a leaf of plain dataclasses; all the
+machinery that reads and writes them is here.
 """
 
 from __future__ import annotations
@@ -13,15 +15,57 @@ import inspect
 import sys
 import types
 import typing
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+import tomli_w
+
+from scaletrain.config import Config
 from scaletrain.errors import ConfigError
+from scaletrain.validate import validate
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+def load_config(
+    path: str | None, overrides: list[str] | None = None, world_size: int = 1, check_run_dir: bool = True
+) -> Config:
+    """Read TOML, apply `--a.b value` overrides, type-check and validate; raise ConfigError listing every problem.
+
+    Type problems stop before the cross-field checks: those need a config whose fields have their types."""
+    raw: dict = read_toml(path) if path else {}
+    problems = parse_overrides(overrides or [], raw)
+    cfg, type_problems = to_dataclass(Config, raw)
+    problems += type_problems
+    if not problems:
+        if not cfg.run.name and path:
+            cfg.run.name = Path(path).stem
+        problems += validate(cfg, world_size, check_run_dir=check_run_dir)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_dict(cfg: object) -> dict:
+    """The config as plain TOML-writable data (None values dropped, as TOML has no null)."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items() if x is not None}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    return clean(dataclasses.asdict(cfg))
+
+
+def default_run_dir(name: str) -> str:
+    """The run directory of a run that names none: runs/<name>-<YYYYmmdd-HHMMSS> (local time)."""
+    return f"runs/{name or 'run'}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 class CliValue(str):
@@ -39,8 +83,6 @@ def read_toml(path: str) -> dict:
 
 
 def write_toml(data: dict, path: Path) -> None:
-    import tomli_w
-
     path.write_text(tomli_w.dumps(data))
 
 
@@ -169,8 +211,6 @@ def _parse_cli_literal(text: str, list_hint: bool = False) -> Any:
 
 
 def _unknown_key(dotted: str, cls: type, prefix: str) -> str:
-    from scaletrain.config import Config
-
     here = [prefix + f.name for f in dataclasses.fields(cls)]
     everywhere = all_keys(Config)
     leaf = dotted.rsplit(".", 1)[-1]

@@ -1,6 +1,7 @@
 """One optimizer step's forward/backward and gradient clipping, whatever the parallel layout: micro-batches with
 gradient accumulation (DDP syncs only on the last), context-parallel sequence sharding, the tensor-parallel loss,
-or a pipeline schedule. The train loop calls `forward_backward`, `clip`, then steps its optimizers."""
+or a pipeline schedule; and evaluation with the same forward. The train loop calls `forward_backward`, `clip`,
+then steps its optimizers."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Token-level cross-entropy in fp32 (bf16 logits lose too much in the log-sum-exp)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+from scaletrain.config import ParallelConfig, TrainingConfig
+from scaletrain.models.loss import cross_entropy
+from scaletrain.parallel.context_parallel import cp_shard_batch
+from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.parallelize import ParallelModel
+from scaletrain.parallel.pipeline import clip_grad_norm_pp
+from scaletrain.parallel.tensor_parallel import loss_context
 
 
 @dataclass
@@ -31,9 +35,7 @@ class StepRunner:
     pipeline: object = None  # PipelineParts under pipeline parallel
     pp_mesh: object = None
 
-    def forward_backward(
-        self, inputs: torch.Tensor, targets: torch.Tensor, loss_factor: float | None = None
-    ) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss over this rank's share of the global batch, gradients accumulated into .grad.
 
         Each micro-batch loss is divided by the number of micro-batches, so the summed gradient is the mean over
@@ -41,7 +43,7 @@ class StepRunner:
         if self.pipeline is not None:
             # The schedule calls the stage modules itself: autocast must wrap the whole step.
             with self.autocast:
-                return self.pipeline.step(inputs, targets, loss_factor)
+                return self.pipeline.step(inputs, targets)
         inputs, targets, positions = self._shard(inputs, targets)
         model = self.parts[0]
         xs, ys = inputs.split(self.micro_batch), targets.split(self.micro_batch)
@@ -51,8 +53,6 @@ class StepRunner:
             sync = contextlib.nullcontext() if i == n - 1 or not isinstance(model, DDP) else model.no_sync()
             with sync, self.loss_context():
                 loss = cross_entropy(self._logits(model, x, positions), y)
-                if loss_factor is not None:  # fault injection: a NaN loss, and so NaN gradients
-                    loss = loss * loss_factor
                 (loss / n).backward()
             loss_sum += _local(loss.detach())
         return loss_sum / n
@@ -72,8 +72,6 @@ class StepRunner:
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         if self.pp_mesh is not None:
-            from scaletrain.parallel.pipeline import clip_grad_norm_pp
-
             return clip_grad_norm_pp(params, max_norm, self.pp_mesh)
         return _local(nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
 
@@ -88,6 +86,56 @@ class StepRunner:
             logits = self._logits(self.parts[0], inputs, positions)
             total = _local(cross_entropy(logits, targets, reduction="sum"))
         return total, targets.numel()
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The compute precision of the forward: bf16 autocast (fp32 weights and optimizer), or fp32 as asked."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def build_step_runner(
+    pm: ParallelModel, dims: ParallelDims, pcfg: ParallelConfig, tcfg: TrainingConfig, device: torch.device
+) -> StepRunner:
+    """The step for a parallelised model: what training, evaluation and the equivalence tests all run."""
+    cp_shard = None
+    if dims.cp_enabled:
+        cp_mesh = dims.submesh("cp")
+
+        def cp_shard(x: torch.Tensor, y: torch.Tensor):
+            return cp_shard_batch(x, y, cp_mesh, pcfg.cp_load_balance)
+
+    return StepRunner(
+        pm.parts,
+        tcfg.micro_batch,
+        autocast(tcfg.precision, device),
+        tcfg.grad_clip,
+        loss_context=lambda: loss_context(pm.loss_parallel),
+        cp_shard=cp_shard,
+        pipeline=pm.pipeline,
+        pp_mesh=dims.submesh("pp") if dims.pp_enabled else None,
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    runner: StepRunner, loader, tcfg: TrainingConfig, dims: ParallelDims, device: torch.device
+) -> float:
+    """Mean validation loss per token over the held-out sequences (sharded over data-parallel ranks)."""
+    for part in runner.parts:
+        part.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in loader.val_batches(tcfg.eval_sequences, tcfg.micro_batch):
+        loss_sum, n = runner.eval_loss_sum(x.to(device), y.to(device))
+        total[0] += loss_sum
+        total[1] += n
+    for part in runner.parts:
+        part.train()
+    mesh = dims.submesh("dp_cp")
+    if mesh is not None:
+        dist.all_reduce(total, group=mesh.get_group())
+    return (total[0] / total[1]).item()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,31 +1,47 @@
-"""Sharded checkpoints through DCP, saved in two stages (MegaScale, Jiang et al. 2024): stage 1 copies the state
-to host memory and training resumes; stage 2 writes to storage in the background. At most one save is in flight.
-A checkpoint counts once every rank finished and rank 0 wrote the commit marker; loading takes the newest intact
-one and reshards it into whatever layout is running now.
+"""Both checkpoint tiers behind one object. Storage: sharded checkpoints through DCP, saved in two stages (MegaScale,
+Jiang et al. 2024): stage 1 copies the state to host memory and training resumes; stage 2 writes to storage and
+commits in the background. At most one save is in flight; a checkpoint counts once every rank finished and rank 0
+wrote the commit marker; loading takes the newest intact one and reshards it into the layout running now. Memory:
+the optional in-memory tier (`MemoryTier`) snapshots every few steps. The manager owns the policy too: when to
+save (a fixed or a Young/Daly interval), what a failed save does (reported, training goes on), the protected final
+save, and which tier a resume loads from.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from scaletrain.checkpoint.integrity import read_commit, verify, write_commit
+from scaletrain.checkpoint.interval import interval_steps
+from scaletrain.checkpoint.memory_tier import MemoryTier, job_key, make_layout_key
 from scaletrain.checkpoint.safe_load import make_reader, read_metadata
-from scaletrain.config import CheckpointConfig
+from scaletrain.config import CheckpointConfig, ResilienceConfig
+from scaletrain.errors import UserError
 
 log = logging.getLogger("scaletrain")
 _STEP_DIR = re.compile(r"step-(\d{8})$")
+# What a failed write raises: OSError from our own file operations, CheckpointException (a BaseException) from
+# DCP, which gathers every rank's write errors and raises it on all of them.
+SAVE_ERRORS = (OSError, CheckpointException)
+AUTO_PROBE_STEPS = 5  # checkpoint.interval = auto measures a save this many steps into every run segment
+
+
+def _writer(path: str, step: int):
+    return FsspecWriter(path) if "://" in path else FileSystemWriter(path)
 
 
 class CheckpointManager:
@@ -38,39 +54,154 @@ class CheckpointManager:
         rank: int,
         world_size: int,
         event: Callable[..., None] = lambda *a, **k: None,
-        on_commit: Callable[[int, str], None] = lambda step, path: None,
+        memory: MemoryTier | None = None,
+        memory_interval: int = 0,
+        device_type: str = "cpu",
     ):
         self.cfg = cfg
+        self.enabled = (
+            cfg.enabled
+        )  # storage checkpoints; a disabled manager saves nothing and loads only memory
         self.root = root.rstrip("/")
         self.fs, _ = fsspec.core.url_to_fs(self.root)
         self.state = state
         self.rank = rank
         self.event = event
-        self.on_commit = on_commit
+        self.memory, self.memory_interval = memory, memory_interval
+        self.device_type = device_type
+        # Set up by fault injection at setup: the storage writer factory and callbacks after each commit.
+        self.make_writer: Callable[[str, int], object] = _writer
+        self.on_commit: list[Callable[[int, str], object]] = []
         self.stalls: dict[int, float] = {}  # step -> seconds the save blocked training
-        # Background saves talk over their own gloo group, never interleaving with the training collectives.
-        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
-        # poll() agrees on "every rank finished writing" while the upload thread still uses self.group: a group
-        # of its own, since collectives of two threads must never interleave on one group.
-        self.poll_group = dist.new_group(backend="gloo") if world_size > 1 else None
-        self.pending: tuple[int, Future] | None = None
+        # Saves talk over a gloo group of their own: their collectives run in background threads and must never
+        # interleave with the training thread's on another group (control plane or device mesh).
+        distributed = world_size > 1 and (self.enabled or memory is not None)
+        self.group = dist.new_group(backend="gloo") if distributed else None
+        self.pending: tuple[int, Future] | None = None  # (step, the background upload + commit)
         self.staging: Future | None = None
         self.stager = None
-        self.last_stall_s = 0.0
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if self.enabled else None
+        self.last_source = "none"
+        self.commit_thread = ""
+        self.interval = cfg.interval if isinstance(cfg.interval, int) else 0
+        self._probe_at: int | None = None
+        self._segment: tuple[int, float] = (
+            0,
+            time.perf_counter(),
+        )  # (first step, its time) of this run segment
+
+    # -- policy: what the training loop calls ------------------------------------------------------------------
+    def maybe_save(self, step: int) -> float:
+        """Snapshot to memory and save to storage when due; commit a save that finished in the background. Returns
+        the seconds training was blocked (a stall, not step time)."""
+        blocked = 0.0
+        if self.memory is not None and self.memory_interval and step % self.memory_interval == 0:
+            blocked += self._snapshot(step)
+        if self.enabled:
+            if step == self._probe_at:
+                blocked += self._probe_interval(step)
+            elif self.interval and step % self.interval == 0:
+                blocked += self.try_save(step) or 0.0
+            self.poll()
+        return blocked
+
+    def try_save(self, step: int, *, blocking: bool = False) -> float | None:
+        """Start a save; a failing one (e.g. a full disk) is reported and training goes on: the previous checkpoint
+        is untouched. Returns the seconds training was blocked, None when the save failed."""
+        try:
+            return self.save(step, blocking=blocking)
+        except SAVE_ERRORS as e:
+            self._report_failure(step, e)
+            return None
+
+    def final_save_note(self) -> str:
+        return "saving a checkpoint" if self.enabled else "checkpoint.enabled = false: nothing is saved"
+
+    def close(self, step: int, *, finished: bool = True) -> None:
+        """The final save of `step`, protected: the memory tier first holds a snapshot of it, and its snapshots are
+        removed only once the run finished and the storage checkpoint is committed, so a crash or a full disk
+        during the final save loses nothing (the next start resumes from memory). Raises UserError when the final
+        save failed."""
+        if self.memory is not None and self.memory.latest_complete_step() != step:
+            self._snapshot(step)
+        saved = True
+        if self.enabled:
+            self.poll()
+            if step not in self.committed_steps() and (self.pending is None or self.pending[0] != step):
+                saved = self.try_save(step, blocking=True) is not None
+            saved = self.wait() and saved and step in self.committed_steps()
+        if self.memory is not None:
+            if saved and finished:
+                self.memory.cleanup()
+            self.memory.close()
+        self._shutdown()
+        if not saved:
+            kept = "its in-memory snapshot is kept: run again to resume from it" if self.memory else ""
+            raise UserError(
+                f"the final checkpoint of step {step} failed (see events.jsonl); {kept or 'nothing saved'}"
+            )
+
+    def _probe_interval(self, step: int) -> float:
+        """checkpoint.interval = auto: save once to measure what a save costs (delta), then pick the Young/Daly
+        interval from it. On CPU the background write competes with training for the same cores, so delta is the
+        whole save (written synchronously); on a GPU it is what the save blocks."""
+        first, t0 = self._segment
+        step_time = (time.perf_counter() - t0) / max(1, step - first)
+        cpu = self.device_type == "cpu"
+        delta = self.try_save(step, blocking=cpu)
+        if delta is None:
+            self._probe_at = step + AUTO_PROBE_STEPS  # the probe failed: try again later
+            return 0.0
+        self.interval = interval_steps(delta, self.cfg.mtbf_hours * 3600, step_time)
+        self._probe_at = None
+        log.info(
+            "checkpoint.interval = auto: a save costs %.3fs (%s), MTBF %.2fh, step %.3fs -> every %d steps",
+            delta,
+            "whole save, CPU" if cpu else "blocking part",
+            self.cfg.mtbf_hours,
+            step_time,
+            self.interval,
+        )
+        self.event(
+            "checkpoint_interval",
+            step=step,
+            cost_s=delta,
+            cost="whole save" if cpu else "blocking",
+            mtbf_hours=self.cfg.mtbf_hours,
+            step_time_s=step_time,
+            interval_steps=self.interval,
+        )
+        return delta
+
+    def _snapshot(self, step: int) -> float:
+        t0 = time.perf_counter()
+        if self.memory.snapshot(step, self.state):
+            self.event(
+                "memory_snapshot", step=step, seconds=time.perf_counter() - t0, bytes=self.memory.bytes_used()
+            )
+        return time.perf_counter() - t0
+
+    def _report_failure(self, step: int, e: BaseException) -> None:
+        self.event("checkpoint_failed", step=step, error=str(e).strip()[:2000])
+        log.error(
+            "step %d: checkpoint save failed (%s); training continues, the previous checkpoint stays",
+            step,
+            str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
+        )
 
     # -- saving ------------------------------------------------------------------------------------------------
     def path(self, step: int) -> str:
         return f"{self.root}/step-{step:08d}"
 
     def save(self, step: int, *, blocking: bool = False) -> float:
-        """Save the state at `step`; return how long training was blocked (seconds)."""
+        """Save the state at `step`; return how long training was blocked (seconds). Raises SAVE_ERRORS."""
         t0 = time.perf_counter()
         self.wait()
         path = self.path(step)
         if self.rank == 0:
             self.fs.makedirs(path, exist_ok=True)
         self._barrier()
-        writer = FsspecWriter(path) if "://" in path else FileSystemWriter(path)
+        writer = self.make_writer(path, step)
         no_dist = self.group is None
         if self.cfg.async_save and not blocking:
             # Stage 1 (the copy to host memory) runs in a thread beside the next forward/backward, which does not
@@ -93,13 +224,19 @@ class CheckpointManager:
                 async_stager=self.stager,
             )
             self.staging = getattr(resp, "staging_completion", None)
-            self.pending = (step, getattr(resp, "upload_completion", resp))
+            upload = getattr(resp, "upload_completion", resp)
+            # The commit (a checksum of every file, the marker, retention) follows the upload in a thread of its
+            # own: it is storage work, not training's, and must not run in (or count as) the training thread.
+            self.pending = (step, self._committer.submit(self._commit_after, step, upload))
         else:
             dcp.save(self.state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
             self._commit(step)
-        self.last_stall_s = time.perf_counter() - t0
-        self.stalls[step] = self.stalls.get(step, 0.0) + self.last_stall_s
-        return self.last_stall_s
+            self._committed(step, time.perf_counter() - t0)
+        stall = time.perf_counter() - t0
+        self.stalls[step] = self.stalls.get(step, 0.0) + stall
+        if blocking or not self.cfg.async_save:
+            self._emit_saved(step, 0.0)
+        return stall
 
     def before_update(self) -> float:
         """Block until stage 1 of the save in flight has copied the state (call before the optimizer changes it);
@@ -110,42 +247,63 @@ class CheckpointManager:
         self.staging.result()
         self.staging = None
         waited = time.perf_counter() - t0
-        self.last_stall_s += waited
         if self.pending is not None:
             self.stalls[self.pending[0]] = self.stalls.get(self.pending[0], 0.0) + waited
         return waited
 
     def poll(self) -> None:
-        """Commit the save in flight as soon as every rank has finished writing it (cheap when none is pending),
-        so a checkpoint counts as early as possible rather than at the next save."""
-        if self.pending is None:
-            return
-        done = torch.tensor([1.0 if self.pending[1].done() else 0.0])
-        if self.poll_group is not None:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.poll_group)
-        if done.item() == 1.0:
+        """Report the save in flight once its background commit is done (a local check: no collective)."""
+        if self.pending is not None and self.pending[1].done():
             self.wait()
 
-    def wait(self) -> None:
-        """Finish the save in flight (if any) and commit it."""
+    def wait(self) -> bool:
+        """Finish the save in flight (if any): wait for its upload and commit; report it. False when it failed."""
         self.before_update()
         if self.pending is None:
-            return
+            return True
         step, fut = self.pending
         self.pending = None
-        fut.result()
-        self._barrier()
+        try:
+            commit_s = fut.result()
+        except SAVE_ERRORS as e:
+            self.stalls.pop(step, None)
+            self._report_failure(step, e)
+            return False
+        self._committed(step, commit_s)
+        self._emit_saved(step, commit_s)
+        return True
+
+    def _commit_after(self, step: int, upload: Future) -> float:
+        """Background thread: wait for every rank's files, then commit. Returns the seconds the commit took."""
+        upload.result()  # raises CheckpointException on every rank when any rank's write failed
+        t0 = time.perf_counter()
         self._commit(step)
+        return time.perf_counter() - t0
 
     def _commit(self, step: int) -> None:
+        self.commit_thread = threading.current_thread().name  # where commits run (a test reads it)
+        self._barrier()  # every rank finished writing its shards
         if self.rank == 0:
             write_commit(self.fs, self.path(step), {"step": step})
-            self.event(
-                "checkpoint_saved", step=step, path=self.path(step), blocking_s=self.stalls.pop(step, 0.0)
-            )
             self._retain()
-            self.on_commit(step, self.path(step))
         self._barrier()
+
+    def _committed(self, step: int, seconds: float) -> None:
+        if self.rank == 0:
+            for callback in self.on_commit:
+                callback(step, self.path(step))
+
+    def _emit_saved(self, step: int, commit_s: float) -> None:
+        if self.rank == 0:
+            self.event(
+                "checkpoint_saved",
+                step=step,
+                path=self.path(step),
+                blocking_s=self.stalls.pop(step, 0.0),
+                background_commit_s=commit_s,
+            )
+        else:
+            self.stalls.pop(step, None)
 
     def _retain(self) -> None:
         """Keep the newest keep_last committed checkpoints plus every keep_every-th; drop older partial saves."""
@@ -173,8 +331,39 @@ class CheckpointManager:
         return [s for s in self._all_steps() if read_commit(self.fs, self.path(s)) is not None]
 
     def load_latest(self) -> int | None:
-        """Load the newest intact checkpoint into the state; return its step, or None when there is none.
-        A corrupted or half-written one is logged and skipped in favour of the one before it."""
+        """Load the newest complete copy across tiers into the state: the memory snapshot when it is at least as
+        new as the newest committed storage checkpoint (and of the same layout), else the newest intact storage
+        checkpoint (which reshards into any layout). Returns its step, None when there is none."""
+        self.wait()
+        mem = self.memory.latest_complete_step() if self.memory is not None else None
+        stored = self.committed_steps()[-1:] if self.enabled else []
+        if mem is not None and (not stored or mem >= stored[0]):
+            self.memory.restore(mem, self.state)
+            self.event(
+                "checkpoint_loaded",
+                step=mem,
+                source="memory",
+                from_peer=bool(getattr(self.memory, "restored_from_peer", False)),
+                seconds=self.memory.last_restore_s,
+            )
+            log.info(
+                "resumed from the in-memory snapshot of step %d (%.2fs)", mem, self.memory.last_restore_s
+            )
+            return self._loaded(mem, "memory")
+        step = self._load_storage() if self.enabled else None
+        return self._loaded(step, "storage" if step is not None else "none")
+
+    def _loaded(self, step: int | None, source: str) -> int | None:
+        self.last_source = source
+        start = step or 0
+        self._segment = (start, time.perf_counter())
+        # Probed in every run segment, so a restarted worker measures again rather than never saving.
+        self._probe_at = start + AUTO_PROBE_STEPS if self.cfg.interval == "auto" else None
+        return step
+
+    def _load_storage(self) -> int | None:
+        """The newest intact storage checkpoint; a corrupted or half-written one is logged and skipped in favour of
+        the one before it."""
         choice = None
         if self.rank == 0:
             for step in reversed(self._all_steps()):
@@ -190,13 +379,12 @@ class CheckpointManager:
         path = self.path(choice)
         train_state = self.state.get("train")
         if train_state is not None:
-            rows = read_metadata(path).state_dict_metadata["train.rng"].size[0]
-            train_state.saved_ranks = rows
+            train_state.saved_ranks = read_metadata(path).state_dict_metadata["train.rng"].size[0]
         dcp.load(
             self.state, storage_reader=make_reader(path), process_group=self.group, no_dist=self.group is None
         )
         if self.rank == 0:
-            self.event("checkpoint_loaded", step=choice, path=path)
+            self.event("checkpoint_loaded", step=choice, path=path, source="storage")
         log.info("resumed from %s", path)
         return choice
 
@@ -207,12 +395,49 @@ class CheckpointManager:
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
 
-    def close(self) -> None:
-        self.wait()
+    def _shutdown(self) -> None:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
-        for group in (self.group, self.poll_group):
-            if group is not None:
-                dist.destroy_process_group(group)
-        self.group = self.poll_group = None
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
+            self._committer = None
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def build_checkpointing(
+    cfg: CheckpointConfig,
+    res: ResilienceConfig,
+    run_dir: Path,
+    run_id: str,
+    state: dict,
+    env,
+    group: dist.ProcessGroup | None,
+    layout: str,
+    event: Callable[..., None],
+) -> CheckpointManager:
+    """Both tiers for a run: storage (DCP, when checkpoint.enabled) and the in-memory tier (when
+    resilience.memory_interval > 0). `group` is the CPU control group; memory snapshots use it, as they run in
+    the training thread between steps."""
+    memory = None
+    if res.memory_interval > 0:
+        memory = MemoryTier(
+            job_key(run_dir, run_id),
+            make_layout_key(env.world_size, layout),
+            group=group,
+            max_bytes=res.memory_max_mb << 20,
+            ttl_s=res.memory_ttl_hours * 3600,
+        )
+    return CheckpointManager(
+        cfg,
+        cfg.storage or str(Path(run_dir) / "checkpoints"),
+        state,
+        rank=env.rank,
+        world_size=env.world_size,
+        event=event,
+        memory=memory,
+        memory_interval=res.memory_interval,
+        device_type=env.device.type,
+    )

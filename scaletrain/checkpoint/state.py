@@ -1,5 +1,6 @@
 """Stateful wrappers: everything that resumes, as tensors only (so loading needs no unpickling), keyed by
-fully-qualified parameter names (so a checkpoint loads into any parallel layout)."""
+fully-qualified parameter names (so a checkpoint loads into any parallel layout). The optimizers and their LR
+schedule are `scaletrain.optim.Optimizers`."""
 
 from __future__ import annotations
 
@@ -9,13 +10,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class ModelState(Stateful):
@@ -35,48 +32,6 @@ class ModelState(Stateful):
             set_model_state_dict(part, sd, options=StateDictOptions(strict=False))
 
 
-class OptimizerState(Stateful):
-    """Optimizer state flattened to `state.<fqn>.<key>` so stages and shards merge and reshard by name."""
-
-    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
-        self.pairs = list(zip(parts, optimizers, strict=True))
-
-    def state_dict(self) -> dict:
-        sd = {}
-        for part, opt in self.pairs:
-            sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        for part, opt in self.pairs:
-            # The learning rate belongs to the schedule of the run now starting (its length may have changed);
-            # only moments and step counts come from the checkpoint.
-            keep = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in opt.param_groups]
-            set_optimizer_state_dict(part, opt, sd, options=_FLAT)
-            for group, kept in zip(opt.param_groups, keep, strict=True):
-                group.update(kept)
-
-
-class SchedulerState(Stateful):
-    """The LR schedule is a function of the step; only the step is saved."""
-
-    def __init__(self, schedulers: list):
-        self.schedulers = schedulers
-
-    def state_dict(self) -> dict:
-        return {"last_epoch": torch.tensor(self.schedulers[0].last_epoch)}
-
-    def load_state_dict(self, sd: dict) -> None:
-        for sched in self.schedulers:
-            sched.last_epoch = int(sd["last_epoch"])
-            lrs = [
-                base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)
-            ]
-            for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr
-            sched._last_lr = lrs
-
-
 class LoaderState(Stateful):
     """The data position: the next global sample index (valid for any data-parallel size)."""
 
@@ -91,7 +46,10 @@ class LoaderState(Stateful):
 
 
 class TrainState(Stateful):
-    """Step, tokens seen and every rank's RNG state (gathered, so a restart with another world size finds one)."""
+    """Step, tokens seen and every rank's RNG state (gathered, so a restart with another world size finds one).
+
+    `group` is the CPU control group (`ParallelDims.control`): the RNG rows are CPU tensors, which an NCCL group
+    cannot carry."""
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.step = 0

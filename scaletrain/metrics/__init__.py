@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from scaletrain.metrics.memory import peak_memory_mib
+from scaletrain.metrics.meter import StepMeter
 from scaletrain.metrics.mfu import (
     GPU_PEAK_TFLOPS,
     cpu_model_name,
@@ -13,13 +14,14 @@ from scaletrain.metrics.mfu import (
     measure_matmul_flops,
     mfu,
 )
-from scaletrain.metrics.progress import Progress, print_summary
+from scaletrain.metrics.progress import Progress, log_line, print_summary, run_summary
 from scaletrain.metrics.writer import MetricsWriter
 
 __all__ = [
     "GPU_PEAK_TFLOPS",
     "MetricsWriter",
     "Progress",
+    "StepMeter",
     "cpu_model_name",
     "device_peak_flops",
     "flops_per_token",
@@ -28,5 +30,7 @@ __all__ = [
     "measure_matmul_flops",
     "mfu",
     "peak_memory_mib",
+    "log_line",
     "print_summary",
+    "run_summary",
 ]

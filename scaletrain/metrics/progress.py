@@ -64,11 +64,35 @@ class Progress:
         self._bar.update(self._task, completed=step, stats=stats)
 
 
-def print_summary(rows: dict[str, str], console: Console | None = None) -> None:
+def print_summary(rows: dict[str, object], console: Console | None = None) -> None:
     """Print the end-of-run table (steps, tokens, losses, tokens/s, MFU, wall time, run dir); call on rank 0."""
     table = Table(title="Run summary", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
     for name, value in rows.items():
-        table.add_row(name, str(value))
+        table.add_row(name, f"{value:.4g}" if isinstance(value, float) else str(value))
     (console or Console()).print(table)
+
+
+def log_line(step: int, total: int, m: dict) -> str:
+    """The one-line log of a metrics record."""
+    val = f" | val {m['val_loss']:.4f}" if "val_loss" in m else ""
+    return (
+        f"step {step}/{total} | loss {m['loss']:.4f}{val} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
+        f"{m['tokens_per_s']:.0f} tok/s | mfu {100 * m['mfu']:.2f}% | mem {m['mem_peak_mib']:.0f} MiB"
+    )
+
+
+def run_summary(step: int, last: dict, evals: dict[int, float], **extra: object) -> dict:
+    """The end-of-run figures from the last metrics record and the validation losses by step."""
+    vals = [evals[s] for s in sorted(evals)]
+    return {
+        "steps": step,
+        "tokens": last.get("tokens", 0),
+        "final_loss": last.get("loss"),
+        "first_val_loss": vals[0] if vals else None,
+        "final_val_loss": vals[-1] if vals else None,
+        "tokens_per_s": last.get("tokens_per_s"),
+        "mfu": last.get("mfu"),
+        **extra,
+    }

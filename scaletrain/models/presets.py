@@ -68,6 +68,16 @@ def build_meta_model(args: ModelArgs) -> Transformer:
         return Transformer(args)
 
 
+def build_model(args: ModelArgs, seed: int, device: torch.device | str) -> Transformer:
+    """The whole model materialised with the seed before any sharding, so that every parallel layout starts from
+    the same weights as the single-process run (what makes layouts comparable step by step)."""
+    model = build_meta_model(args)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    model.init_weights(device)
+    return model
+
+
 def preset_parameter_count(name: str, vocab_size: int = 32000) -> dict[str, int]:
     cfg = ModelConfig(preset=name)
     return count_parameters(build_meta_model(resolve_model_args(cfg, vocab_size, 2048)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -64,6 +65,16 @@ def build_zero1_optimizer(
         100 * local / max(total, 1),
     )
     return opt
+
+
+def optimizer_builder(
+    opt_cfg: OptimizerConfig, mode: str, dp_cp: DeviceMesh | None, device: torch.device
+) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    """How each model part gets its optimizer: ZeRO-1 shards AdamW's state over the data-parallel ranks, every
+    other mode uses plain AdamW (FSDP/ZeRO-2 already shard what it holds)."""
+    if mode == "zero1" and dp_cp is not None and dp_cp.size() > 1:
+        return lambda part: build_zero1_optimizer(part, opt_cfg, device, dp_cp)
+    return lambda part: build_optimizer(part, opt_cfg, device)
 
 
 def apply_fsdp(

@@ -4,9 +4,12 @@ mesh (no process-group globals; components get the sub-mesh they need, passed ex
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,6 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scaletrain.config import ParallelConfig
 from scaletrain.errors import ConfigError, UserError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -43,12 +48,33 @@ def init_distributed(device_pref: str, timeout_s: float = 600.0) -> DistEnv:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
+        # On GPUs the default group gets a gloo backend for CPU tensors beside NCCL for CUDA ones: NCCL serves only
+        # CUDA tensors, and a CPU tensor on an NCCL-only group fails (torch accepts a per-device backend string).
         dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
+            backend="cuda:nccl,cpu:gloo" if use_cuda else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if use_cuda else None,
         )
     return DistEnv(rank, world, local_rank, local_world, device)
+
+
+def setup_process(env: DistEnv, threads: int, deterministic: bool) -> None:
+    """Per-process settings: rank 0 logs at INFO (the others only warnings), the intra-op thread count (0: the
+    cores divided by the local processes), deterministic kernels, and fp32 that means fp32 on GPUs."""
+    logging.basicConfig(
+        level=logging.INFO if env.is_main else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
+    if deterministic:
+        # Same kernels, same reduction order, same thread count: bit-identical CPU runs.
+        torch.use_deterministic_algorithms(True)
+    if env.device.type == "cuda":
+        # TF32 matmuls would silently compute with a 10-bit mantissa.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 def check_restartable_store(env) -> None:
@@ -93,6 +119,9 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    control: dist.ProcessGroup | None = field(default=None, init=False, repr=False, compare=False)
+    """The control plane: one gloo group over the world for CPU tensors and objects (flags, RNG rows, run
+    metadata); the device mesh carries the model's tensors. None on one process."""
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
@@ -116,8 +145,9 @@ class ParallelDims:
         """Build the world mesh with every dim of MESH_DIMS (those of size 1 too, so `mesh["tp"]` always exists)
         and the flattened dims of FLAT_DIMS. One process needs no mesh: None, and every accessor copes."""
         if self.world_size == 1:
-            self.mesh, self._flat = None, {}
+            self.mesh, self._flat, self.control = None, {}, None
             return None
+        self.control = dist.new_group(backend="gloo")
         mesh = init_device_mesh(
             device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
         )
@@ -153,6 +183,16 @@ class ParallelDims:
         return 0 if mesh is None else mesh.get_local_rank()
 
     # What the data loader needs: which slice of the global batch this rank reads, and of how many.
+    def describe(self, pcfg: ParallelConfig) -> str:
+        """The layout in one line, e.g. "pp2 x dp_shard2 (fsdp, 1f1b)", or "single process"."""
+        sizes = [f"{n}{getattr(self, n)}" for n in MESH_DIMS if getattr(self, n) > 1]
+        if not sizes:
+            return "single process"
+        extra = [pcfg.data_parallel] if self.dp_size * self.cp > 1 else []
+        extra += [pcfg.pp_schedule] if self.pp > 1 else []
+        extra += ["sequence-parallel"] if pcfg.sequence_parallel else []
+        return " x ".join(sizes) + (f" ({', '.join(extra)})" if extra else "")
+
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
@@ -309,10 +349,34 @@ def all_reduce_mean(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     return t / mesh.size()
 
 
-def broadcast_object(obj: object, mesh: DeviceMesh | None) -> object:
-    """Rank 0's value of `obj` on every rank (e.g. a run directory name that contains a timestamp)."""
-    if mesh is None:
+def broadcast_object(obj: object, group: dist.ProcessGroup | None) -> object:
+    """Rank 0's value of `obj` on every rank of a CPU (gloo) group, e.g. `dims.control` (identity for None)."""
+    if group is None:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, group=_group(mesh), group_src=0)
+    dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
+
+
+def any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """True on every rank when `flag` is true on at least one rank of the CPU group (e.g. a SIGTERM seen by one)."""
+    if group is None:
+        return flag
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def main_first(is_main: bool, group: dist.ProcessGroup | None, fn: Callable[[], T]) -> T:
+    """Run fn on rank 0, then on the others (e.g. tokenise once, then read the cache); a UserError on rank 0 is
+    raised on every rank instead of leaving them waiting at a barrier until the timeout."""
+    result, error = None, None
+    if is_main:
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+    error = broadcast_object(error, group)
+    if error is not None:
+        raise UserError(error)
+    return result if is_main else fn()

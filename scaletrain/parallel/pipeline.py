@@ -12,7 +12,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -27,6 +26,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from scaletrain.models.llama import Transformer
+from scaletrain.models.loss import cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -206,11 +206,6 @@ def split_model(
     return out
 
 
-def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of one micro-batch, in fp32 (as in train_step)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def build_schedule(
     stages: list[tuple[int, nn.Module]],
     pp_mesh: DeviceMesh,
@@ -253,16 +248,13 @@ def build_schedule(
 
 
 class _MicrobatchMean:
-    """loss_fn(...) / n: one micro-batch's share of the batch's mean loss (times `factor`, which fault injection
-    sets to NaN for one step)."""
+    """loss_fn(...) / n: one micro-batch's share of the batch's mean loss."""
 
     def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n: int):
         self.loss_fn, self.n = loss_fn, n
-        self.factor: float | None = None
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(output, target) / self.n
-        return loss if self.factor is None else loss * self.factor
+        return self.loss_fn(output, target) / self.n
 
 
 def pipeline_step(
@@ -273,28 +265,21 @@ def pipeline_step(
     is_first: bool,
     is_last: bool,
     pp_mesh: DeviceMesh,
-    loss_factor: float | None = None,
 ) -> torch.Tensor:
     """One pipelined forward/backward over this rank's batch (every pp rank passes the same one; only the first stage
-    reads the inputs and the last the targets). Returns the mean loss over the batch on every pp rank.
-    `loss_factor` multiplies the loss before backward (fault injection: NaN)."""
+    reads the inputs and the last the targets). Returns the mean loss over the batch on every pp rank."""
     n = schedule._n_microbatches  # the schedules expose no public accessor
     if inputs.shape[0] % n:
         raise ValueError(
             f"a batch of {inputs.shape[0]} sequences does not split into {n} equal micro-batches"
         )
     losses: list[torch.Tensor] | None = [] if is_last else None
-    mean = schedule._loss_fn  # our _MicrobatchMean (build_schedule), held by the schedule
-    mean.factor = loss_factor
-    try:
-        schedule.step(
-            *((inputs,) if is_first else ()),
-            target=targets if is_last else None,
-            losses=losses,
-            return_outputs=False,
-        )
-    finally:
-        mean.factor = None
+    schedule.step(
+        *((inputs,) if is_first else ()),
+        target=targets if is_last else None,
+        losses=losses,
+        return_outputs=False,
+    )
     loss = torch.zeros((), dtype=torch.float32, device=inputs.device)
     if is_last:
         # The schedule's losses are already divided by n (see build_schedule): their sum is the mean.
@@ -342,9 +327,7 @@ class PipelineParts:
     n_stages: int
     placement: Literal["loop", "v"]
 
-    def step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, loss_factor: float | None = None
-    ) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return pipeline_step(
             self.schedule,
             inputs,
@@ -352,7 +335,6 @@ class PipelineParts:
             is_first=self.has_first,
             is_last=self.has_last,
             pp_mesh=self.pp_mesh,
-            loss_factor=loss_factor,
         )
 
     @torch.no_grad()
@@ -379,7 +361,7 @@ class PipelineParts:
                     h = _recv_activation(owner[s - 1], group, inputs.device)
                 h = modules[s](h)
                 if s == self.n_stages - 1:
-                    total += F.cross_entropy(h.flatten(0, 1).float(), y.flatten(), reduction="sum")
+                    total += cross_entropy(h, y, reduction="sum")
                 elif owner[s + 1] != me:
                     sends += _send_activation(h, owner[s + 1], group)
         for work, _ in sends:
@@ -403,7 +385,7 @@ def apply_pp(
     n_microbatches: int,
     virtual_stages: int = 2,
     device: torch.device,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = pipeline_loss,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
     parallelize_fn: Callable[[nn.Module], nn.Module] | None = None,
 ) -> PipelineParts:
     """Split `model` into this rank's stages and build the schedule. `parallelize_fn` (TP, recompute, FSDP) is applied

@@ -1,7 +1,8 @@
-"""Resilience: health checks (NaN, loss spikes), hang and straggler detection, and fault injection for drills."""
+"""Resilience: health checks (NaN, loss spikes), hang and straggler detection, preemption, the rollback decision
+and fault injection for drills. Both checkpoint tiers (storage and memory) live in scaletrain.checkpoint."""
 
-from scaletrain.resilience.faults import FaultInjector, FaultSpec, InjectedFault, parse_specs, validate_specs
-from scaletrain.resilience.health import NanGuard, SpikeDetector, skip_update
+from scaletrain.resilience.faults import FaultInjector, InjectedFault, label, validate_specs
+from scaletrain.resilience.health import NanGuard, SpikeDetector
 from scaletrain.resilience.straggler import StragglerMonitor
 from scaletrain.resilience.watchdog import HANG_EXIT_CODE, CollectiveTracker, Watchdog, append_event
 
@@ -9,14 +10,12 @@ __all__ = [
     "HANG_EXIT_CODE",
     "CollectiveTracker",
     "FaultInjector",
-    "FaultSpec",
     "InjectedFault",
     "NanGuard",
     "SpikeDetector",
     "StragglerMonitor",
     "Watchdog",
     "append_event",
-    "parse_specs",
-    "skip_update",
+    "label",
     "validate_specs",
 ]

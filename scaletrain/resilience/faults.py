@@ -1,5 +1,8 @@
-"""Fault injection for tests and drills: `resilience.inject` specs such as "kill:rank=1,step=5" make a chosen rank
-fail in a chosen way at a chosen step. Each fault fires once per job, recorded in <run_dir>/faults_fired.json."""
+"""Fault injection for tests and drills: `resilience.inject` tables such as {kind="kill", rank=1, step=5} make a
+chosen rank fail in a chosen way at a chosen step. Each fault fires once per job, recorded in
+<run_dir>/faults_fired.json. The faults are attached at setup where each failure really happens (a loader wrapper,
+a forward hook on the output layer, the checkpoint's storage writer and commit callback); nothing in the training
+step carries a test parameter."""
 
 from __future__ import annotations
 
@@ -13,14 +16,15 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
+import torch
+from torch import nn
+
+from scaletrain.config import FaultConfig
 from scaletrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    import torch
+from scaletrain.models.llama import Transformer
 
 log = logging.getLogger("scaletrain")
 
@@ -36,29 +40,29 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "slow": (("rank", "factor"), ("step",)),
     "corrupt_checkpoint": (("step",), ("rank",)),
     "write_error": (("step",), ("rank",)),
+    "kill_during_save": (("step",), ("rank",)),
 }
+_KEYS = ("rank", "step", "factor")
 
 
 class InjectedFault(RuntimeError):
-    """Raised by a `raise:` fault: an ordinary worker exception, as a bug or a failed assertion would be."""
+    """Raised by a `raise` fault: an ordinary worker exception, as a bug or a failed assertion would be."""
 
 
-@dataclass(frozen=True)
-class FaultSpec:
-    """One parsed `kind:key=value,...` spec; `text` is the spec as written (the key it is recorded under)."""
+def label(f: FaultConfig) -> str:
+    """The fault as one short string, e.g. "kill:rank=1,step=5": its name in events and in the fired record."""
+    keys = [k for k in _KEYS if getattr(f, k) is not None]
+    return f"{f.kind}:" + ",".join(f"{k}={_num(getattr(f, k))}" for k in keys)
 
-    text: str
-    kind: str
-    rank: int | None = None
-    """None: every rank (corrupt_checkpoint: rank 0, so that one process flips the bytes)."""
-    step: int | None = None
-    """The step it fires at; for slow, the first step it slows (None: from the first)."""
-    factor: float | None = None
 
-    def on_rank(self, rank: int) -> bool:
-        default = 0 if self.kind == "corrupt_checkpoint" else None
-        want = self.rank if self.rank is not None else default
-        return want is None or want == rank
+def _num(v: float | int) -> str:
+    return str(int(v)) if float(v).is_integer() else str(v)
+
+
+def _on_rank(f: FaultConfig, rank: int) -> bool:
+    # corrupt_checkpoint defaults to rank 0, so that one process flips the bytes.
+    want = f.rank if f.rank is not None else (0 if f.kind == "corrupt_checkpoint" else None)
+    return want is None or want == rank
 
 
 def _spin(seconds: float) -> None:
@@ -77,79 +81,46 @@ def _kinds_help() -> str:
     return "valid kinds (keys): " + "; ".join(f"{kind} ({_keys(kind)})" for kind in KINDS)
 
 
-def _parse(text: str) -> tuple[FaultSpec | None, list[str]]:
-    where = f'resilience.inject "{text}"'
-    kind, sep, rest = text.strip().partition(":")
-    if not sep or kind not in KINDS:
-        why = "expected kind:key=value,..." if not sep else f'unknown kind "{kind}"'
-        return None, [f"{where}: {why}; {_kinds_help()}"]
-    required, optional = KINDS[kind]
-    values: dict[str, str] = {}
-    problems: list[str] = []
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not eq or not value:
-            problems.append(f'{where}: "{item}" is not key=value')
-        elif key not in required + optional:
-            problems.append(f'{where}: unknown key "{key}" for {kind}; it takes {_keys(kind)}')
-        elif key in values:
-            problems.append(f'{where}: "{key}" is given twice')
-        else:
-            values[key] = value
-    problems += [f'{where}: {kind} needs "{k}"; it takes {_keys(kind)}' for k in required if k not in values]
-    parsed: dict[str, int | float] = {}
-    for key, value in values.items():
-        try:
-            parsed[key] = float(value) if key == "factor" else int(value)
-        except ValueError:
-            problems.append(
-                f'{where}: {key} must be {"a number" if key == "factor" else "an integer"}, got "{value}"'
-            )
-            continue
-        low = {"rank": 0, "step": 1}.get(key)
-        if low is not None and parsed[key] < low:
-            problems.append(f"{where}: {key} must be >= {low}, got {value}")
-        if key == "factor" and not (math.isfinite(parsed[key]) and parsed[key] > 1):
-            problems.append(
-                f"{where}: factor must be a number > 1 (3 makes each step take 3x as long), got {value}"
-            )
-    if problems:
-        return None, problems
-    spec = FaultSpec(
-        text=text.strip(),
-        kind=kind,
-        rank=_opt_int(parsed.get("rank")),
-        step=_opt_int(parsed.get("step")),
-        factor=parsed.get("factor"),
-    )
-    return spec, []
-
-
-def _opt_int(v: int | float | None) -> int | None:
-    return None if v is None else int(v)
-
-
-def validate_specs(specs: list[str], world_size: int | None = None) -> list[str]:
-    """Every problem with the specs (empty when all parse); with `world_size`, also ranks that do not exist."""
-    problems: list[str] = []
-    for text in specs:
-        spec, errs = _parse(text)
-        problems += errs
-        if spec is not None and world_size is not None and spec.rank is not None and spec.rank >= world_size:
-            problems.append(
-                f'resilience.inject "{text}": rank {spec.rank} does not exist in a world of '
-                f"{world_size} process(es); it would never fire"
-            )
+def _problems(i: int, f: FaultConfig, world_size: int | None) -> list[str]:
+    where = f"resilience.inject[{i}]"
+    if f.kind is None:
+        return [f'{where} needs a kind, e.g. {{kind="kill", rank=1, step=5}}; {_kinds_help()}']
+    required, optional = KINDS[f.kind]
+    problems = [
+        f'{where}: {f.kind} needs "{k}"; it takes {_keys(f.kind)}' for k in required if getattr(f, k) is None
+    ]
+    problems += [
+        f'{where}: {f.kind} does not take "{k}"; it takes {_keys(f.kind)}'
+        for k in _KEYS
+        if k not in required + optional and getattr(f, k) is not None
+    ]
+    if f.rank is not None and f.rank < 0:
+        problems.append(f"{where}: rank must be >= 0, got {f.rank}")
+    if f.step is not None and f.step < 1:
+        problems.append(f"{where}: step must be >= 1, got {f.step}")
+    if f.factor is not None and not (math.isfinite(f.factor) and f.factor > 1):
+        problems.append(
+            f"{where}: factor must be a number > 1 (3 makes each step take 3x as long), got {f.factor}"
+        )
+    if world_size is not None and f.rank is not None and f.rank >= world_size:
+        problems.append(
+            f"{where} ({label(f)}): rank {f.rank} does not exist in a world of {world_size} process(es); "
+            "it would never fire"
+        )
     return problems
 
 
-def parse_specs(specs: list[str]) -> list[FaultSpec]:
-    """Parse the specs or raise a `ConfigError` listing every bad one with the valid kinds and keys."""
+def validate_specs(specs: list[FaultConfig], world_size: int | None = None) -> list[str]:
+    """Every problem with the faults (empty when all are valid); with `world_size`, also ranks that do not exist."""
+    return [p for i, f in enumerate(specs) for p in _problems(i, f, world_size)]
+
+
+def check_specs(specs: list[FaultConfig]) -> list[FaultConfig]:
+    """The faults, or a `ConfigError` listing every bad one with the valid kinds and keys."""
     problems = validate_specs(specs)
     if problems:
         raise ConfigError(problems)
-    return [spec for spec, _ in map(_parse, specs) if spec is not None]
+    return list(specs)
 
 
 def _sleep_forever() -> None:
@@ -159,28 +130,54 @@ def _sleep_forever() -> None:
 
 
 class FaultInjector:
-    """Fires the configured faults of this rank from hooks the train loop calls at fixed points of a step.
+    """Fires the configured faults of this rank, each where that failure really happens.
 
-    A fault is recorded in <run_dir>/faults_fired.json before it acts, so the restarted job (same run directory)
-    does not fire it again: a kill at step 5 is a drill of one failure, not a crash loop. `event` is called as
-    `event("fault_injected", step=..., fault=spec, rank=...)` when a fault fires.
+    `attach` hooks them into the loader, the model and the checkpoint manager; the guard calls `at_step_start` and
+    `at_step_end` (which it calls anyway for the watchdog). A fault is recorded in <run_dir>/faults_fired.json before
+    it acts, so the restarted job (same run directory) does not fire it again: a kill at step 5 is a drill of one
+    failure, not a crash loop. `event` is called as `event("fault_injected", step=..., fault=label, rank=...)`.
     """
 
-    def __init__(self, specs: list[str], rank: int, run_dir: Path, event: Callable[..., None]) -> None:
-        self.specs = [s for s in parse_specs(specs) if s.on_rank(rank)]
+    def __init__(
+        self,
+        specs: list[FaultConfig],
+        rank: int,
+        run_dir: Path,
+        event: Callable[..., None],
+        vocab_size: int = 0,
+    ) -> None:
+        self.specs = [s for s in check_specs(specs) if _on_rank(s, rank)]
         self.rank = rank
         self.run_dir = Path(run_dir)
         self.event = event
-        # slow spec -> whether this process slows, decided at its first due step (False: an earlier run fired it).
+        self.vocab_size = vocab_size
+        self.step = 0  # the step running now (set by at_step_start)
+        self._nan = False  # the output layer's hook turns this step's logits to NaN
+        # slow fault -> whether this process slows, decided at its first due step (False: an earlier run fired it).
         self._slowing: dict[str, bool] = {}
 
-    def _due(self, kinds: tuple[str, ...], step: int) -> list[FaultSpec]:
+    def _due(self, kinds: tuple[str, ...], step: int) -> list[FaultConfig]:
         return [s for s in self.specs if s.kind in kinds and s.step == step]
+
+    def attach(self, loader: Any, parts: list[nn.Module], ckpt: Any, vocab_size: int = 0) -> Any:
+        """Hook the faults in; returns the loader to train from (wrapped when a spike is configured)."""
+        self.vocab_size = vocab_size
+        for part in parts:
+            for m in part.modules():
+                if (
+                    isinstance(m, Transformer) and m.output is not None
+                ):  # the last pipeline stage's output layer
+                    m.output.register_forward_hook(self._nan_hook)
+        ckpt.make_writer = self.wrap_writer(ckpt.make_writer)
+        ckpt.on_commit.append(self.after_checkpoint_commit)
+        return _SpikeLoader(loader, self) if any(s.kind == "spike" for s in self.specs) else loader
 
     # -- hooks, in the order a step meets them ------------------------------------------------------------------
 
     def at_step_start(self, step: int) -> None:
-        """kill (SIGKILL itself), raise (`InjectedFault`) or hang (sleep until the watchdog ends the process)."""
+        """kill (SIGKILL itself), raise (`InjectedFault`) or hang (sleep until the watchdog ends the process); arms
+        a nan fault for this step's forward passes."""
+        self.step = step
         for spec in self._due(("kill", "raise", "hang"), step):
             if not self._claim(spec, step):
                 continue
@@ -189,65 +186,80 @@ class FaultInjector:
                 # SIGKILL, not sys.exit: no handler, no atexit, no flush: what an OOM kill or a lost node looks like.
                 os.kill(os.getpid(), signal.SIGKILL)
             elif spec.kind == "raise":
-                raise InjectedFault(f"injected fault {spec.text!r} on rank {self.rank} at step {step}")
+                raise InjectedFault(f"injected fault {label(spec)!r} on rank {self.rank} at step {step}")
             else:
                 log.warning(
-                    "injected hang %r: rank %d sleeps at the start of step %d", spec.text, self.rank, step
+                    "injected hang %r: rank %d sleeps at the start of step %d", label(spec), self.rank, step
                 )
                 _sleep_forever()
+        due = self._due(("nan",), step)
+        self._nan = bool(due) and self._claim(due[0], step)
+        if self._nan:
+            self._fired(due[0], step)
 
-    def corrupt_batch(
-        self, step: int, inputs: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def corrupt_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """spike: replace the targets with random tokens, so the loss jumps as on a batch of garbage data.
 
-        The tokens come from a generator seeded by the step, so a drill is repeatable. Without `vocab_size` they are
-        drawn below the largest token id in the batch (plus one).
+        The tokens come from a generator seeded by the step, so a drill is repeatable. Without a vocabulary size
+        they are drawn below the largest token id in the batch (plus one).
         """
-        due = self._due(("spike",), step)
-        if not due or not self._claim(due[0], step):
+        due = self._due(("spike",), self.step)
+        if not due or not self._claim(due[0], self.step):
             return inputs, targets
-        import torch
-
-        high = vocab_size or int(max(inputs.max().item(), targets.max().item())) + 1
-        gen = torch.Generator().manual_seed(0x5EED + step)
+        high = self.vocab_size or int(max(inputs.max().item(), targets.max().item())) + 1
+        gen = torch.Generator().manual_seed(0x5EED + self.step)
         noise = torch.randint(0, high, targets.shape, generator=gen, dtype=targets.dtype)
-        self._fired(due[0], step)
+        self._fired(due[0], self.step)
         return inputs, noise.to(targets.device)
 
-    def loss_factor(self, step: int) -> float | None:
-        """nan: float('nan') to multiply this step's loss by (before backward, so the gradients turn NaN as after
-        an overflow); None when no fault is due."""
-        due = self._due(("nan",), step)
-        if not due or not self._claim(due[0], step):
-            return None
-        self._fired(due[0], step)
-        return math.nan
+    def _nan_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        """nan: NaN logits in training forwards of the armed step, so the loss and every gradient turn NaN as after
+        an overflow (evaluation, in eval mode, is left alone)."""
+        return output * math.nan if self._nan and module.training else None
 
     def at_step_end(self, step: int, busy_s: float) -> float:
         """slow: compute for another (factor - 1) x this step's busy time, as a processor `factor` times slower would
         (busy: it uses the CPU, unlike a sleep, so busy-time straggler detection sees it); returns the seconds
         added. A slow rank stays slow for the rest of this process."""
+        self._nan = False
         slept = 0.0
         for spec in self.specs:
             if spec.kind != "slow" or step < (spec.step or 1):
                 continue
-            if spec.text not in self._slowing:
-                self._slowing[spec.text] = self._claim(spec, step)
-                if self._slowing[spec.text]:
+            name = label(spec)
+            if name not in self._slowing:
+                self._slowing[name] = self._claim(spec, step)
+                if self._slowing[name]:
                     self._fired(spec, step, factor=spec.factor)
-            if self._slowing[spec.text]:
+            if self._slowing[name]:
                 extra = (spec.factor - 1.0) * max(busy_s, 0.0)
                 _spin(extra)
                 slept += extra
         return slept
 
-    def before_checkpoint_save(self, step: int) -> None:
-        """write_error: the save of this step fails with OSError(ENOSPC), as on a full disk."""
-        for spec in self._due(("write_error",), step):
-            if self._claim(spec, step):
-                self._fired(spec, step)
-                raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec.text!r})")
+    def wrap_writer(self, make: Callable[[str, int], Any]) -> Callable[[str, int], Any]:
+        """write_error / kill_during_save: the storage writer DCP uses for the save of that step fails inside its
+        write_data (with OSError ENOSPC, as on a full disk, or a SIGKILL mid-write), so DCP reports it as it would
+        a real one (a CheckpointException on every rank)."""
+
+        def make_writer(path: str, step: int) -> Any:
+            writer = make(path, step)
+            due = self._due(("write_error", "kill_during_save"), step)
+            if due:
+                write = writer.write_data
+
+                def write_data(plan: Any, planner: Any) -> Any:
+                    if not self._claim(due[0], step):
+                        return write(plan, planner)
+                    self._fired(due[0], step)
+                    if due[0].kind == "kill_during_save":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    raise OSError(errno.ENOSPC, f"No space left on device (injected fault {label(due[0])!r})")
+
+                writer.write_data = write_data
+            return writer
+
+        return make_writer
 
     def after_checkpoint_commit(self, step: int, ckpt_dir: Path | str) -> Path | None:
         """corrupt_checkpoint: once the checkpoint of `step` is committed, flip bytes in the middle of its largest
@@ -257,7 +269,7 @@ class FaultInjector:
             return None
         target = _largest_shard(Path(ckpt_dir))
         if target is None:
-            log.warning("injected fault %r: no shard file in %s to corrupt", due[0].text, ckpt_dir)
+            log.warning("injected fault %r: no shard file in %s to corrupt", label(due[0]), ckpt_dir)
             return None
         if not self._claim(due[0], step):
             return None
@@ -267,11 +279,11 @@ class FaultInjector:
 
     # -- once per job ------------------------------------------------------------------------------------------
 
-    def _fired(self, spec: FaultSpec, step: int, **extra: object) -> None:
-        log.warning("injected fault %r fires on rank %d at step %d", spec.text, self.rank, step)
-        self.event("fault_injected", step=step, fault=spec.text, rank=self.rank, **extra)
+    def _fired(self, spec: FaultConfig, step: int, **extra: object) -> None:
+        log.warning("injected fault %r fires on rank %d at step %d", label(spec), self.rank, step)
+        self.event("fault_injected", step=step, fault=label(spec), rank=self.rank, **extra)
 
-    def _claim(self, spec: FaultSpec, step: int) -> bool:
+    def _claim(self, spec: FaultConfig, step: int) -> bool:
         """Record that `spec` fires on this rank, unless an earlier process of this job already did: True to fire.
 
         Ranks of one node share the file: an exclusive lock serialises their read-modify-write, and the new content
@@ -279,9 +291,9 @@ class FaultInjector:
         path = self.run_dir / FIRED_FILE
         with _locked(self.run_dir / (FIRED_FILE + ".lock")):
             records = _read_records(path)
-            if any(r.get("fault") == spec.text and r.get("rank") == self.rank for r in records):
+            if any(r.get("fault") == label(spec) and r.get("rank") == self.rank for r in records):
                 return False
-            records.append({"fault": spec.text, "rank": self.rank, "step": step, "time": time.time()})
+            records.append({"fault": label(spec), "rank": self.rank, "step": step, "time": time.time()})
             tmp = path.with_name(f"{FIRED_FILE}.tmp.{os.getpid()}.{self.rank}")
             tmp.write_text(json.dumps(records, indent=1))
             os.replace(tmp, path)
@@ -290,6 +302,19 @@ class FaultInjector:
     def fired(self) -> list[dict]:
         """The records of every fault fired so far in this job, on any rank."""
         return _read_records(self.run_dir / FIRED_FILE)
+
+
+class _SpikeLoader:
+    """The training loader with spike faults applied to its batches; everything else is the loader's own."""
+
+    def __init__(self, loader: Any, injector: FaultInjector) -> None:
+        self._loader, self._injector = loader, injector
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._injector.corrupt_batch(*self._loader.next_batch())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ Fields relied on (every event has `time`, `kind`, `step`):
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,14 @@ def compute_goodput(run_dir: Path, pending: dict | None = None, now: float | Non
         "restarts": len(starts) - 1,
         "failures": sum(1 for e in events if e.get("kind") == "failure"),
     }
+
+
+def final_goodput(run_dir: Path) -> float | None:
+    """The job's goodput up to now (what the end-of-run summary reports), None when its records cannot say."""
+    try:
+        return compute_goodput(run_dir, now=time.time())["goodput"]
+    except (ValueError, OSError):
+        return None
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
-from typing import Any, Literal, Protocol
+from typing import Literal
 
 Decision = Literal["ok", "skip", "rollback"]
 
@@ -43,13 +42,6 @@ class NanGuard:
             return "rollback"
         return "skip"
 
-    def state_dict(self) -> dict[str, int]:
-        return {"streak": self.streak, "skipped_total": self.skipped_total}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.streak = int(state["streak"])
-        self.skipped_total = int(state["skipped_total"])
-
 
 class SpikeDetector:
     """Flags a loss that exceeds the running mean by `zscore` running standard deviations.
@@ -59,6 +51,10 @@ class SpikeDetector:
     the spikes came from a bad pairing of batch and model state, not bad data alone. This detector names the step;
     the caller rolls back and skips. The statistics cover only the last `window` non-spike losses, so a spike does
     not inflate the very mean and deviation it is judged against.
+
+    Neither detector is checkpointed (they have no state_dict): after a restart the spike window fills again
+    (min(window, 10) steps unjudged) and the non-finite streak starts at zero, which a restored healthy state
+    justifies; the totals of skipped steps live in events.jsonl.
     """
 
     def __init__(self, window: int, zscore: float) -> None:
@@ -103,24 +99,3 @@ class SpikeDetector:
                 return True
         self._losses.append(loss)
         return False
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain floats and lists, so a checkpoint or an in-memory snapshot can carry it."""
-        return {"window": self.window, "zscore": self.zscore, "losses": list(self._losses)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._losses = deque((float(x) for x in state["losses"]), maxlen=self.window)
-
-
-class _HasZeroGrad(Protocol):
-    def zero_grad(self, set_to_none: bool = ...) -> None: ...
-
-
-def skip_update(optimizers: Iterable[_HasZeroGrad]) -> None:
-    """Drop this step's gradients without stepping: the weights and optimizer moments stay as they were.
-
-    `set_to_none` frees the gradient memory and makes the next backward write fresh gradients instead of adding to
-    the bad ones. The LR schedule is the caller's choice (stepping it keeps the schedule aligned to the step count).
-    """
-    for opt in optimizers:
-        opt.zero_grad(set_to_none=True)

@@ -1,0 +1,52 @@
+"""Throughput over a window of steps, honest about what is excluded: checkpoint stalls and evaluation are not
+training time (they are reported on their own, and goodput counts them), everything else the user waits for is."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from scaletrain.metrics.memory import peak_memory_mib
+from scaletrain.metrics.mfu import mfu
+
+
+class StepMeter:
+    """Counts steps since the last `read()`; `read()` turns the window into tokens/s, MFU, step time and peak memory,
+    then starts the next window. Logging itself costs in the next window: tokens/s stays wall-clock honest."""
+
+    def __init__(
+        self, tokens_per_step: int, flops_per_token: float, peak_flops_total: float, device: torch.device
+    ) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops_total = peak_flops_total
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window now (also after a rollback: the steps replayed are not throughput)."""
+        self.t0 = time.perf_counter()
+        self.steps = 0
+        self.excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Time inside the window that is not training (a checkpoint stall, an evaluation)."""
+        self.excluded += seconds
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    def read(self) -> dict[str, float]:
+        now = time.perf_counter()
+        elapsed = max(now - self.t0 - self.excluded, 1e-9)
+        steps = max(self.steps, 1)
+        tps = self.steps * self.tokens_per_step / elapsed
+        out = {
+            "tokens_per_s": tps,
+            "mfu": mfu(tps, self.flops_per_token, self.peak_flops_total),
+            "mem_peak_mib": peak_memory_mib(self.device),
+            "step_time_s": elapsed / steps,
+        }
+        self.t0, self.steps, self.excluded = now, 0, 0.0
+        return out
