@@ -159,8 +159,9 @@ class FaultInjector:
     def _due(self, kinds: tuple[str, ...], step: int) -> list[FaultConfig]:
         return [s for s in self.specs if s.kind in kinds and s.step == step]
 
-    def attach(self, loader: Any, parts: list[nn.Module], ckpt: Any, vocab_size: int = 0) -> Any:
-        """Hook the faults in; returns the loader to train from (wrapped when a spike is configured)."""
+    def attach(self, loader: Any, parts: list[nn.Module], ckpt: Any = None, vocab_size: int = 0) -> Any:
+        """Hook the faults into the model parts and (when given) the checkpoint manager; returns the loader to train
+        from (wrapped when a spike is configured)."""
         self.vocab_size = vocab_size
         for part in parts:
             for m in part.modules():
@@ -168,8 +169,9 @@ class FaultInjector:
                     isinstance(m, Transformer) and m.output is not None
                 ):  # the last pipeline stage's output layer
                     m.output.register_forward_hook(self._nan_hook)
-        ckpt.make_writer = self.wrap_writer(ckpt.make_writer)
-        ckpt.on_commit.append(self.after_checkpoint_commit)
+        if ckpt is not None:
+            ckpt.make_writer = self.wrap_writer(ckpt.make_writer)
+            ckpt.on_commit.append(self.after_checkpoint_commit)
         return _SpikeLoader(loader, self) if any(s.kind == "spike" for s in self.specs) else loader
 
     # -- hooks, in the order a step meets them ------------------------------------------------------------------
