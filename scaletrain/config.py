@@ -170,14 +170,17 @@ class CheckpointConfig:
     """Mean time between failures of the whole job, for interval = auto."""
 
 
-FaultKind = Literal["kill", "raise", "hang", "nan", "spike", "slow", "corrupt_checkpoint", "write_error"]
+FaultKind = Literal[
+    "kill", "raise", "hang", "nan", "spike", "slow", "corrupt_checkpoint", "write_error", "kill_during_save"
+]
 
 
 @dataclass
 class FaultConfig:
     kind: FaultKind | None = None
     """kill (SIGKILL), raise (an exception), hang (sleep forever), nan (NaN logits), spike (garbage targets),
-    slow (a straggler), corrupt_checkpoint (flip bytes after the commit), write_error (ENOSPC inside the writer)."""
+    slow (a straggler), corrupt_checkpoint (flip bytes after the commit), write_error (ENOSPC inside the storage
+    writer), kill_during_save (SIGKILL inside the storage writer)."""
     rank: int | None = None
     """The rank it fires on; unset: every rank (corrupt_checkpoint: rank 0)."""
     step: int | None = None

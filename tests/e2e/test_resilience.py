@@ -24,8 +24,8 @@ def _per_step(run):
     return {m["step"]: m["loss"] for m in read_jsonl(run / "metrics.jsonl")}
 
 
-def _inject(*specs):
-    return "--resilience.inject=[" + ",".join(f'"{s}"' for s in specs) + "]"
+def _inject(*tables):
+    return "--resilience.inject=[" + ", ".join(tables) + "]"
 
 
 def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupted_run(tmp_path):
@@ -51,7 +51,7 @@ def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupte
         "--run.dir",
         str(run),
         *args,
-        _inject("kill:rank=1,step=7"),
+        _inject('{kind="kill", rank=1, step=7}'),
     )
     # One failure, one restart, blamed on the killed rank (not on its peer, which lost its connection to it).
     [failure] = _events(run, "failure")
@@ -80,7 +80,7 @@ def test_a_slowed_rank_is_named_in_lock_step_data_parallel(tmp_path):
         "2",
         "--resilience.straggler_interval",
         "3",
-        _inject("slow:rank=1,factor=4,step=4"),
+        _inject('{kind="slow", rank=1, factor=4, step=4}'),
     )
     named = _events(run, "straggler")
     assert [e["step"] for e in named] == [6, 9] and all(e["rank"] == 1 and e["ratio"] > 2 for e in named), (
@@ -99,7 +99,7 @@ def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):
         "10",
         "--checkpoint.interval",
         "3",
-        _inject("nan:step=4", "write_error:step=6"),
+        _inject('{kind="nan", step=4}', '{kind="write_error", step=6}'),
     )
     (skipped,) = _events(run, "skipped_step")
     assert skipped["step"] == 4 and skipped["skipped_total"] == 1
@@ -125,7 +125,7 @@ def test_loss_spike_rolls_back_and_skips_the_bad_batches(tmp_path):
         "4",
         "--resilience.spike_window",
         "8",
-        _inject("spike:step=15"),
+        _inject('{kind="spike", step=15}'),
     )
     (spike,) = _events(run, "loss_spike")
     (rollback,) = _events(run, "rollback")
@@ -152,7 +152,7 @@ def test_hang_is_caught_by_the_watchdog_and_the_job_recovers(tmp_path):
         "2",
         "--resilience.hang_timeout_s",
         "3",
-        _inject("hang:rank=1,step=5"),
+        _inject('{kind="hang", rank=1, step=5}'),
     )
     fired = [e for e in _events(run, "fault_injected") if e["fault"].startswith("hang")][0]
     hangs = [e for e in _events(run, "hang") if e["rank"] == 1]
@@ -178,7 +178,7 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one_after_a_crash(tmp_p
         "3",
         "--checkpoint.async_save",
         "false",  # step 6 commits before the kill
-        _inject("corrupt_checkpoint:step=6", "kill:rank=0,step=8"),
+        _inject('{kind="corrupt_checkpoint", step=6}', '{kind="kill", rank=0, step=8}'),
     )
     (rejected,) = _events(run, "checkpoint_rejected")
     assert rejected["step"] == 6 and "checksum" in rejected["reason"]
@@ -203,7 +203,7 @@ def test_auto_interval_is_measured_again_after_a_restart(tmp_path):
         "auto",
         "--checkpoint.mtbf_hours",
         "0.0001",
-        _inject("kill:rank=0,step=9"),
+        _inject('{kind="kill", rank=0, step=9}'),
     )
     probes = _events(run, "checkpoint_interval")
     [resumed] = [e["step"] for e in _events(run, "start") if e["resumed"]]
@@ -290,7 +290,7 @@ def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path)
             "--run.dir",
             str(run),
             *args,
-            _inject("kill:rank=1,step=6"),
+            _inject('{kind="kill", rank=1, step=6}'),
         ]
         log = open(tmp_path / f"node{node}.log", "w")  # a file, not a pipe: nobody reads it while they run
         agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env))

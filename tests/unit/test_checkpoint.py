@@ -3,12 +3,14 @@ import pickle
 import pytest
 import torch
 
-from scaletrain.checkpoint import CheckpointManager, ModelState, OptimizerState, SchedulerState, TrainState
+from scaletrain.checkpoint import CheckpointManager, LoaderState, ModelState, TrainState
 from scaletrain.checkpoint.integrity import verify
 from scaletrain.checkpoint.interval import interval_steps, young_daly_interval_s
 from scaletrain.checkpoint.safe_load import UnsafeCheckpointError, read_metadata
-from scaletrain.config import CheckpointConfig, OptimizerConfig
-from scaletrain.optim import build_lr_scheduler, build_optimizer
+from scaletrain.config import CheckpointConfig, FaultConfig, OptimizerConfig
+from scaletrain.errors import UserError
+from scaletrain.optim import Optimizers, build_optimizer
+from scaletrain.resilience.faults import FaultInjector
 from tests.unit.test_model import tiny
 
 
@@ -23,24 +25,25 @@ class FakeLoader:
         self.next_sample = sd["next_sample"]
 
 
-def make_state(seed=0):
-    from scaletrain.checkpoint import LoaderState
-
+def make_state(seed=0, total_steps=100):
     model = tiny()
     torch.manual_seed(seed)
     for p in model.parameters():
         p.data.normal_()
-    opt = build_optimizer(model, OptimizerConfig(), torch.device("cpu"))
-    sched = build_lr_scheduler(opt, OptimizerConfig(warmup_steps=5), 100)
+    optimizers = Optimizers(
+        [model],
+        lambda m: build_optimizer(m, OptimizerConfig(), torch.device("cpu")),
+        OptimizerConfig(warmup_steps=5),
+        total_steps,
+    )
     model(torch.randint(0, 64, (2, 8))).sum().backward()
-    opt.step()
-    sched.step()
+    optimizers.step()
+    opt, sched = optimizers.optimizers[0], optimizers.schedulers[0]
     train = TrainState()
     loader = FakeLoader()
     state = {
         "model": ModelState([model]),
-        "optimizer": OptimizerState([model], [opt]),
-        "lr_scheduler": SchedulerState([sched]),
+        "optimizer": optimizers,
         "data": LoaderState(loader),
         "train": train,
     }
@@ -133,12 +136,83 @@ def test_young_daly_interval():
 
 def test_resuming_with_a_longer_run_follows_the_new_schedule(tmp_path):
     """The checkpoint restores moments and step counts; the learning rate comes from the schedule now running."""
-    state, model, opt, sched, loader, train = make_state()
+    state, *_ = make_state()
     CheckpointManager(CheckpointConfig(async_save=False), str(tmp_path), state, rank=0, world_size=1).save(1)
-    state2, model2, opt2, *_ = make_state(seed=1)
-    longer = build_lr_scheduler(opt2, OptimizerConfig(warmup_steps=5), 1000)
-    state2["lr_scheduler"] = SchedulerState([longer])
+    state2, model2, opt2, longer, *_ = make_state(seed=1, total_steps=1000)
     CheckpointManager(CheckpointConfig(), str(tmp_path), state2, rank=0, world_size=1).load_latest()
     assert longer.last_epoch == 1
     want = OptimizerConfig().lr * 2 / 5  # warmup step index 1 of 5
     assert [g["lr"] for g in opt2.param_groups] == [pytest.approx(want)] * 2
+
+
+def _manager(tmp_path, state, events, *faults, **cfg):
+    mgr = CheckpointManager(
+        CheckpointConfig(**cfg),
+        str(tmp_path / "ck"),
+        state,
+        rank=0,
+        world_size=1,
+        event=lambda kind, **kw: events.append((kind, kw)),
+    )
+    if faults:
+        FaultInjector(list(faults), 0, tmp_path, event=lambda *a, **k: None).attach(None, [], mgr)
+    return mgr
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_write_failure_inside_dcp_is_reported_and_the_previous_checkpoint_stays(tmp_path, async_save):
+    """The storage writer DCP uses raises ENOSPC in write_data, so DCP raises its own CheckpointException (a
+    BaseException, not an OSError): reported as checkpoint_failed, training goes on, step 1 stays loadable."""
+    state, *_ = make_state()
+    events = []
+    mgr = _manager(tmp_path, state, events, FaultConfig(kind="write_error", step=2), async_save=async_save)
+    assert mgr.try_save(1) is not None
+    mgr.wait()
+    started = mgr.try_save(2)  # sync: fails at once (None); async: starts, and fails in the background
+    assert (started is not None) == async_save
+    assert mgr.wait() is not async_save  # the background failure surfaces when the save is finished
+    failed = [kw for kind, kw in events if kind == "checkpoint_failed"]
+    assert [f["step"] for f in failed] == [2]
+    assert "No space left on device" in failed[0]["error"] and "CheckpointException" in failed[0]["error"]
+    assert mgr.committed_steps() == [1] and verify(mgr.fs, mgr.path(1)) is None
+    assert [kw["step"] for kind, kw in events if kind == "checkpoint_saved"] == [1]
+    assert mgr.try_save(3) is not None and mgr.wait()  # the next save works again
+    assert mgr.committed_steps() == [1, 3]
+
+
+def test_the_async_commit_runs_off_the_training_thread(tmp_path):
+    """Checksumming every file and writing the marker is storage work: it runs in the commit thread, and the
+    training thread only learns that it finished (poll() is a local check)."""
+    state, *_ = make_state()
+    events = []
+    mgr = _manager(tmp_path, state, events, async_save=True, interval=2)
+    mgr.load_latest()
+    assert mgr.maybe_save(1) == 0.0 and mgr.pending is None
+    mgr.maybe_save(2)
+    assert mgr.pending is not None
+    mgr.pending[1].result(timeout=60)
+    mgr.poll()
+    assert mgr.committed_steps() == [2]
+    assert mgr.commit_thread.startswith("ckpt-commit")
+    saved = [kw for kind, kw in events if kind == "checkpoint_saved"]
+    assert len(saved) == 1 and saved[0]["background_commit_s"] > 0 and saved[0]["blocking_s"] > 0
+
+
+def test_the_final_save_failing_is_an_error_and_keeps_the_previous_checkpoint(tmp_path):
+    state, *_ = make_state()
+    events = []
+    mgr = _manager(tmp_path, state, events, FaultConfig(kind="write_error", step=4), async_save=False)
+    mgr.try_save(2)
+    with pytest.raises(UserError, match="final checkpoint of step 4 failed"):
+        mgr.close(4)
+    assert mgr.committed_steps() == [2]
+
+
+def test_a_disabled_manager_saves_nothing_and_loads_nothing(tmp_path):
+    state, *_ = make_state()
+    events = []
+    mgr = _manager(tmp_path, state, events, enabled=False, interval=1)
+    assert mgr.load_latest() is None
+    assert mgr.maybe_save(1) == 0.0
+    mgr.close(1)
+    assert not (tmp_path / "ck").exists() and events == []

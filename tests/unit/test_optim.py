@@ -1,7 +1,9 @@
+import math
+
 import torch
 
 from scaletrain.config import OptimizerConfig
-from scaletrain.optim import build_optimizer, lr_factor
+from scaletrain.optim import Optimizers, build_optimizer, lr_factor
 from tests.unit.test_model import tiny
 
 
@@ -28,3 +30,49 @@ def test_norms_get_no_weight_decay():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     norm_ids = {id(p) for n, p in model.named_parameters() if "norm" in n}
     assert norm_ids == {id(p) for p in no_decay["params"]}
+
+
+def _optimizers(parts, total_steps=10):
+    cfg = OptimizerConfig(warmup_steps=2)
+    return Optimizers(parts, lambda m: build_optimizer(m, cfg, torch.device("cpu")), cfg, total_steps)
+
+
+def _backward(parts, scale=1.0):
+    (parts[1](parts[0](torch.randn(3, 4))).sum() * scale).backward()
+
+
+def test_a_skipped_step_drops_the_gradients_keeps_weights_and_moments_and_advances_the_schedule():
+    """What a skipped step (non-finite gradients) advances is decided in one place: the LR schedule follows the
+    step count, the weights and AdamW moments stay as they were, the gradients are freed."""
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(4, 2), torch.nn.Linear(2, 1)]
+    opts = _optimizers(parts)
+    _backward(parts)
+    opts.step()
+    weights = [p.detach().clone() for part in parts for p in part.parameters()]
+    moments = [s["exp_avg"].clone() for o in opts.optimizers for s in o.state.values()]
+    lr_before = opts.lr
+    _backward(parts, math.nan)
+    opts.step(skip=True)
+    assert all(p.grad is None for part in parts for p in part.parameters())  # set_to_none, not zeros
+    assert all(torch.equal(a, p) for a, p in zip(weights, (p for part in parts for p in part.parameters())))
+    assert all(
+        torch.equal(a, s["exp_avg"])
+        for a, s in zip(moments, (s for o in opts.optimizers for s in o.state.values()))
+    )
+    assert [s.last_epoch for s in opts.schedulers] == [2, 2] and opts.lr != lr_before
+
+
+def test_optimizers_state_round_trips_the_schedule_step_and_the_moments():
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(4, 2), torch.nn.Linear(2, 1)]
+    opts = _optimizers(parts)
+    for _ in range(3):
+        _backward(parts)
+        opts.step()
+    sd = opts.state_dict()
+    fresh = _optimizers(parts)
+    fresh.load_state_dict(sd)
+    assert fresh.schedulers[0].last_epoch == 3 and fresh.lr == opts.lr
+    assert torch.equal(fresh.optimizers[1].state[parts[1].weight]["exp_avg_sq"],
+                       opts.optimizers[1].state[parts[1].weight]["exp_avg_sq"])  # fmt: skip

@@ -1,4 +1,4 @@
-"""NanGuard decisions, SpikeDetector statistics and state, skip_update leaving weights untouched."""
+"""NanGuard decisions and SpikeDetector statistics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from scaletrain.resilience.health import NanGuard, SpikeDetector, skip_update
+from scaletrain.resilience.health import NanGuard, SpikeDetector
 
 NAN, INF = math.nan, math.inf
 
@@ -34,9 +34,12 @@ def test_nan_guard_never_rolls_back_when_disabled_and_takes_tensors():
     g = NanGuard(rollback_after=0)
     assert {g.check(torch.tensor(NAN), torch.tensor(1.0)) for _ in range(10)} == {"skip"}
     assert g.check(torch.tensor(1.0), torch.tensor(2.0)) == "ok"
-    restored = NanGuard(rollback_after=0)
-    restored.load_state_dict(g.state_dict())
-    assert restored.skipped_total == 10 and restored.streak == 0
+    assert g.skipped_total == 10 and g.streak == 0
+
+
+def test_detectors_are_not_checkpointed():
+    # Their state does not survive a restart (stated in health.py); nothing pretends it does.
+    assert not hasattr(NanGuard(3), "state_dict") and not hasattr(SpikeDetector(10, 3.0), "state_dict")
 
 
 def _warm(det: SpikeDetector, n: int, base: float = 3.0) -> None:
@@ -83,37 +86,6 @@ def test_spike_detector_ignores_non_finite_and_flat_losses():
     assert det.observe(2.1)
 
 
-def test_spike_detector_state_round_trip_restores_decisions():
-    det = SpikeDetector(window=10, zscore=3.0)
-    _warm(det, 12)
-    state = det.state_dict()
-    assert all(isinstance(x, float) for x in state["losses"]) and len(state["losses"]) == 10
-    fresh = SpikeDetector(window=10, zscore=3.0)
-    assert not fresh.observe(4.0)  # empty: cannot judge
-    fresh.load_state_dict(state)
-    assert fresh.observe(4.0) and det.observe(4.0)
-    assert (fresh.mean, fresh.std) == (det.mean, det.std)
-
-
 def test_spike_detector_rejects_a_window_too_small():
     with pytest.raises(ValueError, match="window"):
         SpikeDetector(window=1, zscore=3.0)
-
-
-class _NoStep(torch.optim.SGD):
-    """An optimizer that fails the test if stepped."""
-
-    def step(self, closure=None):
-        raise AssertionError("skip_update must not step the optimizer")
-
-
-def test_skip_update_clears_grads_of_every_optimizer_without_stepping():
-    torch.manual_seed(0)
-    parts = [torch.nn.Linear(4, 2), torch.nn.Linear(2, 1)]
-    optimizers = [_NoStep(p.parameters(), lr=0.1) for p in parts]
-    before = [p.detach().clone() for part in parts for p in part.parameters()]
-    (parts[1](parts[0](torch.randn(3, 4))).sum() * math.nan).backward()
-    assert all(p.grad is not None for part in parts for p in part.parameters())
-    skip_update(optimizers)
-    assert all(p.grad is None for part in parts for p in part.parameters())  # set_to_none, not zeros
-    assert all(torch.equal(a, p) for a, p in zip(before, (p for part in parts for p in part.parameters())))

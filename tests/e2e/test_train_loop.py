@@ -1,0 +1,138 @@
+"""The loop's contracts that broke by reading (each failed before the architecture refactor): a skipped step on a
+save step resumes exactly, a write failure inside DCP is survived, a kill during the final save loses nothing,
+SIGTERM is honoured with checkpoints disabled."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import DEBUG, QUICK, ROOT, read_jsonl, run_cli
+
+BASE = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--metrics.log_interval", "1"]
+DET = [*BASE, "--training.deterministic", "true"]
+
+
+def _events(run, kind):
+    return [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == kind]
+
+
+def _per_step(run, key="loss"):
+    """The last record of each step (a resumed run logs the replayed steps again)."""
+    return {m["step"]: m[key] for m in read_jsonl(run / "metrics.jsonl")}
+
+
+def _inject(*tables: str) -> str:
+    return "--resilience.inject=[" + ", ".join(tables) + "]"
+
+
+def test_a_skipped_step_on_a_save_step_resumes_exactly(tmp_path):
+    """Step 4 is skipped (NaN) and saved. The checkpoint must say step 4 with the loader past batch 4: a resumed
+    run then continues with batch 5, bit for bit as the uninterrupted run (it used to store step 3 with the loader
+    past batch 4, so the resumed run was shifted by one batch)."""
+    args = [*DET, "--training.steps", "8", "--checkpoint.interval", "4", "--checkpoint.async_save", "false"]
+    nan = '{kind="nan", step=4}'
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    run_cli("train", "--run.dir", str(ref), *args, _inject(nan))
+    run_cli(
+        "train",
+        "--run.dir",
+        str(run),
+        "--max-restarts",
+        "1",
+        *args,
+        _inject(nan, '{kind="kill", rank=0, step=6}'),
+    )
+    (loaded,) = _events(run, "checkpoint_loaded")
+    assert loaded["step"] == 4 and _events(run, "skipped_step")[0]["step"] == 4
+    assert _per_step(run) == _per_step(ref)
+    assert _per_step(run, "grad_norm") == _per_step(ref, "grad_norm")
+    assert [e["step"] for e in _events(run, "start")] == [0, 4]
+
+
+@pytest.mark.parametrize("async_save", ["true", "false"])
+def test_a_write_failure_inside_dcp_is_reported_and_the_run_finishes(tmp_path, async_save):
+    """ENOSPC raised inside DCP's storage writer reaches us as DCP's CheckpointException (a BaseException): the
+    run reports checkpoint_failed, trains on, and the checkpoint before it stays loadable."""
+    run = tmp_path / "run"
+    run_cli(
+        "train",
+        "--run.dir",
+        str(run),
+        *BASE,
+        "--training.steps",
+        "8",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.async_save",
+        async_save,
+        _inject('{kind="write_error", step=6}'),
+    )
+    (failed,) = _events(run, "checkpoint_failed")
+    assert failed["step"] == 6 and "CheckpointException" in failed["error"] and "No space" in failed["error"]
+    assert [e["step"] for e in _events(run, "checkpoint_saved")] == [3, 8]
+    commits = sorted(p.parent.name for p in (run / "checkpoints").glob("step-*/commit.json"))
+    assert commits == ["step-00000003", "step-00000008"]
+    assert _events(run, "end")[0]["steps"] == 8
+
+
+def test_a_kill_during_the_final_save_resumes_from_the_memory_tier(tmp_path):
+    """The final save is protected: the memory tier holds a snapshot of the last step until the storage
+    checkpoint is committed. Killed inside the storage writer of the final save, the restarted job resumes from
+    memory at the last step and commits the final checkpoint (it used to delete the snapshots first and lose the
+    whole run with checkpoint.interval = 0)."""
+    run = tmp_path / "run"
+    run_cli(
+        "train",
+        "--run.dir",
+        str(run),
+        "--max-restarts",
+        "1",
+        *BASE,
+        "--training.steps",
+        "8",
+        "--resilience.memory_interval",
+        "3",
+        _inject('{kind="kill_during_save", step=8}'),
+    )
+    [failure] = _events(run, "failure")
+    assert failure["cause"] == "killed"
+    loaded = _events(run, "checkpoint_loaded")
+    assert [(e["step"], e["source"]) for e in loaded] == [(8, "memory")]
+    assert [e["step"] for e in _events(run, "checkpoint_saved")] == [8]
+    assert (run / "checkpoints" / "step-00000008" / "commit.json").exists()
+
+
+def test_sigterm_with_checkpoints_disabled_stops_within_30_s(tmp_path):
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaletrain",
+        "train",
+        "--run.dir",
+        str(run),
+        *BASE,
+        "--training.steps",
+        "100000",
+    ]
+    proc = subprocess.Popen(
+        [*cmd, "--checkpoint.enabled", "false"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() or len(read_jsonl(run / "metrics.jsonl")) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30 and proc.returncode == 0, err
+    (pre,) = _events(run, "preempted")
+    assert _events(run, "end")[0]["steps"] == pre["step"] < 100000
+    assert not (run / "checkpoints").exists()
