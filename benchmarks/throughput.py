@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from scaletrain.config import load_config
+from scaletrain.config_io import load_config
 from scaletrain.models import build_meta_model, resolve_model_args
 from scaletrain.train import train
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import fsspec
 import tomli_w
-import torch
 import torch.distributed.checkpoint as dcp
 
 from scaletrain.checkpoint.hf import args_from_hf_config, export_hf, read_hf_dir, verify_with_transformers
@@ -16,14 +16,14 @@ from scaletrain.checkpoint.safe_load import make_reader
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import Config
 from scaletrain.config_io import read_toml, to_dataclass
+from scaletrain.data import Tokenizer, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.models import Transformer, build_meta_model, resolve_model_args
 
 log = logging.getLogger("scaletrain")
 
 
 def _newest_intact(ckpt_root: Path) -> Path:
-    import fsspec
-
     fs = fsspec.filesystem("file")
     for path in sorted(ckpt_root.glob("step-*"), reverse=True):
         reason = verify(fs, str(path))
@@ -40,12 +40,9 @@ def _run_config(run_dir: Path) -> Config:
     return cfg
 
 
-def load_run_model(src: Path):
+def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, Path]:
     """The model of a run directory (or one of its checkpoint directories), on CPU in fp32, with the weights of
-    the newest intact checkpoint."""
-    from scaletrain.data import load_tokenizer
-    from scaletrain.models import build_meta_model, resolve_model_args
-
+    the newest intact checkpoint; also the run's config, its tokenizer and the checkpoint read."""
     if (src / COMMIT).exists():
         ckpt, run_dir = src, src.parent.parent
     else:
@@ -87,9 +84,3 @@ def from_hf(hf_dir: Path, out_toml: Path) -> str:
     )
     out_toml.write_text(header + tomli_w.dumps({"model": model, **({"data": data} if data else {})}))
     return f"wrote {out_toml}; train with: scaletrain train --config {out_toml}"
-
-
-def verify_import(model: torch.nn.Module, hf_dir: Path) -> None:
-    from scaletrain.checkpoint.hf import load_hf_weights
-
-    load_hf_weights(model, hf_dir)

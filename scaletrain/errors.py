@@ -1,6 +1,17 @@
-"""Errors a user can act on. The CLI prints them as plain messages, never as tracebacks."""
+"""Errors a user can act on, and the exit status of each. The CLI prints them as plain messages, never as
+tracebacks; the launcher's diagnosis reads the statuses back (scaletrain.resilience.diagnose)."""
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+USER_ERROR_EXIT_CODE = 1
+"""A UserError: bad input or environment, printed as one "error: ..." line."""
+CONFIG_EXIT_CODE = 2
+"""A ConfigError or a command line argparse refuses: no restart can cure it."""
+INTERRUPTED_EXIT_CODE = 130
+"""Ctrl-C (128 + SIGINT), as a shell reports it."""
 
 
 class UserError(Exception):
@@ -18,3 +29,21 @@ class ConfigError(UserError):
         lines = [f"{len(self.problems)} problem(s) in the configuration:"]
         lines += [f"  - {p}" for p in self.problems]
         return "\n".join(lines)
+
+
+def report_errors(command: Callable[[], int]) -> int:
+    """Run a command and return its exit status; a UserError ends it as one plain "error: ..." message on stderr
+    (no traceback) with its status, Ctrl-C with 130."""
+    try:
+        return command()
+    except ConfigError as e:
+        print(f"error: {e.render()}", file=sys.stderr)
+        return CONFIG_EXIT_CODE
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        print(
+            "\ninterrupted (Ctrl-C); everything written so far is kept in the run directory", file=sys.stderr
+        )
+        return INTERRUPTED_EXIT_CODE

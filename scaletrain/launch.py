@@ -1,15 +1,21 @@
-"""`scaletrain train --nproc N`: start N local workers through torchrun's elastic agent.
+"""Run training in this process, or start N local workers through torchrun's elastic agent (`--nproc N`).
 
 The launcher validates the config, fixes the run directory and tokenises the data once, so that workers start
-on a checked config and a warm data cache, and a bad input is reported before any worker starts.
+on a checked config and a warm data cache, and a bad input is reported before any worker starts. The worker
+entry and its crash path live here too: the CLI calls into this module, never the other way round.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import multiprocessing
 import os
+import signal
 import sys
+import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -18,10 +24,76 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
 from scaletrain.config import Config
+from scaletrain.config_io import default_run_dir, load_config
 from scaletrain.data import load_tokenizer, prepare_data
+from scaletrain.errors import UserError, report_errors
+from scaletrain.resilience.diagnose import (
+    Diagnosis,
+    RestartPolicy,
+    classify,
+    read_error_file,
+    root_cause,
+    tail,
+)
 from scaletrain.resilience.watchdog import append_event
+from scaletrain.train import train
 
 log = logging.getLogger("scaletrain")
+
+LINGER_S = 3.0  # many times the agent's monitor interval (0.1 s)
+
+
+def install_stack_dump() -> None:
+    """`kill -USR1 <pid>` prints every thread's stack to stderr and carries on: how a stuck run is looked into."""
+    with contextlib.suppress(
+        AttributeError, OSError, ValueError
+    ):  # stderr without a descriptor (embedded, tests)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def run_training(cfg: Config) -> None:
+    """Train in this process. A UserError or Ctrl-C propagates (the caller prints it); any other failure prints
+    its traceback and ends the process at once with status 1: a background checkpoint upload blocked on a dead
+    peer would otherwise hold the process (and its agent's restart) until the collective timeout."""
+    try:
+        train(cfg)
+    except (UserError, KeyboardInterrupt):
+        raise
+    except BaseException:
+        text = traceback.format_exc()
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        _linger_if_a_peer_failed(text)
+        os._exit(1)
+
+
+def _linger_if_a_peer_failed(error: str) -> None:
+    """A rank whose collective broke because a peer died waits before exiting, so that the agent, which reports
+    the first worker it finds dead, finds the peer that failed (killed, out of memory) rather than this one. The
+    agent ends the wait at once: it stops the other workers with SIGTERM as soon as it sees a failure."""
+    if under_torchrun() and classify(1, None, error).kind == "collective_timeout":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the preemption handler: the agent's stop ends us
+        time.sleep(LINGER_S)
+
+
+def worker_main(config_path: str, *overrides: str) -> None:
+    """A worker of launch_local, in a process forked from the warm fork server: load the config the launcher
+    checked (the run directory is its own job's, so it is not checked again) and train."""
+    install_stack_dump()
+    sys.stdout.reconfigure(line_buffering=True)  # its stdout is a log file: keep lines up to a SIGKILL
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    def work() -> int:
+        run_training(load_config(config_path or None, list(overrides), world_size=world, check_run_dir=False))
+        return 0
+
+    code = report_errors(work)
+    if code:
+        sys.exit(code)
 
 
 def launch_local(
@@ -29,15 +101,12 @@ def launch_local(
 ) -> int:
     """Run the job, and when a worker fails: diagnose why, write it to events.jsonl, and restart the group (which
     resumes from the newest complete checkpoint) unless the cause is one a restart cannot cure."""
-    from scaletrain.cli import default_run_dir
-    from scaletrain.resilience.diagnose import RestartPolicy
-
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
-    run_dir = Path(cfg.run.dir or default_run_dir(cfg))
+    run_dir = Path(cfg.run.dir or default_run_dir(cfg.run.name))
     prepare_data(cfg.data, load_tokenizer(cfg.data.tokenizer), log=log.info)
-    worker_args = (["--config", config_path] if config_path else []) + overrides + ["--run.dir", str(run_dir)]
+    worker_args = [*overrides, "--run.dir", str(run_dir)]
     if cfg.run.name:
         worker_args += ["--run.name", cfg.run.name]
     # Each worker sets its own thread count (training.threads); this only silences torchrun's OMP warning.
@@ -47,11 +116,10 @@ def launch_local(
     policy = RestartPolicy(max_restarts)
     attempt = 0
     while True:
-        os.environ["SCALETRAIN_ATTEMPT"] = str(attempt)
         log_dir = run_dir / "logs" / f"attempt-{attempt}"
         log.info("launching %d worker(s) (attempt %d); run directory %s", nproc, attempt, run_dir)
         try:
-            _run_workers(nproc, log_dir, worker_args)
+            _run_workers(nproc, log_dir, [config_path or "", *worker_args])
             return 0
         except ChildFailedError as e:
             diag, rank = _diagnose(e, log_dir)
@@ -96,30 +164,20 @@ def _run_workers(nproc: int, log_dir: Path, worker_args: list[str]) -> None:
             "scaletrain",
         ]
     )
-    # "--module scaletrain" only satisfies the parser (it wants a script); the entrypoint is worker_main below.
+    # "--module scaletrain" only satisfies the parser (it wants a script); the entrypoint is worker_main above,
+    # which the fork server finds by reference (module and name), so it must stay a module-level function.
     # As torchrun --standalone: a private c10d rendezvous on a free local port.
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = config_from_args(args)
-    # Set before the first launch starts the fork server, which then keeps these imported for every restart.
-    multiprocessing.set_forkserver_preload(["scaletrain.cli", "scaletrain.train"])
+    # Set before the first launch starts the fork server, which then keeps these imported for every restart
+    # (this module imports the trainer).
+    multiprocessing.set_forkserver_preload(["scaletrain.launch"])
     elastic_launch(config, worker_main)(*worker_args)
 
 
-def worker_main(*argv: str) -> None:
-    """A worker process: `scaletrain train ARGV` in a process forked from the warm fork server."""
-    from scaletrain.cli import main
-
-    sys.stdout.reconfigure(line_buffering=True)  # its stdout is a log file: keep lines up to a SIGKILL
-    code = main(["train", *argv])
-    if code:
-        sys.exit(code)
-
-
-def _diagnose(e: ChildFailedError, log_dir: Path):
+def _diagnose(e: ChildFailedError, log_dir: Path) -> tuple[Diagnosis, int]:
     """Classify every failed rank from its exit status and the end of its log; return the root cause's
     (diagnosis, rank)."""
-    from scaletrain.resilience.diagnose import classify, read_error_file, root_cause, tail
-
     found = []
     for rank, failure in e.failures.items():
         # The agent's log folder: <log_dir>/<run id>/attempt_0/<local rank>/ (error.json is only there when the

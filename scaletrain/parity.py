@@ -12,12 +12,12 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import ConfigError
-
-SIZE_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+from scaletrain.parallel.mesh import MESH_DIMS
 
 
 @dataclass
@@ -32,20 +32,21 @@ class ParityResult:
 def parse_layout(text: str) -> tuple[int, list[str]]:
     """'pp=2,pp_schedule=1f1b' -> (world size, ['--parallel.pp', '2', ...]); dp_shard defaults to 1 here so the
     world size is the product of the sizes given (nproc=N overrides it)."""
-    sizes = dict.fromkeys(SIZE_KEYS, 1)
+    sizes = dict.fromkeys(MESH_DIMS, 1)
     overrides, nproc = [], None
     for item in filter(None, (s.strip() for s in text.split(","))):
         if "=" not in item:
             raise ConfigError(f"layout '{text}': '{item}' is not key=value (e.g. tp=2 or pp_schedule=gpipe)")
         key, value = (s.strip() for s in item.split("=", 1))
-        if key == "nproc":
-            nproc = int(value)
-            continue
-        if key in sizes:
+        if key in sizes or key == "nproc":
             try:
-                sizes[key] = int(value)
+                number = int(value)
             except ValueError:
                 raise ConfigError(f"layout '{text}': {key} must be an integer, got '{value}'") from None
+            if key == "nproc":
+                nproc = number
+                continue
+            sizes[key] = number
         overrides += [f"--parallel.{key}", value]
     world = nproc or math.prod(sizes.values())
     return world, overrides
@@ -75,7 +76,12 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 
 
 def run_parity(
-    config: str | None, layouts: list[str], steps: int, overrides: list[str], rtol: float, out=print
+    config: str | None,
+    layouts: list[str],
+    steps: int,
+    overrides: list[str],
+    rtol: float,
+    out: Callable[[str], None] = print,
 ) -> list[ParityResult]:
     """fp32, deterministic kernels, metrics every step, no evaluation: only the parallel layout differs."""
     base = (
@@ -99,20 +105,10 @@ def run_parity(
         ]
     )
     parsed = [(layout, *parse_layout(layout)) for layout in layouts]  # every layout checked before any run
-    single = [
-        "--parallel.data_parallel",
-        "ddp",
-        "--parallel.dp_replicate",
-        "1",
-        "--parallel.dp_shard",
-        "-1",
-        "--parallel.tp",
-        "1",
-        "--parallel.pp",
-        "1",
-        "--parallel.cp",
-        "1",
-    ]
+    # The reference: every mesh dim of size 1 (dp_shard -1 is the one process), plain DDP.
+    single = ["--parallel.data_parallel", "ddp"]
+    for dim in MESH_DIMS:
+        single += [f"--parallel.{dim}", "-1" if dim == "dp_shard" else "1"]
     results = []
     with tempfile.TemporaryDirectory(prefix="scaletrain-parity-") as tmp:
         ref = _run(base + single, 1, Path(tmp) / "reference")

@@ -1,4 +1,8 @@
-"""Cross-field checks of the whole config, run before any work starts: every problem, each with its fix."""
+"""Cross-field checks of the whole config, run before any work starts: every problem, each with its fix.
+
+The model is checked as it will be built: the preset resolved with every model.* override (resolve_model_args),
+so that a shape the attention cannot run is refused here, not at its first call.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,36 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import Config, DataConfig, ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
-from scaletrain.errors import UserError
+from scaletrain.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ResilienceConfig,
+    RunConfig,
+    TrainingConfig,
+)
+from scaletrain.data.sources import list_files
+from scaletrain.data.tokenizer import load_tokenizer
+from scaletrain.errors import ConfigError, UserError
+from scaletrain.models.llama import ModelArgs, count_parameters
+from scaletrain.models.presets import PRESETS, build_meta_model, resolve_model_args
+from scaletrain.parallel.mesh import ParallelDims, validate_parallel
+from scaletrain.parallel.pipeline import pipeline_problems, resolve_microbatches
+from scaletrain.resilience.faults import validate_specs
 
 
 def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[str]:
     problems = _model(cfg.model)
+    vocab = _tokenizer_vocab(cfg.data.tokenizer)
+    # The shape checks need a known preset and sizes >= 1; _model reported what is wrong otherwise.
+    args = resolve_model_args(cfg.model, vocab, cfg.data.seq_len) if _resolvable(cfg.model) else None
+    if args is not None:
+        problems += _model_shape(args, cfg.model, vocab)
     problems += _data(cfg.data)
-    dp_size = _dp_size(cfg, world_size)
+    dp_size = _dp_size(cfg.parallel, world_size)
     problems += _training(cfg.training, cfg.data.seq_len, dp_size)
     problems += _optimizer(cfg.optimizer)
     if cfg.training.eval_interval > 0 and cfg.data.val_fraction == 0:
@@ -30,40 +56,40 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
         problems.append("parallel.ddp_bucket_mb must be >= 1")
     problems += _checkpoint(cfg.checkpoint)
     problems += _run(cfg.run, cfg.checkpoint) if check_run_dir else []
-    from scaletrain.resilience.faults import validate_specs
+    problems += _resilience(cfg.resilience, world_size)
+    # The layout and memory checks assume every field above is sound (and args resolved).
+    if not problems and args is not None:
+        problems += _parallel(cfg, world_size, dp_size, args)
+    if not problems and args is not None:
+        problems += _fits_in_memory(cfg, world_size, args)
+    return problems
 
-    problems += validate_specs(cfg.resilience.inject, world_size)
-    r = cfg.resilience
+
+def _resilience(r: ResilienceConfig, world_size: int) -> list[str]:
+    problems = validate_specs(r.inject, world_size)
     if min(r.max_restarts, r.memory_interval, r.hang_timeout_s, r.memory_ttl_hours) < 0:
         problems.append(
             "resilience.max_restarts, memory_interval, hang_timeout_s and memory_ttl_hours must be >= 0"
         )
-    if cfg.resilience.straggler_factor and cfg.resilience.straggler_factor <= 1:
+    if r.straggler_factor and r.straggler_factor <= 1:
         problems.append(
             "resilience.straggler_factor must be > 1 (a multiple of the median step time), or 0 (off)"
         )
-    if not problems:
-        problems += _parallel(cfg, world_size, dp_size)
-    if not problems:
-        problems += _fits_in_memory(cfg, world_size)
     return problems
 
 
-def _dp_size(cfg: Config, world_size: int) -> int:
-    p = cfg.parallel
-    others = max(1, p.pp * p.cp * p.tp)
-    return world_size // others if world_size % others == 0 else world_size
+def _dp_size(p: ParallelConfig, world_size: int) -> int:
+    """Data-parallel ranks of the layout, for the batch checks; the whole world when the sizes do not tile it
+    (the layout check reports that once the rest is sound)."""
+    try:
+        return ParallelDims.from_config(p, world_size).dp_size
+    except ConfigError:
+        return world_size
 
 
-def _parallel(cfg: Config, world_size: int, dp_size: int) -> list[str]:
+def _parallel(cfg: Config, world_size: int, dp_size: int, args: ModelArgs) -> list[str]:
     """The layout: sizes that tile the world, divisibility for tp/cp, pipeline micro-batch rules."""
-    from scaletrain.models.presets import resolve_model_args
-    from scaletrain.parallel.mesh import validate_parallel
-    from scaletrain.parallel.pipeline import pipeline_problems
-
     p = cfg.parallel
-    vocab = _tokenizer_vocab(cfg.data.tokenizer)
-    args = resolve_model_args(cfg.model, vocab, cfg.data.seq_len)
     problems = validate_parallel(
         p,
         world_size,
@@ -84,12 +110,11 @@ def _parallel(cfg: Config, world_size: int, dp_size: int) -> list[str]:
             )
     if p.pp > 1:
         local = global_batch_sequences(cfg.training, cfg.data.seq_len) // max(dp_size, 1)
-        m = p.pp_microbatches or max(1, local // cfg.training.micro_batch)
         problems += pipeline_problems(
             p.pp_schedule,
             p.pp,
             p.pp_virtual_stages,
-            m,
+            resolve_microbatches(p.pp_microbatches, local, cfg.training.micro_batch),
             n_layers=args.n_layers,
             local_batch=local,
             tie_embeddings=args.tie_embeddings,
@@ -99,16 +124,15 @@ def _parallel(cfg: Config, world_size: int, dp_size: int) -> list[str]:
     return problems
 
 
-def _tokenizer_vocab(spec: str) -> int:
-    from scaletrain.data.tokenizer import load_tokenizer
-
+def _tokenizer_vocab(spec: str) -> int | None:
+    """The tokenizer's vocabulary, or None when it does not load (_data reports why)."""
     try:
         return load_tokenizer(spec).vocab_size
     except UserError:
-        return 257
+        return None
 
 
-def _checkpoint(c) -> list[str]:
+def _checkpoint(c: CheckpointConfig) -> list[str]:
     problems = []
     if isinstance(c.interval, int) and c.interval < 0:
         problems.append("checkpoint.interval must be >= 0 (0: only at the end and on SIGTERM) or 'auto'")
@@ -124,36 +148,36 @@ def global_batch_sequences(t: TrainingConfig, seq_len: int) -> int:
     return t.global_batch_tokens // seq_len if t.global_batch_tokens > 0 else t.global_batch
 
 
-def _model(m: ModelConfig) -> list[str]:
-    from scaletrain.models.presets import PRESETS
+_SIZE_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden",
+    "vocab_size",
+    "rope_original_max_len",
+)
 
+
+def _resolvable(m: ModelConfig) -> bool:
+    return m.preset in PRESETS and all(getattr(m, n) is None or getattr(m, n) >= 1 for n in _SIZE_FIELDS)
+
+
+def _model(m: ModelConfig) -> list[str]:
+    """The model.* fields on their own; the shape they resolve to is checked by _model_shape."""
     if m.preset not in PRESETS:
         near = difflib.get_close_matches(m.preset, list(PRESETS), n=1, cutoff=0.3)
         hint = f" (did you mean '{near[0]}'?)" if near else ""
         return [f"model.preset '{m.preset}' is unknown{hint}; choose one of {', '.join(PRESETS)}"]
-    p = PRESETS[m.preset]
-    dim, heads = m.dim or p["dim"], m.n_heads or p["n_heads"]
-    kv = m.n_kv_heads or (p["n_kv_heads"] if m.n_heads is None else heads)
-    problems = []
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"):
+    problems = [
+        f"model.{name} must be >= 1, got {getattr(m, name)}"
+        for name in _SIZE_FIELDS
+        if getattr(m, name) is not None and getattr(m, name) < 1
+    ]
+    for name in ("rope_theta", "rope_scaling_factor", "norm_eps", "init_std"):
         v = getattr(m, name)
-        if v is not None and v < 1:
-            problems.append(f"model.{name} must be >= 1, got {v}")
-    if problems:
-        return problems
-    if dim % heads:
-        problems.append(f"model.dim {dim} is not divisible by model.n_heads {heads}; change one of them")
-    elif (dim // heads) % 2:
-        problems.append(f"head size dim/n_heads = {dim // heads} is odd; RoPE rotates pairs, so make it even")
-    if heads % kv:
-        problems.append(
-            f"model.n_heads {heads} is not divisible by model.n_kv_heads {kv} (grouped-query "
-            "attention shares each key/value head among n_heads/n_kv_heads query heads)"
-        )
-    if m.rope_theta is not None and m.rope_theta <= 0:
-        problems.append("model.rope_theta must be > 0")
-    if m.init_std <= 0:
-        problems.append("model.init_std must be > 0")
+        if v is not None and v <= 0:
+            problems.append(f"model.{name} must be > 0, got {v}")
     if m.init_from:
         hf = Path(m.init_from[3:])
         if not m.init_from.startswith("hf:"):
@@ -169,10 +193,49 @@ def _model(m: ModelConfig) -> list[str]:
     return problems
 
 
-def _data(d: DataConfig) -> list[str]:
-    from scaletrain.data.sources import list_files
-    from scaletrain.data.tokenizer import load_tokenizer
+def _model_shape(args: ModelArgs, m: ModelConfig, tokenizer_vocab: int | None) -> list[str]:
+    """The resolved shape against what attention, RoPE and the embedding need; each message names the field to
+    change and says when its value came from the preset rather than from the config."""
 
+    def field(name: str) -> str:
+        origin = "" if getattr(m, name) is not None else f" (from model.preset '{m.preset}')"
+        return f"model.{name} {getattr(args, name)}{origin}"
+
+    problems = []
+    dim, heads, kv = args.dim, args.n_heads, args.n_kv_heads
+    if dim % heads:
+        problems.append(
+            f"{field('dim')} is not divisible by {field('n_heads')}: each head gets dim / n_heads channels; "
+            f"set model.n_heads to one of {_divisors_near(dim, heads, even_quotient=True)} or change model.dim"
+        )
+    elif (dim // heads) % 2:
+        problems.append(
+            f"the head size {field('dim')} / {field('n_heads')} = {dim // heads} is odd, and RoPE rotates "
+            f"pairs of channels; set model.n_heads to one of {_divisors_near(dim, heads, even_quotient=True)}"
+        )
+    if heads % kv:
+        problems.append(
+            f"{field('n_heads')} is not divisible by {field('n_kv_heads')} (grouped-query attention shares each "
+            f"key/value head among n_heads / n_kv_heads query heads); set model.n_kv_heads to one of "
+            f"{_divisors_near(heads, kv)}"
+        )
+    if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab:
+        problems.append(
+            f"{field('vocab_size')} is smaller than the tokenizer's {tokenizer_vocab} tokens, so some token ids "
+            f"have no embedding row; set model.vocab_size >= {tokenizer_vocab}, or leave it unset with a preset "
+            "that takes the tokenizer's (debug)"
+        )
+    return problems
+
+
+def _divisors_near(n: int, near: int, even_quotient: bool = False) -> str:
+    """Up to three divisors of `n` closest to `near` (with `even_quotient`: only those d with n / d even), for a
+    message that suggests values that work."""
+    ok = [d for d in range(1, n + 1) if n % d == 0 and (not even_quotient or (n // d) % 2 == 0)]
+    return ", ".join(map(str, sorted(sorted(ok, key=lambda d: (abs(d - near), d))[:3]))) or "none"
+
+
+def _data(d: DataConfig) -> list[str]:
     problems = []
     if d.seq_len < 2:
         problems.append(f"data.seq_len must be >= 2, got {d.seq_len}")
@@ -246,7 +309,7 @@ def _optimizer(o: OptimizerConfig) -> list[str]:
     return problems
 
 
-def _run(r: RunConfig, c) -> list[str]:
+def _run(r: RunConfig, c: CheckpointConfig) -> list[str]:
     if not r.dir:
         return []
     path = Path(r.dir)
@@ -272,13 +335,9 @@ def _run(r: RunConfig, c) -> list[str]:
     return []
 
 
-def _fits_in_memory(cfg: Config, world_size: int) -> list[str]:
+def _fits_in_memory(cfg: Config, world_size: int, args: ModelArgs) -> list[str]:
     """Refuse a model whose fp32 weights, gradients and AdamW state (16 bytes a parameter) cannot fit, instead of
     dying in the allocator minutes later. Activations come on top; this is a floor, not a plan."""
-    from scaletrain.models.llama import count_parameters
-    from scaletrain.models.presets import build_meta_model, resolve_model_args
-
-    args = resolve_model_args(cfg.model, 257, cfg.data.seq_len)
     need = count_parameters(build_meta_model(args))["total"] * 16
     cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
     if cuda:

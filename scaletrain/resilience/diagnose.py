@@ -10,8 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_HANG_EXIT_CODE = 86  # the watchdog's exit code when scaletrain.resilience.watchdog is absent
-CONFIG_EXIT_CODE = 2  # scaletrain.cli: a ConfigError ends the process with status 2
+from scaletrain.errors import CONFIG_EXIT_CODE
+from scaletrain.resilience.watchdog import HANG_EXIT_CODE
 
 KINDS = (
     "out_of_memory",
@@ -47,7 +47,7 @@ _CONFIG = re.compile(r"problem\(s\) in the configuration")
 _STEP = re.compile(r"\bstep (\d+)/\d+|\bat step (\d+)", re.IGNORECASE)
 # torchrun's --tee prefixes each worker's output line with "[default0]:" (or --log-line-prefix-template's).
 _RANK_PREFIX = re.compile(r"^\[[^\]\s]*\]:? ?")
-_USER_ERROR = re.compile(r"^error: ")  # scaletrain.cli prints a UserError as one "error: ..." line, exit 1
+_USER_ERROR = re.compile(r"^error: ")  # scaletrain.errors.report_errors: a UserError is one "error: ..." line
 _TRACEBACK = "Traceback (most recent call last):"
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
 
@@ -61,15 +61,6 @@ class Diagnosis:
     curable: bool
     detail: str
     step: int | None = None
-
-
-def hang_exit_code() -> int:
-    """The watchdog's exit code, read lazily so that this module works without (and before) the watchdog."""
-    try:
-        from scaletrain.resilience.watchdog import HANG_EXIT_CODE  # type: ignore[import-not-found]
-    except ImportError:
-        return DEFAULT_HANG_EXIT_CODE
-    return int(HANG_EXIT_CODE)
 
 
 def classify(exitcode: int | None, signal: int | None, log_tail: str) -> Diagnosis:
@@ -89,7 +80,7 @@ def classify(exitcode: int | None, signal: int | None, log_tail: str) -> Diagnos
         return make(
             "config_error", _matching_line(_CONFIG, log_tail) or f"exit code {exitcode}: configuration error"
         )
-    if exitcode is not None and exitcode == hang_exit_code():
+    if exitcode == HANG_EXIT_CODE:
         return make("hang", f"the watchdog ended a hung worker (exit code {exitcode})")
     if line := _matching_line(_OOM, log_tail):
         return make("out_of_memory", line)

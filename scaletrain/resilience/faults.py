@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ from torch import nn
 from scaletrain.config import FaultConfig
 from scaletrain.errors import ConfigError
 from scaletrain.models.llama import Transformer
+from scaletrain.resilience.watchdog import append_event
 
 log = logging.getLogger("scaletrain")
 
@@ -139,18 +141,14 @@ class FaultInjector:
     """
 
     def __init__(
-        self,
-        specs: list[FaultConfig],
-        rank: int,
-        run_dir: Path,
-        event: Callable[..., None],
-        vocab_size: int = 0,
+        self, specs: list[FaultConfig], rank: int, run_dir: Path, event: Callable[..., None] | None = None
     ) -> None:
         self.specs = [s for s in check_specs(specs) if _on_rank(s, rank)]
         self.rank = rank
         self.run_dir = Path(run_dir)
-        self.event = event
-        self.vocab_size = vocab_size
+        # Ranks other than 0 have no metrics writer: their events are appended to events.jsonl directly.
+        self.event = event or functools.partial(append_event, self.run_dir)
+        self.vocab_size = 0
         self.step = 0  # the step running now (set by at_step_start)
         self._nan = False  # the output layer's hook turns this step's logits to NaN
         # slow fault -> whether this process slows, decided at its first due step (False: an earlier run fired it).

@@ -21,7 +21,8 @@ log = logging.getLogger("scaletrain")
 
 HANG_EXIT_CODE = 86
 """Exit status of a worker the watchdog ended. torchrun's agent sees a failed worker and restarts the group (within
-resilience.max_restarts); the launcher reads this status to report "hang" rather than "crash" for that rank."""
+resilience.max_restarts); the launcher's diagnosis (resilience.diagnose) reads this status to report "hang" rather
+than "crash" for that rank."""
 
 TRACKED = (
     "all_reduce",

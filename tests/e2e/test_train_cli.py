@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from scaletrain.config import load_config
-from tests.helpers import DEBUG, QUICK, ROOT, read_jsonl, run_cli
+from scaletrain.config_io import load_config
+from tests.helpers import DEBUG, QUICK, ROOT, per_step, read_jsonl, run_cli
 
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "mem_peak_mib", "step_time_s"}
 
@@ -35,11 +35,6 @@ def test_single_process_run_writes_the_run_directory_contract(tmp_path):
     assert str(run) in proc.stdout
 
 
-def _losses(run):
-    m = read_jsonl(run / "metrics.jsonl")
-    return [x["loss"] for x in m], [x["grad_norm"] for x in m]
-
-
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("ref") / "run"
@@ -57,7 +52,7 @@ def reference_run(tmp_path_factory):
         "--training.eval_interval",
         "0",
     )
-    return _losses(run)
+    return per_step(run, "loss"), per_step(run, "grad_norm")
 
 
 def test_nproc_2_matches_single_process(reference_run, tmp_path):
@@ -79,11 +74,10 @@ def test_nproc_2_matches_single_process(reference_run, tmp_path):
         "--training.eval_interval",
         "0",
     )
-    loss, gnorm = _losses(run)
+    loss, gnorm = per_step(run, "loss"), per_step(run, "grad_norm")
     ref_loss, ref_gnorm = reference_run
     assert len(loss) == 10
-    for a, b in zip(loss + gnorm, ref_loss + ref_gnorm):
-        assert a == pytest.approx(b, rel=1e-5)
+    assert loss == pytest.approx(ref_loss, rel=1e-5) and gnorm == pytest.approx(ref_gnorm, rel=1e-5)
     assert [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "start"][0]["world_size"] == 2
 
 
@@ -115,8 +109,7 @@ def test_torchrun_module_entry_point(reference_run, tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    loss, _ = _losses(run)
-    assert loss == pytest.approx(reference_run[0], rel=1e-5)
+    assert per_step(run, "loss") == pytest.approx(reference_run[0], rel=1e-5)
 
 
 def test_data_smaller_than_one_global_batch(tmp_path):
@@ -285,3 +278,31 @@ def test_launcher_refuses_a_bad_layout_before_starting_workers(tmp_path):
     )
     assert proc.returncode == 2 and "x 3 data-parallel ranks" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_flag_of_another_command_is_refused_with_the_config_key_meant(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("train", "--steps", "5", "--config", DEBUG, "--run.dir", str(run), *QUICK, check=False)
+    assert proc.returncode == 2 and "--training.steps 5" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not run.exists()
+
+
+def test_a_model_shape_attention_cannot_run_is_refused_before_launch(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(
+        "train",
+        "--nproc",
+        "2",
+        "--config",
+        DEBUG,
+        "--run.dir",
+        str(run),
+        *QUICK,
+        "--model.preset",
+        "125M",
+        "--model.n_heads",
+        "8",
+        check=False,
+    )
+    assert proc.returncode == 2 and "model.n_kv_heads" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not run.exists()  # no worker started

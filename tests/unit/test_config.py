@@ -1,10 +1,11 @@
+import re
 from pathlib import Path
 
 import pytest
 
 from scaletrain.cli import main
-from scaletrain.config import Config, load_config
-from scaletrain.config_io import field_docs, help_text
+from scaletrain.config import Config
+from scaletrain.config_io import default_run_dir, field_docs, help_text, load_config, to_dict, write_toml
 from scaletrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,3 +162,60 @@ def test_cli_reports_config_errors_without_traceback(capsys):
     assert main(["train", "--training.stepz", "3"]) == 2
     err = capsys.readouterr().err
     assert "did you mean 'training.steps'" in err and "Traceback" not in err
+
+
+def test_the_model_is_checked_as_resolved_from_its_preset():
+    # 125M has 12 key/value heads; 8 query heads cannot share them, which the attention would only find out at its
+    # first call. The message names the field to change and where the other value came from.
+    (msg,) = problems("--model.preset", "125M", "--model.n_heads", "8")
+    assert "model.n_heads 8 is not divisible by model.n_kv_heads 12 (from model.preset '125M')" in msg
+    assert "set model.n_kv_heads to one of 2, 4, 8" in msg
+    (msg,) = problems("--model.n_heads", "6")
+    assert "model.dim 128 (from model.preset 'debug') is not divisible by model.n_heads 6" in msg
+    assert "set model.n_heads to one of" in msg
+    (msg,) = problems("--model.n_heads", "128", "--model.n_kv_heads", "128")  # head size 1
+    assert "head size" in msg and "is odd" in msg and "model.n_heads" in msg
+    (msg,) = problems("--model.vocab_size", "200")  # the byte tokenizer has 257 tokens
+    assert "model.vocab_size 200 is smaller than the tokenizer's 257 tokens" in msg
+    assert "model.n_heads must be >= 1, got 0" in problems("--model.n_heads", "0")[0]
+    # What the preset leaves consistent stays accepted.
+    cfg = load_config(None, ["--model.preset", "125M", "--model.n_heads", "8", "--model.n_kv_heads", "4"])
+    assert (cfg.model.n_heads, cfg.model.n_kv_heads) == (8, 4)
+
+
+def test_the_resolved_config_round_trips_and_the_run_dir_is_named_once(tmp_path):
+    cfg = load_config(None, ["--training.steps", "7", "--run.name", "exp"])
+    toml = tmp_path / "config.toml"
+    write_toml(to_dict(cfg), toml)
+    assert load_config(str(toml), []) == cfg
+    assert re.fullmatch(r"runs/exp-\d{8}-\d{6}", default_run_dir("exp"))
+    assert re.fullmatch(r"runs/run-\d{8}-\d{6}", default_run_dir(""))
+
+
+def test_cli_refuses_a_flag_that_is_not_its_command_s(capsys):
+    # --steps is parity's flag: train refuses it and names the config key it probably meant.
+    assert main(["train", "--steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "'scaletrain train' has no option --steps; did you mean --training.steps 5?" in err
+    assert "--config, --max-restarts, --nproc" in err and "Traceback" not in err
+    # No prefix matching: --conf is not --config.
+    assert main(["train", "--conf", "x.toml"]) == 2
+    assert "did you mean --config?" in capsys.readouterr().err
+    assert main(["parity", "--nproc", "2", "--layouts", "tp=2"]) == 2
+    assert "'scaletrain parity' has no option --nproc" in capsys.readouterr().err
+    assert main(["convert", "--to", "hf", "a", "b", "--model.dim", "4"]) == 2
+    assert "takes no argument '--model.dim'" in capsys.readouterr().err
+    assert main(["trian"]) == 2  # argparse's own refusal: exit 2, its message
+    assert "invalid choice: 'trian'" in capsys.readouterr().err
+
+
+def test_help_of_every_command(capsys):
+    assert main([]) == 0 and main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "scaletrain prepare-data --config FILE" in out and "--training.steps INT" in out
+    for command in ("prepare-data", "parity"):
+        assert main([command, "--help"]) == 0
+        assert f"usage: scaletrain {command}" in (out := capsys.readouterr().out) and "--data.seq_len" in out
+    assert main(["convert", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--from {hf}" in out and "--data.seq_len" not in out  # convert takes no overrides

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.config import ParallelConfig
+from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.parallel.mesh import ParallelDims, check_restartable_store, validate_parallel
 
@@ -128,3 +129,20 @@ def test_a_worker_torchrun_could_restart_into_a_hang_is_refused():
     check_restartable_store({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"})  # no restarts: nothing to go wrong
     check_restartable_store({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"})  # a fresh store per attempt
     check_restartable_store({})  # not under torchrun
+
+
+def test_the_whole_config_check_sees_the_resolved_model_and_the_step_s_micro_batches():
+    # n_heads 4 comes from the debug preset, n_kv_heads 1 from the override: tp must divide the resolved values.
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            None, ["--parallel.tp", "2", "--parallel.data_parallel", "fsdp", "--model.n_kv_heads", "1"], 2
+        )
+    assert e.value.problems == [
+        "parallel.tp = 2 does not divide model.n_kv_heads 1 (each rank needs whole key/value heads for its share "
+        "of query heads); choose a tp that divides it"
+    ]
+    # pp_microbatches 0: one micro-batch per training.micro_batch sequences of the local batch, as the step counts.
+    pp = ["--parallel.pp", "2", "--parallel.data_parallel", "fsdp", "--training.global_batch", "8"]
+    load_config(None, [*pp, "--training.micro_batch", "4"], world_size=2)  # 2 micro-batches for 2 stages
+    with pytest.raises(ConfigError, match="1f1b needs at least as many micro-batches as stages: 1 < 2"):
+        load_config(None, [*pp, "--training.micro_batch", "8"], world_size=2)
