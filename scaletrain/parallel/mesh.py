@@ -332,20 +332,12 @@ def validate_parallel(
     return problems
 
 
-def _group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
-    """The process group of a 1-D mesh, or the default group for a multi-dim mesh over the whole world."""
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    assert mesh.size() == dist.get_world_size(), "a multi-dim mesh here must span the world"
-    return None
-
-
 def all_reduce_mean(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """Mean of a tensor over the mesh (identity on one process)."""
     if mesh is None:
         return t
     t = t.detach().clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_group(mesh))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=mesh.get_group())  # a 1-D mesh: never the default group
     return t / mesh.size()
 
 
