@@ -4,7 +4,7 @@ Both run the same Llama module, batch, AdamW settings and gradient clipping on t
 no data loader, schedule, metrics or logging. Rounds alternate (scaletrain, bare, scaletrain, ...) so that noise
 from a shared machine hits both sides alike; the ratio of median step times is the figure to quote.
 
-    python benchmarks/throughput.py [--steps 30] [--rounds 3] [--preset debug] [--seq-len 256] [--batch 16]
+    python benchmarks/throughput.py [--steps 30] [--rounds 5] [--preset debug] [--seq-len 256] [--batch 16]
 """
 
 from __future__ import annotations
@@ -97,18 +97,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--preset", default="debug")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = p.parse_args()
-    ours, bare = [], []
+    ours, bare, ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            ours += scaletrain_step_times(args, Path(tmp) / f"run{r}")
-            bare += bare_step_times(args)
+            mine, theirs = scaletrain_step_times(args, Path(tmp) / f"run{r}"), bare_step_times(args)
+            ours += mine
+            bare += theirs
+            ratios.append(statistics.median(theirs) / statistics.median(mine))
     tokens = args.batch * args.seq_len
     t_ours, t_bare = statistics.median(ours), statistics.median(bare)
     print(
@@ -119,6 +121,10 @@ def main() -> None:
     print(f"  bare PyTorch loop : {tokens / t_bare:10.0f} tokens/s  (median step {t_bare * 1e3:.1f} ms)")
     print(f"  scaletrain train(): {tokens / t_ours:10.0f} tokens/s  (median step {t_ours * 1e3:.1f} ms)")
     print(f"  ratio scaletrain / bare = {t_bare / t_ours:.3f}  (target >= 0.97)")
+    print(
+        f"  per-round ratios: {', '.join(f'{r:.3f}' for r in ratios)}  (min {min(ratios):.3f}, median "
+        f"{statistics.median(ratios):.3f}, max {max(ratios):.3f})"
+    )
 
 
 if __name__ == "__main__":

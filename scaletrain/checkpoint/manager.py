@@ -134,7 +134,7 @@ class CheckpointManager:
             if saved and finished:
                 self.memory.cleanup()
             self.memory.close()
-        self._shutdown()
+        self.shutdown()
         if not saved:
             kept = "its in-memory snapshot is kept: run again to resume from it" if self.memory else ""
             raise UserError(
@@ -395,7 +395,8 @@ class CheckpointManager:
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
 
-    def _shutdown(self) -> None:
+    def shutdown(self) -> None:
+        """Release the stager, the commit thread and the save group (close() does it after the final save)."""
         if self.stager is not None:
             self.stager.close()
             self.stager = None
