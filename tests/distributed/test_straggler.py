@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from scaletrain.config import FaultConfig
 from scaletrain.resilience.faults import FaultInjector, _spin
 from scaletrain.resilience.straggler import StragglerMonitor
 from tests.distributed.spawn import spawn
@@ -21,7 +22,10 @@ WORK_S = 0.02
 def _ranks(rank: int, world_size: int, out: str) -> None:
     run_dir = Path(out)
     injector = FaultInjector(
-        ["slow:rank=2,factor=4,step=5"], rank=rank, run_dir=run_dir, event=lambda *a, **k: None
+        [FaultConfig(kind="slow", rank=2, factor=4.0, step=5)],
+        rank=rank,
+        run_dir=run_dir,
+        event=lambda *a, **k: None,
     )
     monitor = StragglerMonitor(factor=2.0, interval=4)
     reports, walls = {}, []
