@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from scaletrain.config import ModelConfig
-from scaletrain.models.llama import ModelArgs, Transformer, count_parameters
+from scaletrain.models.llama import ModelArgs, Transformer
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, rope_scaling="llama3")
 
@@ -76,8 +76,3 @@ def build_model(args: ModelArgs, seed: int, device: torch.device | str) -> Trans
     torch.manual_seed(seed)
     model.init_weights(device)
     return model
-
-
-def preset_parameter_count(name: str, vocab_size: int = 32000) -> dict[str, int]:
-    cfg = ModelConfig(preset=name)
-    return count_parameters(build_meta_model(resolve_model_args(cfg, vocab_size, 2048)))

@@ -213,10 +213,6 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp_size > 1
-
 
 def _resolved_dp_shard(pcfg: ParallelConfig, world_size: int) -> int:
     if pcfg.dp_shard != -1:

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from scaletrain.config import ModelConfig
 from scaletrain.models import ModelArgs, Transformer, build_meta_model, count_parameters, resolve_model_args
-from scaletrain.models.presets import PRESETS, preset_parameter_count
+from scaletrain.models.presets import PRESETS
 
 
 def tiny(**kw) -> Transformer:
@@ -54,7 +54,8 @@ def test_tied_embeddings_share_storage():
     "name,expected", [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9), ("1B", 1.236e9)]
 )
 def test_presets_count_published_sizes_on_meta(name, expected):
-    total = preset_parameter_count(name, vocab_size=128256)["total"]
+    args = resolve_model_args(ModelConfig(preset=name), 128256, 2048)
+    total = count_parameters(build_meta_model(args))["total"]
     assert abs(total - expected) / expected < 0.002
 
 

@@ -119,7 +119,7 @@ def test_one_process_needs_no_mesh():
     dims = ParallelDims.from_config(ParallelConfig(), 1)
     assert dims.build_mesh("cpu") is None
     assert dims.submesh("dp_cp") is None and dims.dp_rank == 0 and dims.dp_size == 1
-    assert not (dims.tp_enabled or dims.dp_enabled or dims.pp_enabled or dims.cp_enabled)
+    assert not (dims.tp_enabled or dims.dp_size > 1 or dims.pp_enabled or dims.cp_enabled)
 
 
 def test_a_worker_torchrun_could_restart_into_a_hang_is_refused():
