@@ -22,8 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from scaletrain.models import ModelArgs, build_meta_model
-from scaletrain.models import cross_entropy
+from scaletrain.models import ModelArgs, build_meta_model, cross_entropy
 from scaletrain.parallel.pipeline import apply_pp, ideal_bubble, stages_per_rank
 
 CPU = torch.device("cpu")
