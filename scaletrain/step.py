@@ -141,25 +141,3 @@ def evaluate(
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (a loss or norm under TP/FSDP) as a plain tensor."""
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    micro_batch: int,
-    autocast,
-    grad_clip: float,
-):
-    """One optimizer step of a single (unsplit) model: what the single-process reference of every parallel
-    equivalence test runs."""
-    runner = StepRunner([model], micro_batch, autocast, grad_clip)
-    loss = runner.forward_backward(inputs, targets)
-    norm = runner.clip()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return loss, norm

@@ -1,10 +1,12 @@
-"""Shared by the end-to-end tests: run the real CLI in a subprocess and read what it wrote."""
+"""Shared by the tests: run the real CLI in a subprocess, read what a run wrote (metrics.jsonl, events.jsonl), and
+pick a free port."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,4 +41,33 @@ def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """Every record of a JSON-lines file, in order (blank lines skipped)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def events(run: Path, kind: str | None = None) -> list[dict]:
+    """The run's events (<run>/events.jsonl) in the order written, only those of `kind` when given."""
+    return [e for e in read_jsonl(Path(run) / "events.jsonl") if kind is None or e["kind"] == kind]
+
+
+def per_step(run: Path, key: str | tuple[str, ...]) -> dict[int, object]:
+    """{step: value of `key`} from the run's metrics (<run>/metrics.jsonl); with a tuple of keys, {step: (values)}.
+
+    A step recomputed after a resume overwrites its first record, so this is the history the run ended with. A
+    value may be None (a non-finite loss is recorded as null)."""
+    out: dict[int, object] = {}
+    for m in read_jsonl(Path(run) / "metrics.jsonl"):
+        out[m["step"]] = tuple(m[k] for k in key) if isinstance(key, tuple) else m[key]
+    return out
+
+
+def losses(run: Path) -> dict[int, float | None]:
+    """{step: loss} of the run: `per_step(run, "loss")`."""
+    return per_step(run, "loss")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous or a process group's store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

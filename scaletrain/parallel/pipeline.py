@@ -1,5 +1,5 @@
 """Pipeline parallelism: split the model into stages of whole layers, place them on the pp ranks (looped or V), and
-run a `torch.distributed.pipelining` schedule whose mean loss and gradients equal `train_step`'s on the same batch."""
+run a `torch.distributed.pipelining` schedule whose mean loss and gradients equal the single-process `StepRunner`'s on the same batch."""
 
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def build_schedule(
 
     Gradients: each micro-batch's mean loss is divided by the number of micro-batches n *before* its backward, and
     the schedule's own scaling is off (scale_grads=False). Summed over micro-batches this is the gradient of the mean
-    loss over the batch (equal micro-batches, see pipeline_problems), computed as train_step computes it, with
+    loss over the batch (equal micro-batches, see pipeline_problems), computed as StepRunner computes it, with
     `(loss / n).backward()`. The schedule's default (scale_grads=True: backward of the unscaled loss, then divide
     the summed gradients by n) has the same value but rounds differently unless n is a power of two."""
     pp = pp_mesh.size()

@@ -7,7 +7,6 @@ thread, and raises on failure; the parent re-raises the first failure with that 
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 
@@ -15,11 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:
@@ -47,7 +42,7 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 300) -> None:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; fn must be importable (module level)."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)
     ]

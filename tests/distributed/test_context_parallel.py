@@ -1,33 +1,23 @@
 """Context parallel on gloo: ring attention equals full causal SDPA on the gathered sequence (outputs and input
-gradients), and 10 training steps with every sequence split over cp ranks match the single-process reference."""
+gradients), and 10 training steps with every sequence split over cp ranks (through `train_steps`) match the
+single-process reference."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from scaletrain.models.attention import causal_sdpa
-from scaletrain.optim import build_lr_scheduler, build_optimizer
-from scaletrain.parallel.context_parallel import RingAttention, apply_cp, cp_shard_batch, cp_split
-from tests.distributed.reference import (
-    OPT,
-    assert_close_run,
-    full_model,
-    global_batches,
-    reference_run,
-    tiny_args,
-)
-from tests.distributed.spawn import spawn
+from scaletrain.parallel.context_parallel import RingAttention, cp_split
+from tests.distributed.reference import check_equivalent, layout_case, run_layouts, tiny_args
 
 MICRO_BATCH = 4
 
 
-def _check_ring_attention(group, rank: int, size: int) -> None:
-    """Same random q/k/v on every rank; each rank feeds its shard to ring attention and compares with its shard
-    of full causal SDPA, in float64 (tight) and bf16 (fp32 inside, so close to the fp32 reference)."""
+def _check_ring_attention(rank: int, size: int) -> list[str]:
+    """Same random q/k/v on every rank; each rank feeds its shard to ring attention over the world and compares
+    with its shard of full causal SDPA, in float64 (tight) and bf16 (fp32 inside, so close to the fp32 reference).
+    Returns the failures (raising between the ring's collectives would leave the other ranks waiting)."""
     g = torch.Generator().manual_seed(7)
     b, hq, hkv, s, d = 2, 4, 2, 8 * size, 8
     q, k, v = (
@@ -36,8 +26,9 @@ def _check_ring_attention(group, rank: int, size: int) -> None:
     dout = torch.randn(b, hq, s, d, generator=g, dtype=torch.float64)
     ref = causal_sdpa(q, k, v)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    failures = []
     for lb in (True, False):
-        ring = RingAttention(group, load_balance=lb)
+        ring = RingAttention(None, load_balance=lb)
 
         def shard(t: torch.Tensor, dt: torch.dtype = torch.float64, lb: bool = lb) -> torch.Tensor:
             return cp_split(t.detach(), rank, size, lb, dim=2).to(dt)
@@ -45,75 +36,75 @@ def _check_ring_attention(group, rank: int, size: int) -> None:
         for dt, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2e-2)):
             ql, kl, vl = (shard(t, dt).requires_grad_() for t in (q, k, v))
             out = ring(ql, kl, vl)
-            assert out.dtype == dt
             got = (out, *torch.autograd.grad(out, (ql, kl, vl), shard(dout, dt)))
+            if out.dtype != dt:
+                failures.append(f"lb={lb}: ring attention returned {out.dtype} for {dt} inputs")
             for name, a, want in zip(("out", "dq", "dk", "dv"), got, (ref, *ref_grads)):
-                torch.testing.assert_close(
-                    a.double(),
-                    shard(want),
-                    rtol=tol,
-                    atol=tol,
-                    msg=lambda m, n=name, lb=lb, dt=dt: f"{n} lb={lb} {dt}: {m}",
-                )
+                try:
+                    torch.testing.assert_close(a.double(), shard(want), rtol=tol, atol=tol)
+                except AssertionError as e:
+                    failures.append(f"{name} lb={lb} {dt}: {e}")
+    return failures
 
 
-def _train_cp(dp: int, cp: int, lb: bool, dp_rank: int, cp_mesh, world: dist.ProcessGroup | None) -> None:
-    args = tiny_args()
-    model = full_model(args)
-    batches = global_batches(args)
-    ref = reference_run(model, batches, micro_batch=MICRO_BATCH)
-    apply_cp(model, cp_mesh, load_balance=lb)
-    opt = build_optimizer(model, OPT, torch.device("cpu"))
-    sched = build_lr_scheduler(opt, OPT, len(batches))
-    n_ranks = dp * cp
-    losses, norms = [], []
-    for x, y in batches:
-        x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
-        x, y, pos = cp_shard_batch(x, y, cp_mesh, lb)
-        xs, ys = x.split(MICRO_BATCH), y.split(MICRO_BATCH)
-        loss_sum = torch.zeros(())
-        for xm, ym in zip(xs, ys):
-            loss = F.cross_entropy(model(xm, positions=pos).flatten(0, 1), ym.flatten())
-            (loss / len(xs)).backward()
-            loss_sum += loss.detach()
-        # Every rank's loss is a mean over equally many tokens, so the global loss and gradient are the means
-        # over all dp×cp ranks (what DDP/FSDP over the flattened mesh would do).
-        for p in model.parameters():
-            dist.all_reduce(p.grad, group=world)
-            p.grad /= n_ranks
-        dist.all_reduce(loss_sum, group=world)
-        losses.append((loss_sum / len(xs) / n_ranks).item())
-        norms.append(nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True).item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses + norms, ref["losses"] + ref["grad_norms"]))
-    params = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
-    if dist.get_rank() == 0:  # the tolerance reached, for the record (pytest -s)
-        print(
-            f"dp{dp} cp{cp} {'zigzag' if lb else 'contiguous'}: max rel diff loss/grad-norm {worst:.1e}, "
-            f"max abs param diff {params:.1e}"
-        )
-    assert_close_run(losses, norms, state, ref, rtol=1e-5)
+def cp_case(rank: int, world_size: int, spec: dict | str) -> dict:
+    """ "ring": ring attention against full SDPA; otherwise a training layout (ParallelConfig fields)."""
+    if spec == "ring":
+        return {"errors": _check_ring_attention(rank, world_size)}
+    return layout_case(rank, world_size, {**spec, "micro_batch": MICRO_BATCH})
 
 
-def _cp2(rank: int, world_size: int) -> None:
-    _check_ring_attention(None, rank, world_size)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-    for lb in (True, False):
-        _train_cp(1, world_size, lb, 0, mesh, None)
+# Every sequence split over the cp ranks, zig-zag (load-balanced) or contiguous; dp2 x cp2 averages the gradients
+# over all four ranks (DDP over dp_cp).
+CASES_2 = {
+    "ring": "ring",
+    "cp2_zigzag": dict(cp=2, cp_load_balance=True),
+    "cp2_contiguous": dict(cp=2, cp_load_balance=False),
+}
+CASES_4 = {"ring": "ring", "dp2_cp2": dict(dp_shard=2, cp=2)}
+SEQ = tiny_args().max_seq_len  # 32
 
 
-def _cp4_and_dp2_cp2(rank: int, world_size: int) -> None:
-    _check_ring_attention(None, rank, world_size)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    _train_cp(2, 2, True, mesh["dp"].get_local_rank(), mesh["cp"], None)
+@pytest.fixture(scope="module")
+def results_2(tmp_path_factory):
+    return run_layouts(tmp_path_factory, 2, CASES_2, cp_case)
 
 
-def test_cp2_ring_attention_and_training_match_reference():
-    spawn(_cp2, 2)
+@pytest.fixture(scope="module")
+def results_4(tmp_path_factory):
+    return run_layouts(tmp_path_factory, 4, CASES_4, cp_case)
 
 
-def test_cp4_ring_attention_and_dp2_cp2_training_match_reference():
-    spawn(_cp4_and_dp2_cp2, 4)
+@pytest.mark.parametrize("results", ["results_2", "results_4"])
+def test_ring_attention_matches_full_attention(results, request):
+    check_equivalent(request.getfixturevalue(results), "ring")
+
+
+def _span(*ranges: tuple[int, int]) -> list[int]:
+    return [i for a, b in ranges for i in range(a, b)]
+
+
+# The original positions each cp rank holds of a 32-token sequence. Zig-zag cuts it into 4 chunks and gives rank r
+# chunks r and 3-r (so both ranks do the same causal work); contiguous gives rank r the r-th half.
+POSITIONS = {
+    "zigzag": [_span((0, 8), (24, 32)), _span((8, 24))],
+    "contiguous": [_span((0, 16)), _span((16, 32))],
+}
+
+
+@pytest.mark.parametrize("name", ["cp2_zigzag", "cp2_contiguous"])
+def test_cp2_training_matches_reference(results_2, name):
+    for rank, facts in enumerate(check_equivalent(results_2, name)):
+        # Each rank ran ring attention on its half of every sequence, with those tokens' original positions.
+        assert facts["attention"] == "RingAttention" and facts["block_input_len"] == SEQ // 2
+        assert facts["positions"] == POSITIONS[name.split("_")[1]][rank]
+        # Whole replicas on both ranks (DDP over cp), bitwise equal, and the check would have seen one ulp.
+        assert facts["replica_check_catches"] is True
+
+
+def test_dp2_cp2_training_matches_reference(results_4):
+    for rank, facts in enumerate(check_equivalent(results_4, "dp2_cp2")):
+        assert facts["attention"] == "RingAttention" and facts["block_input_len"] == SEQ // 2
+        # Mesh order (dp_shard, cp): the cp coordinate is the last of the rank.
+        assert facts["positions"] == POSITIONS["zigzag"][rank % 2]
+        assert facts["replica_check_catches"] is True

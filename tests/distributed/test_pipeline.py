@@ -1,45 +1,45 @@
 """Pipeline parallelism: every schedule against the single-process reference (same losses, grad norms and final
-weights over 10 steps; first-step gradients), plus the stage split, its balance and its refusals.
+weights over 10 steps; first-step gradients; evaluation; the nan fault), plus the stage split, its balance and its
+refusals.
 
-Each spawn trains several schedules of one pp size; rank 0 writes what it measured to a JSON file that the
-parametrized tests read, so each schedule passes or fails on its own (the pattern of test_data_parallel)."""
+Each spawn trains several schedules of one pp size through `train_steps` (tests/distributed/reference.py); rank 0
+writes what it measured to a JSON file that the parametrized tests read, so each schedule passes or fails on its own."""
 
 from __future__ import annotations
 
-import copy
-import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
+from scaletrain.config import FaultConfig, ParallelConfig, TrainingConfig
 from scaletrain.models import Transformer
-from scaletrain.optim import build_lr_scheduler, build_optimizer
+from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.parallelize import ParallelModel
 from scaletrain.parallel.pipeline import (
-    apply_pp,
-    clip_grad_norm_pp,
     ideal_bubble,
     layers_per_stage,
-    pipeline_loss,
     pipeline_problems,
     resolve_microbatches,
     split_model,
 )
+from scaletrain.resilience.faults import FaultInjector
 from tests.distributed.reference import (
-    OPT,
-    assert_close_run,
+    Run,
+    check_equivalent,
     full_model,
     global_batches,
     reference_run,
+    run_layouts,
     tiny_args,
+    train_steps,
 )
-from tests.distributed.spawn import spawn
 
 CPU = torch.device("cpu")
-# name -> (schedule, n_layers, micro-batches, global batch). Layer counts are chosen to exercise uneven splits (3 layers on 2
-# stages: [2, 1]; 5 on 4: [1, 2, 1, 1]) while keeping the model shallow. The pipeline's gradients equal the
-# reference's bit for bit; its one difference is the order in which the grad norm's squares are summed, and a
+# name -> (schedule, n_layers, micro-batches, global batch). Layer counts are chosen to exercise uneven splits (3
+# layers on 2 stages: [2, 1]; 5 on 4: [1, 2, 1, 1]) while keeping the model shallow. The pipeline's gradients equal
+# the reference's bit for bit; its one difference is the order in which the grad norm's squares are summed, and a
 # rounding difference there grows over 10 steps with depth, as in the reference itself: merely changing its
 # micro-batch size from 2 to 4 moves its grad norms by 4e-6 relative at 5 layers, 3e-5 at 6, 1e-4 at 8.
 CASES_2 = {
@@ -47,7 +47,7 @@ CASES_2 = {
     "1f1b": ("1f1b", 4, 4, 8),
     "interleaved_1f1b": ("interleaved_1f1b", 5, 4, 8),
     # 6 micro-batches: dividing by 6 rounds, so this case fails unless each micro-batch loss is divided before its
-    # backward as train_step does (the schedule's scale_grads=True divides the summed gradients after: 5e-5 drift).
+    # backward as StepRunner does (the schedule's scale_grads=True divides the summed gradients after: 5e-5 drift).
     "interleaved_zb": ("interleaved_zb", 4, 6, 12),
     "zbv": ("zbv", 4, 4, 8),
     "dualpipev": ("dualpipev", 4, 4, 8),
@@ -55,149 +55,106 @@ CASES_2 = {
 CASES_4 = {"1f1b_pp4": ("1f1b", 4, 4, 8)}
 
 
-def _first_step_grads(model: Transformer, x: torch.Tensor, y: torch.Tensor, micro_batch: int) -> dict:
-    """The reference's gradients of step 1 before clipping: train_step's (loss / n).backward() per micro-batch."""
-    model = copy.deepcopy(model)
-    xs, ys = x.split(micro_batch), y.split(micro_batch)
-    for xm, ym in zip(xs, ys):
-        (pipeline_loss(model(xm), ym) / len(xs)).backward()
-    return {k: p.grad for k, p in model.named_parameters()}
+def _grads(pm: ParallelModel) -> dict[str, torch.Tensor]:
+    return {k: p.grad.clone() for part in pm.parts for k, p in part.named_parameters()}
 
 
-def _eval_sum_reference(args, state: dict, x: torch.Tensor, y: torch.Tensor) -> float:
-    model = full_model(args)
-    model.load_state_dict(state)
-    with torch.no_grad():
-        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
-
-
-def _train_case(
-    rank: int, world_size: int, mesh, schedule: str, n_layers: int, m: int, global_batch: int
-) -> dict:
+def pipeline_case(rank: int, world_size: int, spec: tuple) -> dict:
+    """Train one schedule on a pipeline over every rank and its reference (the same micro-batches, so that every
+    per-micro-batch kernel matches), and measure the pipeline-only promises."""
+    schedule, n_layers, m, global_batch = spec
     args = tiny_args(n_layers=n_layers)
-    model = full_model(args)
     batches = global_batches(args, global_batch)
-    # The reference splits the batch into the same micro-batches, so that every per-micro-batch kernel matches.
-    ref = reference_run(model, batches, micro_batch=global_batch // m)
-    ref_grads = _first_step_grads(model, *batches[0], global_batch // m)
+    first: dict[str, dict] = {}
 
-    parts = apply_pp(model, mesh, schedule=schedule, n_microbatches=m, virtual_stages=2, device=CPU)
-    opt = build_optimizer(parts.modules, OPT, CPU)
-    sched = build_lr_scheduler(opt, OPT, len(batches))
-    losses, norms, grad_diff = [], [], 0.0
-    for step, (x, y) in enumerate(batches):
-        # Every pp rank feeds the whole batch; only the first stage reads inputs and the last the targets.
-        loss = parts.step(x, y)
-        if step == 0:
-            for mod in parts.modules:
-                for k, p in mod.named_parameters():
-                    err = (p.grad - ref_grads[k]).abs().max() / ref_grads[k].abs().max()
-                    grad_diff = max(grad_diff, err.item())
-        norm = clip_grad_norm_pp(parts.modules.parameters(), 1.0, mesh)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(loss.item())
-        norms.append(norm.item())
+    def keep_first(into: str):
+        def hook(step: int, pm: ParallelModel) -> None:
+            if step == 0:
+                first[into] = _grads(pm)
 
-    eval_sum, count = parts.eval_sum(*batches[0])
-    states = [None] * world_size
-    dist.all_gather_object(states, parts.state_dict())
-    merged: dict = {}
-    for s in states:
-        assert not merged.keys() & s.keys(), "two ranks hold the same parameter"
-        merged.update(s)
-    error = None
-    try:
-        assert set(merged) == set(ref["state"]), "the stages' parameter names differ from the full model's"
-        assert_close_run(losses, norms, merged, ref, rtol=1e-5)
-    except AssertionError as e:
-        error = f"rank {rank}: {e}"
-    ref_eval = _eval_sum_reference(args, ref["state"], *batches[0])
-    return {
-        "error": error,
-        "nan_injection": _nan_injection(parts, mesh, *batches[0]),
-        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
-        "norm_rel": max(abs(a - b) / abs(b) for a, b in zip(norms, ref["grad_norms"])),
-        "param_abs": max((merged[k] - v).abs().max().item() for k, v in ref["state"].items()),
-        "grad_rel": grad_diff,
-        "eval_rel": abs(eval_sum.item() - ref_eval) / ref_eval,
+        return hook
+
+    ref = reference_run(
+        full_model(args), batches, micro_batch=global_batch // m, after_backward=keep_first("ref")
+    )
+    pcfg = ParallelConfig(pp=world_size, pp_schedule=schedule, pp_virtual_stages=2)
+    run = train_steps(
+        full_model(args),
+        ParallelDims.from_config(pcfg, world_size),
+        pcfg,
+        batches,
+        TrainingConfig(micro_batch=global_batch // m),
+        n_microbatches=m,
+        after_backward=keep_first("pp"),
+    )
+    # Step 1, before any drift: each gradient tensor's largest error relative to its largest entry.
+    ref_grads = first["ref"]
+    grad_rel = max(
+        ((g - ref_grads[k]).abs().max() / ref_grads[k].abs().max()).item() for k, g in first["pp"].items()
+    )
+    eval_sum, count = run.runner.eval_loss_sum(*batches[0])
+    ref_eval, _ = ref.runner.eval_loss_sum(*batches[0])
+    pipe = run.pm.pipeline
+    facts = {
+        "grad_rel": grad_rel,
+        "eval_rel": abs(eval_sum.item() - ref_eval.item()) / ref_eval.item(),
         "eval_count": count,
         "eval_expected": global_batch * args.max_seq_len,
-        "stages": parts.stage_ids,
-        "layers": [sorted(int(k) for k in mod.layers) for mod in parts.modules],
-        "ends": [(mod.tok_embeddings is not None, mod.output is not None) for mod in parts.modules],
+        "nan_injection": _nan_injection(rank, run, *batches[0]),
+        "stages": pipe.stage_ids,
+        "layers": [sorted(int(k) for k in mod.layers) for mod in pipe.modules],
+        "ends": [(mod.tok_embeddings is not None, mod.output is not None) for mod in pipe.modules],
     }
+    return {"run": run, "ref": ref, "facts": facts}
 
 
-def _nan_injection(parts, mesh, x: torch.Tensor, y: torch.Tensor) -> list[bool]:
-    """Fault injection's NaN loss factor under the pipeline: [loss NaN, grad norm NaN (on every rank: the guard skips
-    the update everywhere), every local gradient NaN (it reached the first stage too), next step finite again]."""
-    loss = parts.step(x, y, loss_factor=float("nan"))
-    norm = clip_grad_norm_pp(parts.modules.parameters(), 1.0, mesh)
-    grads_nan = all(p.grad.isnan().all().item() for p in parts.modules.parameters() if p.grad is not None)
-    for p in parts.modules.parameters():
-        p.grad = None
-    after = parts.step(x, y)
-    for p in parts.modules.parameters():
-        p.grad = None
-    return [loss.isnan().item(), norm.isnan().item(), grads_nan, after.isfinite().item()]
-
-
-def pipeline_worker(rank: int, world_size: int, cases: dict, out: str) -> None:
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
-    results = {}
-    for name, case in cases.items():
-        mine = _train_case(rank, world_size, mesh, *case)
-        every = [None] * world_size
-        dist.all_gather_object(every, mine)
-        results[name] = {
-            "error": next((r["error"] for r in every if r["error"]), None),
-            "nan_injection": [r["nan_injection"] for r in every],
-            **{
-                k: max(r[k] for r in every)
-                for k in ("loss_rel", "norm_rel", "param_abs", "grad_rel", "eval_rel")
-            },
-            "eval_count": every[0]["eval_count"],
-            "eval_expected": every[0]["eval_expected"],
-            "per_rank": [{k: r[k] for k in ("stages", "layers", "ends")} for r in every],
-        }
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-
-
-def _run(tmp_path_factory, world_size: int, cases: dict) -> dict:
-    out = tmp_path_factory.mktemp(f"pp{world_size}") / "results.json"
-    spawn(pipeline_worker, world_size, cases, str(out))
-    with open(out) as f:
-        return json.load(f)
+def _nan_injection(rank: int, run: Run, x: torch.Tensor, y: torch.Tensor) -> list[bool]:
+    """The FaultInjector's nan fault under the pipeline (NaN logits on the last stage during step 1): [the fault
+    fired, loss NaN, grad norm NaN (on every rank: the guard skips the update everywhere), every local gradient NaN
+    (it reached the first stage too), the next step finite again]."""
+    fired: list[str] = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        faults = FaultInjector(
+            [FaultConfig(kind="nan", step=1)], rank, Path(run_dir), lambda kind, **kw: fired.append(kind)
+        )
+        faults.attach(None, run.pm.parts)
+        faults.at_step_start(1)
+        loss = run.runner.forward_backward(x, y)
+        norm = run.runner.clip()
+        grads = [p.grad for part in run.pm.parts for p in part.parameters()]
+        grads_nan = all(g is not None and g.isnan().all().item() for g in grads)
+        faults.at_step_end(1, 0.0)
+        run.optimizers.step(skip=True)  # what the guard does with a non-finite step: drop the gradients
+        after = run.runner.forward_backward(x, y)
+        after_norm = run.runner.clip()
+        run.optimizers.step(skip=True)
+    finite = after.isfinite().item() and after_norm.isfinite().item()
+    return [fired == ["fault_injected"], loss.isnan().item(), norm.isnan().item(), grads_nan, finite]
 
 
 @pytest.fixture(scope="module")
 def results_2(tmp_path_factory):
-    return _run(tmp_path_factory, 2, CASES_2)
+    return run_layouts(tmp_path_factory, 2, CASES_2, pipeline_case)
 
 
 @pytest.fixture(scope="module")
 def results_4(tmp_path_factory):
-    return _run(tmp_path_factory, 4, CASES_4)
+    return run_layouts(tmp_path_factory, 4, CASES_4, pipeline_case)
 
 
 def _check(results: dict, name: str) -> list[dict]:
-    r = results[name]
-    print(
-        f"{name}: max relative diff loss {r['loss_rel']:.1e}, grad norm {r['norm_rel']:.1e}, step-1 grads "
-        f"{r['grad_rel']:.1e}, eval {r['eval_rel']:.1e}; max abs param diff {r['param_abs']:.1e}"
-    )
-    assert r["error"] is None, r["error"]
+    ranks = check_equivalent(results, name)
+    worst = {k: max(r[k] for r in ranks) for k in ("grad_rel", "eval_rel")}
+    print(f"{name}: step-1 grads {worst['grad_rel']:.1e}, eval {worst['eval_rel']:.1e}")
     # Step 1, before any drift: every gradient tensor equals the reference's (error relative to the tensor's largest
     # entry; in practice they are bit-identical). A pipeline that summed micro-batches instead of averaging them would
     # be off by a factor of m, one that split a stage's layers wrongly by far more.
-    assert r["grad_rel"] <= 1e-6
-    assert r["eval_rel"] <= 1e-5 and r["eval_count"] == r["eval_expected"]
-    assert all(all(flags) for flags in r["nan_injection"]), r["nan_injection"]  # see _nan_injection
-    return r["per_rank"]
+    assert worst["grad_rel"] <= 1e-6
+    assert worst["eval_rel"] <= 1e-5 and all(r["eval_count"] == r["eval_expected"] for r in ranks)
+    assert all(all(r["nan_injection"]) for r in ranks), [
+        r["nan_injection"] for r in ranks
+    ]  # see _nan_injection
+    return ranks
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

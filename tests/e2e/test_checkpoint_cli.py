@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from scaletrain.convert import load_run_model
-from tests.helpers import DEBUG, QUICK, ROOT, read_jsonl, run_cli
+from tests.helpers import DEBUG, QUICK, ROOT, per_step, read_jsonl, run_cli
 
 DET = [
     *QUICK,
@@ -51,13 +51,6 @@ def _steps(run):
     return len(read_jsonl(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
 
 
-def _per_step(run):
-    out = {}
-    for m in read_jsonl(run / "metrics.jsonl"):
-        out[m["step"]] = (m["loss"], m["grad_norm"])  # a recomputed step overwrites its first record
-    return out
-
-
 def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
     ref = tmp_path / "ref"
     run_cli("train", "--config", DEBUG, "--run.dir", str(ref), *DET, "--training.steps", "12")
@@ -70,7 +63,8 @@ def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     resumed = run_cli("train", "--config", DEBUG, "--run.dir", str(killed), *DET, "--training.steps", "12")
     assert "resumed from" in resumed.stderr, f"killed at step {k}"
-    assert _per_step(killed) == _per_step(ref), f"killed at step {k}"
+    got, want = (per_step(r, ("loss", "grad_norm")) for r in (killed, ref))
+    assert got == want, f"killed at step {k}"
     a, b = load_run_model(ref)[0].state_dict(), load_run_model(killed)[0].state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a), f"killed at step {k}"
     loaded = [e for e in read_jsonl(killed / "events.jsonl") if e["kind"] == "checkpoint_loaded"]

@@ -5,7 +5,7 @@ pipeline changes, context parallel and every data-parallel mode's optimizer shar
 
 import pytest
 
-from tests.helpers import DEBUG, QUICK, read_jsonl, run_cli
+from tests.helpers import DEBUG, QUICK, losses, read_jsonl, run_cli
 
 BASE = [
     "--config",
@@ -38,21 +38,14 @@ CHAIN = [
 ]
 
 
-def _losses(run):
-    out = {}
-    for m in read_jsonl(run / "metrics.jsonl"):
-        out[m["step"]] = m["loss"]
-    return out
-
-
 def test_resume_across_layouts_continues_the_reference_losses(tmp_path):
     ref = tmp_path / "ref"
     run_cli("train", "--run.dir", str(ref), *BASE, str(2 * len(CHAIN)))
-    want = _losses(ref)
+    want = losses(ref)
     run = tmp_path / "chain"
     for i, (nproc, layout) in enumerate(CHAIN):
         run_cli("train", "--nproc", str(nproc), "--run.dir", str(run), *BASE, str(2 * (i + 1)), *layout)
-    got = _losses(run)
+    got = losses(run)
     assert sorted(got) == sorted(want)
     for step, loss in want.items():
         assert got[step] == pytest.approx(loss, rel=1e-5), f"step {step}"

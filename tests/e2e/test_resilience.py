@@ -1,7 +1,6 @@
 """Chaos tests: inject each failure into real CLI runs and check the outcome, not only that the job ran."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -10,18 +9,9 @@ import pytest
 import torch
 
 from scaletrain.convert import load_run_model
-from tests.helpers import DEBUG, QUICK, ROOT, read_jsonl, run_cli
+from tests.helpers import DEBUG, QUICK, ROOT, events, free_port, per_step, read_jsonl, run_cli
 
 BASE = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--metrics.log_interval", "1"]
-
-
-def _events(run, kind=None):
-    ev = read_jsonl(run / "events.jsonl")
-    return [e for e in ev if kind is None or e["kind"] == kind]
-
-
-def _per_step(run):
-    return {m["step"]: m["loss"] for m in read_jsonl(run / "metrics.jsonl")}
 
 
 def _inject(*tables):
@@ -54,12 +44,12 @@ def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupte
         _inject('{kind="kill", rank=1, step=7}'),
     )
     # One failure, one restart, blamed on the killed rank (not on its peer, which lost its connection to it).
-    [failure] = _events(run, "failure")
+    [failure] = events(run, "failure")
     assert (failure["cause"], failure["rank"]) == ("killed", 1), failure
-    assert len(_events(run, "restart")) == 1 and _events(run)[-1]["kind"] == "end"
-    loaded = _events(run, "checkpoint_loaded")
+    assert len(events(run, "restart")) == 1 and events(run)[-1]["kind"] == "end"
+    loaded = events(run, "checkpoint_loaded")
     assert loaded[0]["source"] == "memory" and loaded[0]["step"] == 6  # newer than the storage checkpoint (3)
-    assert _per_step(run) == _per_step(ref)
+    assert per_step(run, "loss") == per_step(ref, "loss")
     a, b = load_run_model(ref)[0].state_dict(), load_run_model(run)[0].state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
 
@@ -82,7 +72,7 @@ def test_a_slowed_rank_is_named_in_lock_step_data_parallel(tmp_path):
         "3",
         _inject('{kind="slow", rank=1, factor=4, step=4}'),
     )
-    named = _events(run, "straggler")
+    named = events(run, "straggler")
     assert [e["step"] for e in named] == [6, 9] and all(e["rank"] == 1 and e["ratio"] > 2 for e in named), (
         named
     )
@@ -101,13 +91,13 @@ def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):
         "3",
         _inject('{kind="nan", step=4}', '{kind="write_error", step=6}'),
     )
-    (skipped,) = _events(run, "skipped_step")
+    (skipped,) = events(run, "skipped_step")
     assert skipped["step"] == 4 and skipped["skipped_total"] == 1
-    (failed,) = _events(run, "checkpoint_failed")
+    (failed,) = events(run, "checkpoint_failed")
     assert failed["step"] == 6 and "No space" in failed["error"]
-    assert sorted(e["step"] for e in _events(run, "checkpoint_saved")) == [3, 9, 10]
-    assert _per_step(run)[4] is None  # the NaN loss is recorded (as null), the update was not applied
-    assert _events(run)[-1]["kind"] == "end"
+    assert sorted(e["step"] for e in events(run, "checkpoint_saved")) == [3, 9, 10]
+    assert per_step(run, "loss")[4] is None  # the NaN loss is recorded (as null), the update was not applied
+    assert events(run)[-1]["kind"] == "end"
 
 
 def test_loss_spike_rolls_back_and_skips_the_bad_batches(tmp_path):
@@ -127,12 +117,12 @@ def test_loss_spike_rolls_back_and_skips_the_bad_batches(tmp_path):
         "8",
         _inject('{kind="spike", step=15}'),
     )
-    (spike,) = _events(run, "loss_spike")
-    (rollback,) = _events(run, "rollback")
+    (spike,) = events(run, "loss_spike")
+    (rollback,) = events(run, "rollback")
     assert spike["step"] == 15 and rollback["to_step"] == 12 and rollback["skipped_batches"] == 3
     losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl") if m["step"] > 12]
     assert max(losses) < spike["loss"] / 1.5  # the spiking batch was never trained on again
-    assert _events(run)[-1]["kind"] == "end" and _events(run)[-1]["step"] == 20
+    assert events(run)[-1]["kind"] == "end" and events(run)[-1]["step"] == 20
 
 
 def test_hang_is_caught_by_the_watchdog_and_the_job_recovers(tmp_path):
@@ -154,13 +144,13 @@ def test_hang_is_caught_by_the_watchdog_and_the_job_recovers(tmp_path):
         "3",
         _inject('{kind="hang", rank=1, step=5}'),
     )
-    fired = [e for e in _events(run, "fault_injected") if e["fault"].startswith("hang")][0]
-    hangs = [e for e in _events(run, "hang") if e["rank"] == 1]
+    fired = [e for e in events(run, "fault_injected") if e["fault"].startswith("hang")][0]
+    hangs = [e for e in events(run, "hang") if e["rank"] == 1]
     assert hangs and hangs[0]["time"] - fired["time"] < 3 + 2  # within the timeout (+ the watchdog's tick)
     stacks = (run / "hang-rank1.txt").read_text()
     assert "Thread" in stacks and "sleep" in stacks
-    assert [e["cause"] for e in _events(run, "failure")][0] == "hang"
-    assert _events(run)[-1]["kind"] == "end" and _events(run)[-1]["step"] == 8
+    assert [e["cause"] for e in events(run, "failure")][0] == "hang"
+    assert events(run)[-1]["kind"] == "end" and events(run)[-1]["step"] == 8
 
 
 def test_corrupted_checkpoint_falls_back_to_the_previous_one_after_a_crash(tmp_path):
@@ -180,10 +170,10 @@ def test_corrupted_checkpoint_falls_back_to_the_previous_one_after_a_crash(tmp_p
         "false",  # step 6 commits before the kill
         _inject('{kind="corrupt_checkpoint", step=6}', '{kind="kill", rank=0, step=8}'),
     )
-    (rejected,) = _events(run, "checkpoint_rejected")
+    (rejected,) = events(run, "checkpoint_rejected")
     assert rejected["step"] == 6 and "checksum" in rejected["reason"]
-    assert [e["step"] for e in _events(run, "checkpoint_loaded")] == [3]
-    assert _events(run)[-1]["kind"] == "end"
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [3]
+    assert events(run)[-1]["kind"] == "end"
 
 
 def test_auto_interval_is_measured_again_after_a_restart(tmp_path):
@@ -205,14 +195,14 @@ def test_auto_interval_is_measured_again_after_a_restart(tmp_path):
         "0.0001",
         _inject('{kind="kill", rank=0, step=9}'),
     )
-    probes = _events(run, "checkpoint_interval")
-    [resumed] = [e["step"] for e in _events(run, "start") if e["resumed"]]
+    probes = events(run, "checkpoint_interval")
+    [resumed] = [e["step"] for e in events(run, "start") if e["resumed"]]
     assert [p["step"] for p in probes] == [5, resumed + 5], probes
     assert all(p["cost"] == "whole save" and p["cost_s"] > 0 and p["interval_steps"] >= 1 for p in probes)
     every = probes[1]["interval_steps"]
-    saved = {e["step"] for e in _events(run, "checkpoint_saved")}
+    saved = {e["step"] for e in events(run, "checkpoint_saved")}
     assert {s for s in range(resumed + 6, 16) if s % every == 0} <= saved and resumed + 5 in saved
-    assert _events(run)[-1]["kind"] == "end"
+    assert events(run)[-1]["kind"] == "end"
 
 
 def test_elastic_4_2_4_workers_keep_the_data_order_and_the_losses(tmp_path):
@@ -230,16 +220,10 @@ def test_elastic_4_2_4_workers_keep_the_data_order_and_the_losses(tmp_path):
     run = tmp_path / "run"
     for nproc, steps in ((4, 3), (2, 6), (4, 9)):
         run_cli("train", "--nproc", str(nproc), "--run.dir", str(run), *args, "--training.steps", str(steps))
-    want, got = _per_step(ref), _per_step(run)
+    want, got = per_step(ref, "loss"), per_step(run, "loss")
     assert sorted(got) == sorted(want)
     assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want)
-    assert [e["world_size"] for e in _events(run, "start")] == [4, 2, 4]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    assert [e["world_size"] for e in events(run, "start")] == [4, 2, 4]
 
 
 def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path):
@@ -258,7 +242,7 @@ def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path)
     ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     run_cli("train", "--nproc", "2", "--run.dir", str(ref), *args)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     agents = []
     for node, is_host in enumerate((1, 0)):
@@ -302,10 +286,10 @@ def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path)
             a.kill()
     logs = "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in range(2))
     assert codes == [0, 0], logs
-    starts = _events(run, "start")
+    starts = events(run, "start")
     # One restart, resumed from the memory snapshot at step 4. (Rank 0 writes `start`; its node's agent restarts
     # it for the new rendezvous, not as a failure, so its own restart count can stay 0.)
     assert len(starts) == 2 and starts[1]["resumed"] and starts[1]["step"] == 4, starts
-    assert _per_step(run) == _per_step(ref)
+    assert per_step(run, "loss") == per_step(ref, "loss")
     a, b = load_run_model(ref)[0].state_dict(), load_run_model(run)[0].state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)

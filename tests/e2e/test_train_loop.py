@@ -9,19 +9,10 @@ import time
 
 import pytest
 
-from tests.helpers import DEBUG, QUICK, ROOT, read_jsonl, run_cli
+from tests.helpers import DEBUG, QUICK, ROOT, events, per_step, read_jsonl, run_cli
 
 BASE = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--metrics.log_interval", "1"]
 DET = [*BASE, "--training.deterministic", "true"]
-
-
-def _events(run, kind):
-    return [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == kind]
-
-
-def _per_step(run, key="loss"):
-    """The last record of each step (a resumed run logs the replayed steps again)."""
-    return {m["step"]: m[key] for m in read_jsonl(run / "metrics.jsonl")}
 
 
 def _inject(*tables: str) -> str:
@@ -45,11 +36,11 @@ def test_a_skipped_step_on_a_save_step_resumes_exactly(tmp_path):
         *args,
         _inject(nan, '{kind="kill", rank=0, step=6}'),
     )
-    (loaded,) = _events(run, "checkpoint_loaded")
-    assert loaded["step"] == 4 and _events(run, "skipped_step")[0]["step"] == 4
-    assert _per_step(run) == _per_step(ref)
-    assert _per_step(run, "grad_norm") == _per_step(ref, "grad_norm")
-    assert [e["step"] for e in _events(run, "start")] == [0, 4]
+    (loaded,) = events(run, "checkpoint_loaded")
+    assert loaded["step"] == 4 and events(run, "skipped_step")[0]["step"] == 4
+    assert per_step(run, "loss") == per_step(ref, "loss")
+    assert per_step(run, "grad_norm") == per_step(ref, "grad_norm")
+    assert [e["step"] for e in events(run, "start")] == [0, 4]
 
 
 @pytest.mark.parametrize("async_save", ["true", "false"])
@@ -70,12 +61,12 @@ def test_a_write_failure_inside_dcp_is_reported_and_the_run_finishes(tmp_path, a
         async_save,
         _inject('{kind="write_error", step=6}'),
     )
-    (failed,) = _events(run, "checkpoint_failed")
+    (failed,) = events(run, "checkpoint_failed")
     assert failed["step"] == 6 and "CheckpointException" in failed["error"] and "No space" in failed["error"]
-    assert [e["step"] for e in _events(run, "checkpoint_saved")] == [3, 8]
+    assert [e["step"] for e in events(run, "checkpoint_saved")] == [3, 8]
     commits = sorted(p.parent.name for p in (run / "checkpoints").glob("step-*/commit.json"))
     assert commits == ["step-00000003", "step-00000008"]
-    assert _events(run, "end")[0]["steps"] == 8
+    assert events(run, "end")[0]["steps"] == 8
 
 
 def test_a_kill_during_the_final_save_resumes_from_the_memory_tier(tmp_path):
@@ -97,11 +88,11 @@ def test_a_kill_during_the_final_save_resumes_from_the_memory_tier(tmp_path):
         "3",
         _inject('{kind="kill_during_save", step=8}'),
     )
-    [failure] = _events(run, "failure")
+    [failure] = events(run, "failure")
     assert failure["cause"] == "killed"
-    loaded = _events(run, "checkpoint_loaded")
+    loaded = events(run, "checkpoint_loaded")
     assert [(e["step"], e["source"]) for e in loaded] == [(8, "memory")]
-    assert [e["step"] for e in _events(run, "checkpoint_saved")] == [8]
+    assert [e["step"] for e in events(run, "checkpoint_saved")] == [8]
     assert (run / "checkpoints" / "step-00000008" / "commit.json").exists()
 
 
@@ -133,6 +124,6 @@ def test_sigterm_with_checkpoints_disabled_stops_within_30_s(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert time.monotonic() - t0 < 30 and proc.returncode == 0, err
-    (pre,) = _events(run, "preempted")
-    assert _events(run, "end")[0]["steps"] == pre["step"] < 100000
+    (pre,) = events(run, "preempted")
+    assert events(run, "end")[0]["steps"] == pre["step"] < 100000
     assert not (run / "checkpoints").exists()
