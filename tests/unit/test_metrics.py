@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import io
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,15 +22,12 @@ from scaletrain.metrics import (
     peak_memory_mib,
     print_summary,
 )
+from tests.helpers import read_jsonl
 
 # The package exports the function `mfu`, which shadows the submodule of the same name as an attribute.
 mfu_module = importlib.import_module("scaletrain.metrics.mfu")
 
 CPU = torch.device("cpu")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_flops_per_token_matches_palm_formula_by_hand():
