@@ -27,6 +27,7 @@ from scaletrain.config import Config
 from scaletrain.config_io import default_run_dir, load_config
 from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.errors import UserError, report_errors
+from scaletrain.metrics.writer import append_event
 from scaletrain.resilience.diagnose import (
     Diagnosis,
     RestartPolicy,
@@ -35,7 +36,6 @@ from scaletrain.resilience.diagnose import (
     root_cause,
     tail,
 )
-from scaletrain.resilience.watchdog import append_event
 from scaletrain.train import train
 
 log = logging.getLogger("scaletrain")

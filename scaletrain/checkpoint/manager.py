@@ -31,6 +31,7 @@ from scaletrain.checkpoint.memory_tier import MemoryTier, job_key, make_layout_k
 from scaletrain.checkpoint.safe_load import make_reader, read_metadata
 from scaletrain.config import CheckpointConfig, ResilienceConfig
 from scaletrain.errors import UserError
+from scaletrain.parallel.mesh import broadcast_object
 
 log = logging.getLogger("scaletrain")
 _STEP_DIR = re.compile(r"step-(\d{8})$")
@@ -373,7 +374,7 @@ class CheckpointManager:
                     break
                 log.warning("checkpoint %s skipped: %s", self.path(step), reason)
                 self.event("checkpoint_rejected", step=step, path=self.path(step), reason=reason)
-        choice = self._broadcast(choice)
+        choice = broadcast_object(choice, self.group)
         if choice is None:
             return None
         path = self.path(choice)
@@ -387,13 +388,6 @@ class CheckpointManager:
             self.event("checkpoint_loaded", step=choice, path=path, source="storage")
         log.info("resumed from %s", path)
         return choice
-
-    def _broadcast(self, value):
-        if self.group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
 
     def shutdown(self) -> None:
         """Release the stager, the commit thread and the save group (close() does it after the final save)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -32,6 +33,25 @@ def _jsonable(value: Any) -> Any:
     return str(value)  # paths, enums, devices: their printed form is what a reader wants
 
 
+def append_event(run_dir: Path, kind: str, step: int | None, **fields: Any) -> None:
+    """Append one `{"time", "kind", "step", ...}` line to <run_dir>/events.jsonl: the one writer of events, used by
+    rank 0's MetricsWriter and by any rank that must report itself (a hang, a fault on rank 3, the launcher).
+
+    One write(2) on an O_APPEND descriptor: lines of concurrent writers (ranks, processes) land whole, one after
+    another, and a crash right after loses nothing already written."""
+    if "time" in fields:
+        raise ValueError("event fields must not contain 'time'; the writer stamps it")
+    record = {"time": time.time(), "kind": kind, "step": step, **{k: _jsonable(v) for k, v in fields.items()}}
+    line = json.dumps(record, allow_nan=False) + "\n"
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
 class MetricsWriter:
     """Appends metrics and events as JSON lines under `run_dir`; a disabled writer (ranks > 0) writes nothing."""
 
@@ -58,15 +78,7 @@ class MetricsWriter:
         """Append `{"time", "kind", "step", **fields}` to events.jsonl (checkpoint, restart, fault, ...)."""
         if not self.enabled:
             return
-        if "time" in fields:
-            raise ValueError("event fields must not contain 'time'; the writer stamps it")
-        record = {
-            "time": time.time(),
-            "kind": kind,
-            "step": step,
-            **{k: _jsonable(v) for k, v in fields.items()},
-        }
-        self._append("events.jsonl", record)
+        append_event(self.run_dir, kind, step, **fields)
 
     def close(self) -> None:
         """Close the files and flush TensorBoard; a later log or event reopens them in append mode."""

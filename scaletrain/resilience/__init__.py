@@ -4,7 +4,7 @@ and fault injection for drills. Both checkpoint tiers (storage and memory) live 
 from scaletrain.resilience.faults import FaultInjector, InjectedFault, label, validate_specs
 from scaletrain.resilience.health import NanGuard, SpikeDetector
 from scaletrain.resilience.straggler import StragglerMonitor
-from scaletrain.resilience.watchdog import HANG_EXIT_CODE, CollectiveTracker, Watchdog, append_event
+from scaletrain.resilience.watchdog import HANG_EXIT_CODE, CollectiveTracker, Watchdog
 
 __all__ = [
     "HANG_EXIT_CODE",
@@ -15,7 +15,6 @@ __all__ = [
     "SpikeDetector",
     "StragglerMonitor",
     "Watchdog",
-    "append_event",
     "label",
     "validate_specs",
 ]

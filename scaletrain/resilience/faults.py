@@ -25,8 +25,8 @@ from torch import nn
 
 from scaletrain.config import FaultConfig
 from scaletrain.errors import ConfigError
+from scaletrain.metrics.writer import append_event
 from scaletrain.models.llama import Transformer
-from scaletrain.resilience.watchdog import append_event
 
 log = logging.getLogger("scaletrain")
 

@@ -8,7 +8,6 @@ import functools
 import inspect
 import json
 import logging
-import math
 import os
 import sys
 import threading
@@ -16,6 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from scaletrain.metrics.writer import append_event
 
 log = logging.getLogger("scaletrain")
 
@@ -39,34 +40,6 @@ TRACKED = (
     "batch_isend_irecv",
     "all_to_all_single",
 )
-
-
-def append_event(run_dir: Path, kind: str, step: int | None, **fields: Any) -> None:
-    """Append one `{"time", "kind", "step", ...}` line to <run_dir>/events.jsonl from any rank.
-
-    The MetricsWriter writes only on rank 0; this is for what another rank must report itself (a hang, a fault on
-    rank 3). One write(2) on an O_APPEND descriptor: lines of concurrent writers land whole, one after another.
-    """
-    record = {"time": time.time(), "kind": kind, "step": step, **fields}
-    line = json.dumps(_finite(record), default=str) + "\n"
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
-
-
-def _finite(v: Any) -> Any:
-    """NaN/inf as null, as MetricsWriter does, so every line stays strict JSON."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_finite(x) for x in v]
-    return v
 
 
 class CollectiveTracker:

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from scaletrain.metrics.writer import append_event
 from scaletrain.resilience import watchdog
-from scaletrain.resilience.watchdog import HANG_EXIT_CODE, CollectiveTracker, Watchdog, append_event
+from scaletrain.resilience.watchdog import HANG_EXIT_CODE, CollectiveTracker, Watchdog
 
 ROOT = Path(__file__).resolve().parents[2]
 
