@@ -84,6 +84,7 @@ class CheckpointManager:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if self.enabled else None
         self.last_source = "none"
         self.commit_thread = ""
+        self._last_snapshot: int | None = None  # the newest memory snapshot this process took or restored
         self.interval = cfg.interval if isinstance(cfg.interval, int) else 0
         self._probe_at: int | None = None
         self._segment: tuple[int, float] = (
@@ -123,7 +124,7 @@ class CheckpointManager:
         removed only once the run finished and the storage checkpoint is committed, so a crash or a full disk
         during the final save loses nothing (the next start resumes from memory). Raises UserError when the final
         save failed."""
-        if self.memory is not None and self.memory.latest_complete_step() != step:
+        if self.memory is not None and self._last_snapshot != step:
             self._snapshot(step)
         saved = True
         if self.enabled:
@@ -177,6 +178,7 @@ class CheckpointManager:
     def _snapshot(self, step: int) -> float:
         t0 = time.perf_counter()
         if self.memory.snapshot(step, self.state):
+            self._last_snapshot = step
             self.event(
                 "memory_snapshot", step=step, seconds=time.perf_counter() - t0, bytes=self.memory.bytes_used()
             )
@@ -350,6 +352,7 @@ class CheckpointManager:
             log.info(
                 "resumed from the in-memory snapshot of step %d (%.2fs)", mem, self.memory.last_restore_s
             )
+            self._last_snapshot = mem
             return self._loaded(mem, "memory")
         step = self._load_storage() if self.enabled else None
         return self._loaded(step, "storage" if step is not None else "none")

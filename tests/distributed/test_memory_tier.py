@@ -1,62 +1,55 @@
 """The in-memory tier on 3 gloo ranks with an FSDP-sharded model (DTensor state): a snapshot survives a restart,
-a rank whose own copy is gone restores from its peer's replica, and a rank with no copy left sends everyone to
-storage. One spawn runs the phases in order; each rank writes what it saw, and each test checks one phase."""
+a rank whose own copy is gone or damaged restores from its peer's replica, and a rank with no intact copy left
+sends everyone to storage. One spawn runs the phases in order in real shared memory (/dev/shm); each rank writes
+what it saw, and each test checks one phase."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scaletrain.checkpoint import (
-    LoaderState,
-    ModelState,
-    OptimizerState,
-    SchedulerState,
-    TrainState,
-    memory_tier,
-)
-from scaletrain.checkpoint.memory_tier import MemoryTier, make_layout_key
+from scaletrain.checkpoint import LoaderState, ModelState, TrainState, memory_tier
+from scaletrain.checkpoint.memory_tier import TENSORS, MemoryTier, make_layout_key
 from scaletrain.config import ParallelConfig
-from scaletrain.optim import build_lr_scheduler, build_optimizer
+from scaletrain.optim import Optimizers, build_optimizer
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from tests.distributed.reference import OPT, full_model, tiny_args
 from tests.distributed.spawn import spawn
-from tests.unit.test_checkpoint import FakeLoader
+from tests.unit.test_memory_tier import Loader, flip_bit
 
 WORLD = 3
 CPU = torch.device("cpu")
 
 
-def _build(world_size: int, seed: int, train_steps: int) -> tuple[dict, dict]:
+def _build(world_size: int, seed: int, train_steps: int, group) -> tuple[dict, dict]:
     """An FSDP model with AdamW after `train_steps` steps; returns the state dict for the tier and its parts."""
     pcfg = ParallelConfig(data_parallel="fsdp")
     dims = ParallelDims.from_config(pcfg, world_size)
     dims.build_mesh("cpu")
     args = tiny_args(n_layers=2)
     (model,) = parallelize(full_model(args, seed=seed), dims, pcfg, device=CPU, n_microbatches=1).parts
-    opt = build_optimizer(model, OPT, CPU)
-    sched = build_lr_scheduler(opt, OPT, 100)
+    optimizers = Optimizers([model], lambda m: build_optimizer(m, OPT, CPU), OPT, 100)
     g = torch.Generator().manual_seed(seed + dist.get_rank())
     for _ in range(train_steps):
         x = torch.randint(0, args.vocab_size, (2, 9), generator=g)
         torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-    train, loader = TrainState(dist.group.WORLD), FakeLoader()
+        optimizers.step()
+    train, loader = TrainState(group), Loader()
     state = {
         "model": ModelState([model]),
-        "optimizer": OptimizerState([model], [opt]),
-        "lr_scheduler": SchedulerState([sched]),
+        "optimizer": optimizers,
         "data": LoaderState(loader),
         "train": train,
     }
+    opt, sched = optimizers.optimizers[0], optimizers.schedulers[0]
     return state, {"model": model, "opt": opt, "sched": sched, "loader": loader, "train": train}
 
 
@@ -78,7 +71,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def _restarted(group, root: str, layout: str) -> dict:
     """A restarted worker: new objects (other weights and moments) finding the snapshot in shared memory."""
-    state, parts = _build(WORLD, seed=1, train_steps=1)
+    state, parts = _build(WORLD, seed=1, train_steps=1, group=group)
     before = _local_tensors(parts)
     tier = MemoryTier("job", layout, group=group, root=root)
     step = tier.latest_complete_step()
@@ -92,6 +85,58 @@ def _restarted(group, root: str, layout: str) -> dict:
     }
 
 
+def _lost_and_damaged(
+    rank: int, group, root: str, layout: str, tier: MemoryTier, state: dict, want: dict
+) -> dict:
+    """Copies lost or damaged one case after another, each followed by a restart; what each restart saw."""
+    seen = {}
+    # A lost node: rank 1's own slot is gone; rank 2 holds its replica.
+    if rank == 1:
+        shutil.rmtree(tier.own)
+    dist.barrier(group)
+    got = _restarted(group, root, layout)
+    seen["lost_own"] = {
+        "step": got["step"],
+        "identical": _same(got["tensors"], want),
+        "from_peer": got["from_peer"],
+        "healed": (tier.own / "step-00000010" / "COMPLETE").is_file(),
+    }
+
+    # A damaged own copy (one bit of rank 0's file flipped in shared memory): rank 0 uses rank 1's replica.
+    if rank == 0:
+        flip_bit(tier.own / "step-00000010" / TENSORS)
+    dist.barrier(group)
+    got = _restarted(group, root, layout)
+    seen["damaged_own"] = {
+        "step": got["step"],
+        "identical": _same(got["tensors"], want),
+        "from_peer": got["from_peer"],
+        "healed": memory_tier._verify(tier.own / "step-00000010") is None,
+    }
+
+    # Both copies of rank 2's data gone (its own slot and rank 0's replica of it): nothing to restore from memory.
+    if rank == 2:
+        shutil.rmtree(tier.own)
+    if rank == 0:
+        shutil.rmtree(tier.replica)
+    dist.barrier(group)
+    seen["lost_both"] = MemoryTier("job", layout, group=group, root=root).latest_complete_step()
+
+    # A new snapshot, then both copies of rank 1's damaged (its own and rank 2's replica of it): storage.
+    assert tier.snapshot(15, state)
+    if rank == 1:
+        flip_bit(tier.own / "step-00000015" / TENSORS, at=0.3)
+    if rank == 2:
+        flip_bit(tier.replica / "step-00000015" / TENSORS, at=0.7)
+    dist.barrier(group)
+    seen["damaged_both"] = {
+        "step": MemoryTier("job", layout, group=group, root=root).latest_complete_step(),
+        "own_left": (tier.own / "step-00000015").is_dir(),
+        "replica_left": (tier.replica / "step-00000015").is_dir(),
+    }
+    return seen
+
+
 def worker(rank: int, world_size: int, root: str, out: str) -> None:
     torch.manual_seed(0)
     memory_tier._CHUNK = 64 << 10  # many messages per transfer, as a large state sends
@@ -103,7 +148,7 @@ def worker(rank: int, world_size: int, root: str, out: str) -> None:
     big = {"x": {"t": torch.zeros(40_000 if rank == 0 else 10)}}
     seen["bound"] = MemoryTier("bound", layout, group=group, root=root, max_bytes=100_000).snapshot(1, big)
 
-    state, parts = _build(world_size, seed=0, train_steps=2)
+    state, parts = _build(world_size, seed=0, train_steps=2, group=group)
     tier = MemoryTier("job", layout, group=group, root=root)
     for step in (5, 10):
         parts["train"].step, parts["train"].tokens, parts["loader"].next_sample = step, 100 * step, 8 * step
@@ -131,25 +176,7 @@ def worker(rank: int, world_size: int, root: str, out: str) -> None:
         "job", make_layout_key(world_size, "tp3"), group=group, root=root
     ).latest_complete_step()
 
-    # A lost node: rank 1's own slot is gone; rank 2 holds its replica.
-    if rank == 1:
-        shutil.rmtree(tier.own)
-    dist.barrier(group)
-    got = _restarted(group, root, layout)
-    seen["lost_own"] = {
-        "step": got["step"],
-        "identical": _same(got["tensors"], want),
-        "from_peer": got["from_peer"],
-        "healed": (tier.own / "step-00000010" / "COMPLETE").is_file(),
-    }
-
-    # Both copies of rank 2's data gone (its own slot and rank 0's replica of it): nothing to restore from memory.
-    if rank == 2:
-        shutil.rmtree(tier.own)
-    if rank == 0:
-        shutil.rmtree(tier.replica)
-    dist.barrier(group)
-    seen["lost_both"] = MemoryTier("job", layout, group=group, root=root).latest_complete_step()
+    seen.update(_lost_and_damaged(rank, group, root, layout, tier, state, want))
     tier.cleanup()
     seen["cleaned"] = not tier.job_dir.exists()
     tier.close()
@@ -160,7 +187,12 @@ def worker(rank: int, world_size: int, root: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("memory_tier")
-    spawn(worker, WORLD, str(tmp / "shm"), str(tmp))
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp
+    root = shm / f"scaletrain-test-{uuid.uuid4().hex[:12]}"
+    try:
+        spawn(worker, WORLD, str(root), str(tmp))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -190,6 +222,19 @@ def test_lost_own_slot_restores_from_peer_replica(seen):
         assert s["lost_own"]["healed"]
 
 
+def test_damaged_own_copy_restores_from_peer_replica(seen):
+    for r, s in enumerate(seen):
+        assert s["damaged_own"]["step"] == 10 and s["damaged_own"]["identical"], f"rank {r}"
+        assert s["damaged_own"]["from_peer"] == (r == 0)
+        assert s["damaged_own"]["healed"]
+
+
 def test_both_copies_lost_falls_back_to_storage(seen):
     assert [s["lost_both"] for s in seen] == [None] * WORLD
     assert all(s["cleaned"] for s in seen)
+
+
+def test_both_copies_damaged_falls_back_to_storage_and_are_removed(seen):
+    assert [s["damaged_both"]["step"] for s in seen] == [None] * WORLD
+    assert not seen[1]["damaged_both"]["own_left"] and not seen[2]["damaged_both"]["replica_left"]
+    assert seen[0]["damaged_both"]["own_left"] and seen[2]["damaged_both"]["own_left"]

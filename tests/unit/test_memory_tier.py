@@ -1,25 +1,86 @@
 import json
 import logging
+import shutil
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from scaletrain.checkpoint import LoaderState, ModelState, TrainState, memory_tier
 from scaletrain.checkpoint.memory_tier import (
     COMPLETE,
     META,
+    TENSORS,
     MemoryTier,
     flatten_state,
     job_key,
     make_layout_key,
     unflatten_state,
 )
-from tests.unit.test_checkpoint import make_state
+from scaletrain.config import OptimizerConfig
+from scaletrain.optim import Optimizers, build_optimizer
+from tests.unit.test_model import tiny
 
 LAYOUT = make_layout_key(1, "single process")
 
 
+class Loader:
+    """The part of the data loader that resumes: its position."""
+
+    def __init__(self):
+        self.next_sample = 0
+
+    def state_dict(self):
+        return {"next_sample": self.next_sample, "global_batch": 8}
+
+    def load_state_dict(self, sd):
+        self.next_sample = sd["next_sample"]
+
+
+def make_state(seed: int = 0):
+    """A tiny model after one AdamW step (so the moments exist), in the dict of Statefuls the trainer hands over."""
+    model = tiny()
+    torch.manual_seed(seed)
+    for p in model.parameters():
+        p.data.normal_()
+    cfg = OptimizerConfig(warmup_steps=5)
+    optimizers = Optimizers([model], lambda m: build_optimizer(m, cfg, torch.device("cpu")), cfg, 100)
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    optimizers.step()
+    train, loader = TrainState(), Loader()
+    state = {
+        "model": ModelState([model]),
+        "optimizer": optimizers,
+        "data": LoaderState(loader),
+        "train": train,
+    }
+    return state, model, optimizers, loader, train
+
+
 def tier(tmp_path, **kw) -> MemoryTier:
     return MemoryTier(job_key(tmp_path / "run"), kw.pop("layout_key", LAYOUT), root=tmp_path / "shm", **kw)
+
+
+@pytest.fixture
+def shm(tmp_path) -> Path:
+    """A root in real shared memory, where the tier keeps its snapshots in production; removed afterwards."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    root = base / f"scaletrain-test-{uuid.uuid4().hex[:12]}"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def flip_bit(path: Path, at: float = 0.5) -> int:
+    """Flip one bit of a file in place, behind the tier's back (a stray write, a bit flipped in memory)."""
+    pos = int(path.stat().st_size * at)
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0x10]))
+    return pos
 
 
 def test_flatten_unflatten_round_trip():
@@ -50,34 +111,38 @@ def test_flatten_unflatten_round_trip():
         flatten_state({"a": object()})
 
 
-def _mutate(model, opt, train, loader):
+def _mutate(model, optimizers, train, loader):
     """Move every piece of state away from the snapshot."""
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
+    opt = optimizers.optimizers[0]
     for s in opt.state.values():
         s["exp_avg"].zero_()
     opt.param_groups[0]["betas"] = (0.1, 0.2)
+    optimizers.schedulers[0].last_epoch = 50
     train.step, train.tokens, loader.next_sample = 99, 9900, 999
 
 
 def test_snapshot_then_restore_into_a_fresh_state_is_identical(tmp_path):
-    state, model, opt, sched, loader, train = make_state()
+    state, model, optimizers, loader, train = make_state()
     train.step, train.tokens, loader.next_sample = 7, 700, 56
     mt = tier(tmp_path)
     assert mt.snapshot(7, state)
+    opt = optimizers.optimizers[0]
     want = {k: v.clone() for k, v in model.state_dict().items()}
     want_opt = {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())}
     want_rng = torch.get_rng_state()
     assert mt.bytes_used() > sum(v.nbytes for v in want.values())
 
     # A restarted worker: new objects with other values, the same shared-memory root.
-    state2, model2, opt2, sched2, loader2, train2 = make_state(seed=1)
-    _mutate(model2, opt2, train2, loader2)
+    state2, model2, optimizers2, loader2, train2 = make_state(seed=1)
+    _mutate(model2, optimizers2, train2, loader2)
     torch.manual_seed(123)
     mt2 = tier(tmp_path)
     assert mt2.latest_complete_step() == 7
     mt2.restore(7, state2)
+    opt2 = optimizers2.optimizers[0]
     for k, v in model2.state_dict().items():
         assert torch.equal(v, want[k]), k
     for i, s in enumerate(opt2.state.values()):
@@ -85,8 +150,10 @@ def test_snapshot_then_restore_into_a_fresh_state_is_identical(tmp_path):
             assert torch.equal(v, want_opt[i][k]), (i, k)
     assert opt2.param_groups[0]["betas"] == (0.9, 0.95)
     assert (train2.step, train2.tokens, loader2.next_sample) == (7, 700, 56)
-    assert sched2.last_epoch == sched.last_epoch and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert optimizers2.schedulers[0].last_epoch == optimizers.schedulers[0].last_epoch
+    assert optimizers2.lr == optimizers.lr
     assert torch.equal(torch.get_rng_state(), want_rng)
+    assert mt2.last_restore_s > 0 and not mt2.restored_from_peer
 
 
 def test_only_the_newest_snapshot_is_kept(tmp_path):
@@ -99,23 +166,96 @@ def test_only_the_newest_snapshot_is_kept(tmp_path):
     assert mt.latest_complete_step() == 6
 
 
+def _two_snapshots(mt: MemoryTier, state: dict, train, stash: Path) -> tuple[Path, Path]:
+    """Steps 3 and 5 both in the slot, as a crash between a snapshot and its retention leaves them."""
+    train.step = 3
+    assert mt.snapshot(3, state)
+    shutil.copytree(mt.own / "step-00000003", stash)
+    train.step = 5
+    assert mt.snapshot(5, state)
+    shutil.copytree(stash, mt.own / "step-00000003")
+    return mt.own / "step-00000003", mt.own / "step-00000005"
+
+
 def test_incomplete_snapshot_is_ignored(tmp_path):
     state, *_, train = make_state()
     mt = tier(tmp_path)
-    train.step = 3
-    mt.snapshot(3, state)
-    # A snapshot interrupted before its marker: copy step 3 as step 5, then drop the marker.
-    src, dst = mt.own / "step-00000003", mt.own / "step-00000005"
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    meta = json.loads((dst / META).read_text())
-    (dst / META).write_text(json.dumps({**meta, "step": 5}))
-    assert mt.latest_complete_step() == 5  # the copy itself is valid...
-    (dst / COMPLETE).unlink()
-    assert mt.latest_complete_step() == 3  # ...until it lacks its marker
-    (src / "tensors.safetensors").write_bytes(b"truncated")
+    older, newer = _two_snapshots(mt, state, train, tmp_path / "stash")
+    assert mt.latest_complete_step() == 5
+    (newer / COMPLETE).unlink()  # interrupted before its marker
+    assert mt.latest_complete_step() == 3
+    (older / TENSORS).write_bytes(b"truncated")
     assert mt.latest_complete_step() is None  # and a truncated one does not count either
+
+
+def test_a_corrupted_snapshot_is_detected_removed_and_storage_is_used(shm, caplog, monkeypatch):
+    monkeypatch.setattr(memory_tier, "_CRC_CHUNK", 4096)  # many chunks: the message names the damaged one
+    state, *_, train = make_state()
+    train.step = 3
+    assert MemoryTier("job", LAYOUT, root=shm).snapshot(3, state)
+    f = shm / "job" / "rank0" / "step-00000003" / TENSORS
+    good = {k: v.clone() for k, v in load_file(f).items()}  # load_file maps the file: copy before the damage
+    pos = flip_bit(f)
+    bad = load_file(f)  # the damage is invisible to the format: the file still loads, with a wrong value
+    assert any(not torch.equal(good[k], bad[k]) for k in good)
+
+    restarted = MemoryTier("job", LAYOUT, root=shm)
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        assert (
+            restarted.latest_complete_step() is None
+        )  # one process holds no replica: the caller uses storage
+    assert "rejected" in caplog.text and f"first at byte {pos // 4096 * 4096}" in caplog.text
+    assert not f.parent.exists() and restarted.bytes_used() == 0
+
+
+def test_corrupted_metadata_is_detected(shm):
+    state, *_, train = make_state()
+    mt = MemoryTier("job", LAYOUT, root=shm)
+    assert mt.snapshot(3, state)
+    meta_file = mt.own / "step-00000003" / META
+    meta = json.loads(meta_file.read_text())
+    lr = next(k for k in meta["leaves"] if k.endswith(".lr"))
+    meta["leaves"][lr] *= 10  # still well-formed JSON, with the wrong learning rate
+    meta_file.write_text(json.dumps(meta))
+    assert MemoryTier("job", LAYOUT, root=shm).latest_complete_step() is None
+
+
+def test_a_corrupted_newest_snapshot_falls_back_to_an_intact_older_one(shm):
+    state, *_, train = make_state()
+    mt = MemoryTier("job", LAYOUT, root=shm)
+    older, newer = _two_snapshots(mt, state, train, shm / "stash")
+    flip_bit(newer / TENSORS, at=0.9)
+    state2, *_, train2 = make_state(seed=1)
+    restarted = MemoryTier("job", LAYOUT, root=shm)
+    assert restarted.latest_complete_step() == 3
+    restarted.restore(3, state2)
+    assert train2.step == 3 and not newer.exists()
+
+
+def test_restore_never_loads_a_corrupted_snapshot(shm):
+    state, *_ = make_state()
+    assert MemoryTier("job", LAYOUT, root=shm).snapshot(3, state)
+    flip_bit(shm / "job" / "rank0" / "step-00000003" / TENSORS)
+    state2, model2, *_ = make_state(seed=1)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(FileNotFoundError, match="no intact copy"):
+        MemoryTier("job", LAYOUT, root=shm).restore(3, state2)  # asked directly, without latest_complete_step
+    assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
+
+
+def test_a_restore_checks_the_checksums_once(shm, monkeypatch):
+    state, *_ = make_state()
+    assert MemoryTier("job", LAYOUT, root=shm).snapshot(3, state)
+    calls = []
+    verify = memory_tier._verify
+    monkeypatch.setattr(memory_tier, "_verify", lambda d: calls.append(d) or verify(d))
+    restarted = MemoryTier("job", LAYOUT, root=shm)
+    assert restarted.latest_complete_step() == 3
+    restarted.restore(3, state)
+    assert len(calls) == 1  # choosing the step checked it; restoring it reuses that check
+    flip_bit(restarted.own / "step-00000003" / TENSORS)  # ...until the file changes
+    with pytest.raises(FileNotFoundError):
+        restarted.restore(3, state)
 
 
 def test_over_the_bound_is_skipped(tmp_path, caplog):
@@ -137,9 +277,6 @@ def test_another_layout_is_never_used(tmp_path):
 
 
 def test_tied_weights_and_cleanup(tmp_path):
-    from scaletrain.checkpoint import ModelState
-    from tests.unit.test_model import tiny
-
     model = tiny(tie_embeddings=True)
     mt = tier(tmp_path)
     assert mt.snapshot(1, {"model": ModelState([model])})  # overlapping tensors are cloned for safetensors
