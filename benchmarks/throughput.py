@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain.config_io import load_config
+from scaletrain.metrics import cpu_model_name
 from scaletrain.models import build_meta_model, resolve_model_args
 from scaletrain.train import train
 
@@ -93,6 +94,20 @@ def bare_step_times(args) -> list[float]:
     return times[args.warmup :]
 
 
+def cpu_features() -> str:
+    """The CPU and the matrix features that decide bf16 speed (AMX, AVX512-BF16), as /proc/cpuinfo lists them."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{cpu_model_name()} ({', '.join(have) or 'none of avx2/avx512/amx'})"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
@@ -118,6 +133,7 @@ def main() -> None:
         f"{args.threads} threads, {args.rounds} alternating rounds of {args.steps} steps (first {args.warmup} "
         "of each dropped)"
     )
+    print(f"  CPU: {cpu_features()}")
     print(f"  bare PyTorch loop : {tokens / t_bare:10.0f} tokens/s  (median step {t_bare * 1e3:.1f} ms)")
     print(f"  scaletrain train(): {tokens / t_ours:10.0f} tokens/s  (median step {t_ours * 1e3:.1f} ms)")
     print(f"  ratio scaletrain / bare = {t_bare / t_ours:.3f}  (target >= 0.97)")
