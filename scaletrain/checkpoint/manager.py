@@ -234,11 +234,10 @@ class CheckpointManager:
         else:
             dcp.save(self.state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
             self._commit(step)
-            self._committed(step, time.perf_counter() - t0)
         stall = time.perf_counter() - t0
         self.stalls[step] = self.stalls.get(step, 0.0) + stall
-        if blocking or not self.cfg.async_save:
-            self._emit_saved(step, 0.0)
+        if self.pending is None:  # saved synchronously: committed and reported now
+            self._report_saved(step, 0.0)
         return stall
 
     def before_update(self) -> float:
@@ -272,8 +271,7 @@ class CheckpointManager:
             self.stalls.pop(step, None)
             self._report_failure(step, e)
             return False
-        self._committed(step, commit_s)
-        self._emit_saved(step, commit_s)
+        self._report_saved(step, commit_s)
         return True
 
     def _commit_after(self, step: int, upload: Future) -> float:
@@ -291,13 +289,11 @@ class CheckpointManager:
             self._retain()
         self._barrier()
 
-    def _committed(self, step: int, seconds: float) -> None:
+    def _report_saved(self, step: int, commit_s: float) -> None:
+        """Rank 0 runs the commit callbacks and writes the event (the stall of this save: its blocking part)."""
         if self.rank == 0:
             for callback in self.on_commit:
                 callback(step, self.path(step))
-
-    def _emit_saved(self, step: int, commit_s: float) -> None:
-        if self.rank == 0:
             self.event(
                 "checkpoint_saved",
                 step=step,
