@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scaletrain.checkpoint import LoaderState, ModelState, TrainState, memory_tier
+from scaletrain.checkpoint import ModelState, memory_tier
 from scaletrain.checkpoint.memory_tier import (
     COMPLETE,
     META,
@@ -19,44 +19,17 @@ from scaletrain.checkpoint.memory_tier import (
     make_layout_key,
     unflatten_state,
 )
-from scaletrain.config import OptimizerConfig
-from scaletrain.optim import Optimizers, build_optimizer
+from tests.unit.test_checkpoint import make_state as checkpoint_state
 from tests.unit.test_model import tiny
 
 LAYOUT = make_layout_key(1, "single process")
 
 
-class Loader:
-    """The part of the data loader that resumes: its position."""
-
-    def __init__(self):
-        self.next_sample = 0
-
-    def state_dict(self):
-        return {"next_sample": self.next_sample, "global_batch": 8}
-
-    def load_state_dict(self, sd):
-        self.next_sample = sd["next_sample"]
-
-
 def make_state(seed: int = 0):
-    """A tiny model after one AdamW step (so the moments exist), in the dict of Statefuls the trainer hands over."""
-    model = tiny()
-    torch.manual_seed(seed)
-    for p in model.parameters():
-        p.data.normal_()
-    cfg = OptimizerConfig(warmup_steps=5)
-    optimizers = Optimizers([model], lambda m: build_optimizer(m, cfg, torch.device("cpu")), cfg, 100)
-    model(torch.randint(0, 64, (2, 8))).sum().backward()
-    optimizers.step()
-    train, loader = TrainState(), Loader()
-    state = {
-        "model": ModelState([model]),
-        "optimizer": optimizers,
-        "data": LoaderState(loader),
-        "train": train,
-    }
-    return state, model, optimizers, loader, train
+    """A tiny model after one AdamW step (so the moments exist), in the dict of Statefuls the trainer hands over:
+    the checkpoint tests' state."""
+    state, model, _, _, loader, train = checkpoint_state(seed)
+    return state, model, state["optimizer"], loader, train
 
 
 def tier(tmp_path, **kw) -> MemoryTier:
