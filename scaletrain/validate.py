@@ -27,10 +27,11 @@ from scaletrain.config import (
 from scaletrain.data.sources import list_files
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.models.llama import ModelArgs, count_parameters
-from scaletrain.models.presets import PRESETS, build_meta_model, resolve_model_args
+from scaletrain.models.llama import ModelArgs
+from scaletrain.models.presets import PRESETS, resolve_model_args
 from scaletrain.parallel.mesh import ParallelDims, validate_parallel
 from scaletrain.parallel.pipeline import pipeline_problems, resolve_microbatches
+from scaletrain.planner.memory import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, memory_problem
 from scaletrain.resilience.faults import validate_specs
 
 
@@ -336,22 +337,33 @@ def _run(r: RunConfig, c: CheckpointConfig) -> list[str]:
 
 
 def _fits_in_memory(cfg: Config, world_size: int, args: ModelArgs) -> list[str]:
-    """Refuse a model whose fp32 weights, gradients and AdamW state (16 bytes a parameter) cannot fit, instead of
-    dying in the allocator minutes later. Activations come on top; this is a floor, not a plan."""
-    need = count_parameters(build_meta_model(args))["total"] * 16
+    """Refuse a layout whose fullest rank cannot hold its share of the model (ZeRO sharding, tp and pp splits),
+    its activations at the configured micro-batch and the logits, instead of dying in the allocator minutes later;
+    the message says by how much and which knob would fit (the estimate: planner.memory.per_rank_bytes)."""
+    have, where, overhead = _device_memory(cfg, world_size)
+    local = global_batch_sequences(cfg.training, cfg.data.seq_len) // max(
+        _dp_size(cfg.parallel, world_size), 1
+    )
+    problem = memory_problem(
+        args,
+        cfg.parallel,
+        cfg.training,
+        cfg.data.seq_len,
+        world_size,
+        device_bytes=have,
+        where=where,
+        local_batch=local,
+        overhead_bytes=overhead,
+    )
+    return [f"model.preset '{cfg.model.preset}': {problem}"] if problem else []
+
+
+def _device_memory(cfg: Config, world_size: int) -> tuple[int, str, int]:
+    """(bytes one process may use, what they are, the framework overhead to count): a GPU's total memory, or on
+    CPU this process's share of the host memory (the node's processes share it)."""
     cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
     if cuda:
-        have, where = torch.cuda.get_device_properties(0).total_memory, "GPU"
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        have, where = (
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1),
-            "host memory share",
-        )
-    if need > have:
-        return [
-            f"model.preset '{cfg.model.preset}' needs {need / 2**30:.1f} GiB per process for weights, "
-            f"gradients and AdamW state, more than the {have / 2**30:.1f} GiB {where}; choose a smaller "
-            "model.preset (e.g. debug or 125M)"
-        ]
-    return []
+        return torch.cuda.get_device_properties(0).total_memory, "GPU", GPU_OVERHEAD_BYTES
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(local, 1), "host memory share", CPU_OVERHEAD_BYTES

@@ -1,0 +1,219 @@
+"""The memory one rank needs for a model, layout and batch: the estimate `validate` uses to refuse a run that
+cannot fit, with the knob that would make it fit. One function (per_rank_bytes), for the planner to extend."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from scaletrain.config import ParallelConfig, TrainingConfig
+from scaletrain.errors import ConfigError
+from scaletrain.models.llama import ModelArgs
+from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.pipeline import (
+    layers_per_stage,
+    placement_style,
+    rank_stages,
+    resolve_microbatches,
+    stages_per_rank,
+)
+
+GiB = 2**30
+# CUDA context (~0.5 GiB), NCCL buffers and caching-allocator fragmentation: what a GPU rank loses before the
+# model's first byte. A CPU process pays much less, and the host share it is compared with is already rough.
+GPU_OVERHEAD_BYTES = 2 * GiB
+CPU_OVERHEAD_BYTES = 256 * 2**20
+# fp32 AdamW (Rajbhandari et al. 2020, ZeRO): parameters 4 bytes, gradients 4, the moments m and v 8.
+PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+PARTS = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits", "overhead")
+
+
+def block_parameters(args: ModelArgs) -> tuple[int, int]:
+    """(split by tp, replicated) parameters of one transformer block: the matrices of attention and SwiGLU are
+    split by tensor parallel, the two RMSNorm weights are replicated."""
+    kv = args.n_kv_heads * args.head_dim
+    attention = 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * kv
+    return attention + 3 * args.dim * args.ffn_hidden, 2 * args.dim
+
+
+def _zero_shards(p: ParallelConfig, dims: ParallelDims) -> int:
+    """Ranks the sharded state is spread over: every data-parallel and context-parallel rank (context-parallel
+    ranks hold the same parameters and sum their gradients); hsdp shards within dp_shard x cp only."""
+    if p.data_parallel == "ddp":
+        return 1
+    return dims.dp_shard * dims.cp if p.data_parallel == "hsdp" else dims.dp_size * dims.cp
+
+
+def _in_flight(p: ParallelConfig, pp_rank: int, n_micro: int, v: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak. GPipe: all of them; 1F1B: pp - rank
+    (Narayanan et al. 2021); interleaved: that times 1 + (p-1)/(p·v) (Korthikanti et al. 2022, §4.2.3); the V
+    schedules balance it to p + 1 on every rank (DeepSeek-V3 report 2024, table 2)."""
+    pp = p.pp
+    if pp == 1:
+        return 1
+    if p.pp_schedule == "gpipe":
+        return n_micro
+    if p.pp_schedule == "1f1b":
+        return min(n_micro, pp - pp_rank)
+    if p.pp_schedule in ("zbv", "dualpipev"):
+        return min(n_micro, pp + 1)
+    return min(n_micro, (pp - pp_rank) * (1 + (pp - 1) / (pp * v)))
+
+
+def layer_activation_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int) -> float:
+    """Bytes one block keeps for backward per micro-batch, without recompute. Korthikanti et al. 2022 (§4.1) count
+    34·s·b·h + 5·a·s²·b bytes in 16-bit for a GPT block; the same count over the tensors the Llama block saves:
+    replicated without sequence parallel: the two norm inputs and the inputs of wq/wk/wv and w1/w3, 8·s·b·h;
+    split by tp: q and k before and after RoPE, v, the attention output, and SwiGLU's w1, w3, silu and product
+    outputs, s·b·(6h + 6·kv + 8·ffn). No 5·a·s²·b term: fused SDPA (FlashAttention, Dao 2022) never stores the
+    attention scores. No dropout masks: Llama has none. `elt` is bytes per element (2 for bf16, 4 for fp32)."""
+    s = seq_len / p.cp  # context parallel splits each sequence
+    h, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
+    replicated = 8 * s * micro * h
+    split = s * micro * (6 * h + 6 * kv + 8 * f)
+    replicated = replicated / p.tp if p.sequence_parallel else replicated
+    return (replicated + split / p.tp) * elt / 2
+
+
+def per_rank_bytes(
+    args: ModelArgs,
+    parallel: ParallelConfig,
+    training: TrainingConfig,
+    seq_len: int,
+    world_size: int,
+    *,
+    local_batch: int | None = None,
+    overhead_bytes: int = GPU_OVERHEAD_BYTES,
+) -> dict[str, float]:
+    """Bytes on the fullest rank, by part (PARTS) and "total". `local_batch`: sequences per data-parallel rank per
+    step (sets the pipeline micro-batches; None: pp of training.micro_batch each). Raises ConfigError if the
+    sizes do not tile `world_size`, ValueError if the layers cannot fill the pipeline stages."""
+    p, dims = parallel, ParallelDims.from_config(parallel, world_size)
+    v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
+    n_micro = resolve_microbatches(
+        p.pp_microbatches, local_batch or p.pp * training.micro_batch, training.micro_batch
+    )
+    micro = math.ceil(local_batch / n_micro) if p.pp > 1 and local_batch else training.micro_batch
+    counts = layers_per_stage(args.n_layers, p.pp * v)
+    block_split, block_rep = block_parameters(args)
+    vocab_rows = args.vocab_size * args.dim
+    shards, elt = _zero_shards(p, dims), 2 if training.precision == "bf16" else 4
+    best: dict[str, float] = {}
+    for r in range(p.pp):
+        stages = rank_stages(r, p.pp, v, placement_style(p.pp_schedule)) if p.pp > 1 else [0]
+        first, last = 0 in stages, p.pp * v - 1 in stages
+        layers = sum(counts[s] for s in stages)
+        # tp splits the embedding by vocabulary rows and the output by vocabulary columns; a tied table is one.
+        tables = first + (last and not (args.tie_embeddings and first))
+        n = (layers * block_split + tables * vocab_rows) / p.tp + layers * block_rep + last * args.dim
+        part = _state_bytes(p.data_parallel, n, shards, (block_split / p.tp + block_rep) * PARAM_BYTES)
+        act = layer_activation_bytes(args, p, micro, seq_len, elt) * layers * _in_flight(p, r, n_micro, v)
+        part["activations"] = act
+        # fp32 logits and the log-softmax saved for backward, split by vocabulary under tp (loss parallel).
+        part["logits"] = last * 2 * micro * (seq_len / p.cp) * args.vocab_size * 4 / p.tp
+        part["overhead"] = overhead_bytes
+        part["total"] = sum(part[k] for k in PARTS)
+        if part["total"] > best.get("total", -1):
+            best = part
+    return best
+
+
+def _state_bytes(mode: str, n: float, shards: int, block_bytes: float) -> dict[str, float]:
+    """Parameters, gradients and AdamW state of `n` parameters under each data-parallel mode (ZeRO, Rajbhandari
+    et al. 2020): ddp replicates all; zero1 shards the optimizer state; zero2 (FSDP2 without resharding after
+    forward) also the gradients; fsdp/hsdp also the parameters, plus the transients of the blocks gathered at a
+    time: in backward a block's weights, the next one's prefetched and the block's unsharded gradient."""
+    z1, z2, z3 = mode != "ddp", mode in ("zero2", "fsdp", "hsdp"), mode in ("fsdp", "hsdp")
+    return {
+        "parameters": n * PARAM_BYTES / (shards if z3 else 1),
+        "gradients": n * GRAD_BYTES / (shards if z2 else 1),
+        "optimizer": n * ADAM_BYTES / (shards if z1 else 1),
+        "gathered": 3 * block_bytes if z3 and shards > 1 else 0.0,
+    }
+
+
+def describe(estimate: dict[str, float]) -> str:
+    """e.g. "43.1 GiB per process (parameters 3.7, gradients 3.7, ..., overhead 2.0)"; zero parts left out."""
+    parts = ", ".join(f"{k} {estimate[k] / GiB:.1f}" for k in PARTS if estimate[k])
+    return f"{estimate['total'] / GiB:.1f} GiB per process ({parts})"
+
+
+def memory_problem(
+    args: ModelArgs,
+    parallel: ParallelConfig,
+    training: TrainingConfig,
+    seq_len: int,
+    world_size: int,
+    *,
+    device_bytes: int,
+    where: str = "GPU",
+    local_batch: int | None = None,
+    overhead_bytes: int = GPU_OVERHEAD_BYTES,
+) -> str | None:
+    """None if the fullest rank fits in `device_bytes`; else what it needs, by how much that is over, and the
+    single knobs (checked with the same estimate) that would make it fit."""
+
+    def estimate(p: ParallelConfig, t: TrainingConfig, world: int = world_size) -> dict[str, float] | None:
+        try:
+            return per_rank_bytes(
+                args, p, t, seq_len, world, local_batch=local_batch, overhead_bytes=overhead_bytes
+            )
+        except (ConfigError, ValueError):  # a layout that does not tile or split: not a fix
+            return None
+
+    need = per_rank_bytes(
+        args, parallel, training, seq_len, world_size, local_batch=local_batch, overhead_bytes=overhead_bytes
+    )
+    if need["total"] <= device_bytes:
+        return None
+    fixes: dict[str, str] = {}
+    for knob, p, t in _candidates(args, parallel, training, world_size):
+        e = estimate(p, t)
+        # The first that fits of each knob: candidates come in the order least change first.
+        if e is not None and e["total"] <= device_bytes and knob.split()[0] not in fixes:
+            fixes[knob.split()[0]] = f"{knob} ({e['total'] / GiB:.1f} GiB)"
+    if not fixes:
+        fixes["more"] = _more_ranks(parallel, training, world_size, device_bytes, estimate)
+    return (
+        f"the fullest rank needs an estimated {describe(need)}, "
+        f"{(need['total'] - device_bytes) / GiB:.1f} GiB more than the {device_bytes / GiB:.1f} GiB {where}; "
+        f"to fit: {'; or '.join(fixes.values())}"
+    )
+
+
+def _candidates(
+    args: ModelArgs, p: ParallelConfig, t: TrainingConfig, world_size: int
+) -> list[tuple[str, ParallelConfig, TrainingConfig]]:
+    """One-knob changes to try: shard more state, split the model more, or a smaller micro-batch. DDP and zero1
+    cannot hold tensor-parallel DTensors or run in pipeline stages, so tp/pp are tried under fsdp there."""
+    out = []
+    mode = p.data_parallel if p.data_parallel in ("zero2", "fsdp", "hsdp") else "fsdp"
+    if p.data_parallel != mode:
+        out.append(("--parallel.data_parallel fsdp", dataclasses.replace(p, data_parallel="fsdp"), t))
+    note = "" if mode == p.data_parallel else " with --parallel.data_parallel fsdp"
+    tp = p.tp * 2
+    if args.n_kv_heads % tp == 0 and world_size % (tp * p.pp * p.cp * p.dp_replicate) == 0:
+        out.append(
+            (f"--parallel.tp {tp}{note}", dataclasses.replace(p, tp=tp, dp_shard=-1, data_parallel=mode), t)
+        )
+    pp = p.pp * 2
+    if pp <= args.n_layers and world_size % (p.tp * pp * p.cp * p.dp_replicate) == 0:
+        out.append(
+            (f"--parallel.pp {pp}{note}", dataclasses.replace(p, pp=pp, dp_shard=-1, data_parallel=mode), t)
+        )
+    # Divisors only, so that the global batch stays divisible by micro_batch x data-parallel ranks.
+    for mb in (d for d in range(t.micro_batch - 1, 0, -1) if t.micro_batch % d == 0):
+        out.append((f"--training.micro_batch {mb}", p, dataclasses.replace(t, micro_batch=mb)))
+    return out
+
+
+def _more_ranks(p: ParallelConfig, t: TrainingConfig, world_size: int, device_bytes: int, estimate) -> str:
+    """No single knob fits at this world size: the smallest multiple of it (up to 64x) at which fsdp with a
+    micro-batch of 1 would."""
+    fsdp = dataclasses.replace(p, data_parallel="fsdp", dp_shard=-1, dp_replicate=1)
+    one = dataclasses.replace(t, micro_batch=1)
+    for k in (2, 4, 8, 16, 32, 64):
+        e = estimate(fsdp, one, world_size * k)
+        if e is not None and e["total"] <= device_bytes:
+            return f"more devices: fsdp over {world_size * k} ranks with --training.micro_batch 1 ({e['total'] / GiB:.1f} GiB)"
+    return "more devices or a smaller model.preset: not even fsdp over 64x the ranks fits"

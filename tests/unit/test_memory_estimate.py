@@ -1,0 +1,154 @@
+"""The per-rank memory estimate (planner.memory) against its closed forms, and the memory check of load_config:
+sharded layouts of large models are accepted where they fit, refused with the numbers where they do not."""
+
+from __future__ import annotations
+
+import pytest
+
+import scaletrain.validate as validate
+from scaletrain.config import ModelConfig, ParallelConfig, TrainingConfig
+from scaletrain.config_io import load_config
+from scaletrain.errors import ConfigError
+from scaletrain.models.llama import ModelArgs, count_parameters
+from scaletrain.models.presets import build_meta_model, resolve_model_args
+from scaletrain.planner.memory import (
+    GiB,
+    block_parameters,
+    layer_activation_bytes,
+    memory_problem,
+    per_rank_bytes,
+)
+
+DEBUG = ModelArgs()  # 4 layers, dim 128, vocab 320, untied
+FP32 = TrainingConfig(micro_batch=2)
+
+
+def preset(name: str, seq_len: int = 256) -> ModelArgs:
+    return resolve_model_args(ModelConfig(preset=name), None, seq_len)
+
+
+def state(e: dict) -> tuple[float, float, float]:
+    return e["parameters"], e["gradients"], e["optimizer"]
+
+
+@pytest.mark.parametrize("name", ["debug", "125M", "8B"])
+def test_parameter_count_is_the_models(name):
+    args = preset(name)
+    e = per_rank_bytes(args, ParallelConfig(), FP32, 256, 1)
+    assert e["parameters"] == 4 * count_parameters(build_meta_model(args))["total"]
+
+
+def test_zero_formulas_at_dp4():
+    psi = count_parameters(build_meta_model(DEBUG))["total"]
+    closed = {
+        "ddp": (4 * psi, 4 * psi, 8 * psi),
+        "zero1": (4 * psi, 4 * psi, 8 * psi / 4),
+        "zero2": (4 * psi, 4 * psi / 4, 8 * psi / 4),
+        "fsdp": (4 * psi / 4, 4 * psi / 4, 8 * psi / 4),
+    }
+    for mode, want in closed.items():
+        e = per_rank_bytes(DEBUG, ParallelConfig(data_parallel=mode), FP32, 256, 4)
+        assert state(e) == pytest.approx(want), mode
+    # hsdp over 2 replicas x 2 shards shards over the 2 only.
+    e = per_rank_bytes(DEBUG, ParallelConfig(data_parallel="hsdp", dp_replicate=2), FP32, 256, 4)
+    assert state(e) == pytest.approx((4 * psi / 2, 4 * psi / 2, 8 * psi / 2))
+    assert e["gathered"] > 0 and per_rank_bytes(DEBUG, ParallelConfig(), FP32, 256, 4)["gathered"] == 0
+
+
+def test_tp2_halves_the_layers_tp_splits():
+    split, rep = block_parameters(DEBUG)
+    tables = 2 * DEBUG.vocab_size * DEBUG.dim
+    e = per_rank_bytes(DEBUG, ParallelConfig(data_parallel="fsdp", tp=2), FP32, 256, 2)
+    assert e["parameters"] == 4 * ((4 * split + tables) / 2 + 4 * rep + DEBUG.dim)
+    one = layer_activation_bytes(DEBUG, ParallelConfig(), 2, 256, 4)
+    sp = layer_activation_bytes(DEBUG, ParallelConfig(tp=2, sequence_parallel=True), 2, 256, 4)
+    no_sp = layer_activation_bytes(DEBUG, ParallelConfig(tp=2), 2, 256, 4)
+    assert sp == one / 2 and one / 2 < no_sp < one
+    # Only the 8·s·b·h of norm and projection inputs stays whole without sequence parallel.
+    assert no_sp - sp == 8 * 256 * 2 * DEBUG.dim / 2 * 4 / 2
+    assert e["logits"] == 2 * 2 * 256 * DEBUG.vocab_size * 4 / 2
+
+
+def test_pp2_halves_the_layers():
+    split, rep = block_parameters(DEBUG)
+    block, table = split + rep, DEBUG.vocab_size * DEBUG.dim
+    t = TrainingConfig(micro_batch=2)
+    e = per_rank_bytes(DEBUG, ParallelConfig(pp=2, data_parallel="fsdp"), t, 256, 2, local_batch=8)
+    first, last = 4 * (2 * block + table), 4 * (2 * block + table + DEBUG.dim)
+    assert e["parameters"] in (first, last)
+    whole = per_rank_bytes(DEBUG, ParallelConfig(), t, 256, 1)
+    assert whole["parameters"] == 4 * (4 * block + 2 * table + DEBUG.dim)
+    # 1F1B: the first stage holds pp = 2 micro-batches of its 2 layers; GPipe all 4 micro-batches.
+    layer = layer_activation_bytes(DEBUG, ParallelConfig(), 2, 256, 4)
+    assert e["activations"] in (2 * 2 * layer, 2 * 1 * layer)
+    gpipe = ParallelConfig(pp=2, pp_schedule="gpipe", data_parallel="fsdp")
+    assert per_rank_bytes(DEBUG, gpipe, t, 256, 2, local_batch=8)["activations"] == 4 * 2 * layer
+
+
+def test_activation_formula_and_its_scaling():
+    h, kv, f = DEBUG.dim, DEBUG.n_kv_heads * DEBUG.head_dim, DEBUG.ffn_hidden
+    s, b = 256, 2
+    want16 = s * b * (8 * h + 6 * h + 6 * kv + 8 * f)
+    assert layer_activation_bytes(DEBUG, ParallelConfig(), b, s, 2) == want16
+    assert layer_activation_bytes(DEBUG, ParallelConfig(), b, s, 4) == 2 * want16
+    assert layer_activation_bytes(DEBUG, ParallelConfig(cp=2), b, s, 2) == want16 / 2
+    big = per_rank_bytes(DEBUG, ParallelConfig(), TrainingConfig(micro_batch=8), 256, 1)["activations"]
+    assert big == 4 * per_rank_bytes(DEBUG, ParallelConfig(), FP32, 256, 1)["activations"]
+
+
+H100 = 80 * GiB
+BIG = TrainingConfig(micro_batch=1, precision="bf16")
+
+
+def test_8b_fits_under_fsdp_on_8x80gib_and_not_under_ddp():
+    args = preset("8B")
+    assert memory_problem(args, ParallelConfig(data_parallel="fsdp"), BIG, 256, 8, device_bytes=H100) is None
+    msg = memory_problem(args, ParallelConfig(), BIG, 256, 8, device_bytes=H100)
+    # ddp: 16 bytes x 8.03e9 parameters = 119.7 GiB of state alone on every rank.
+    assert msg is not None and "parameters 29.9, gradients 29.9, optimizer 59.8" in msg
+    assert "more than the 80.0 GiB GPU" in msg and "--parallel.data_parallel fsdp" in msg
+
+
+def test_70b_needs_more_than_8_ranks_of_fsdp():
+    args = preset("70B")
+    # 70.6e9 x 16 B / 8 ranks = 131 GiB of sharded state per rank > 80 GiB: refused, and more ranks suggested.
+    msg = memory_problem(args, ParallelConfig(data_parallel="fsdp"), BIG, 256, 8, device_bytes=H100)
+    assert msg is not None and "optimizer 65.7" in msg and "more devices" in msg
+    assert memory_problem(args, ParallelConfig(data_parallel="fsdp"), BIG, 256, 64, device_bytes=H100) is None
+    p = ParallelConfig(data_parallel="fsdp", tp=8, pp=2)
+    assert memory_problem(args, p, BIG, 256, 32, device_bytes=H100, local_batch=8) is None
+
+
+def test_the_suggested_micro_batch_is_the_largest_that_fits():
+    args, fsdp = preset("8B", 4096), ParallelConfig(data_parallel="fsdp")
+
+    def problem(micro: int) -> str | None:
+        t = TrainingConfig(micro_batch=micro, precision="bf16")
+        return memory_problem(args, fsdp, t, 4096, 8, device_bytes=H100)
+
+    msg = problem(8)
+    assert msg is not None and "to fit: --training.micro_batch 2 (" in msg
+    assert problem(2) is None and problem(4) is not None
+
+
+def test_load_config_debug_passes_on_this_host():
+    assert load_config(None, ["--training.micro_batch", "4"], world_size=8).model.preset == "debug"
+
+
+@pytest.fixture
+def gpus_of_80gib(monkeypatch):
+    monkeypatch.setattr(validate, "_device_memory", lambda cfg, world_size: (H100, "GPU", 2 * GiB))
+
+
+def test_load_config_takes_sharded_8b_and_70b_and_refuses_ddp(gpus_of_80gib):
+    common = ["--training.micro_batch", "1", "--training.global_batch", "64", "--training.precision", "bf16"]
+    load_config(None, ["--model.preset", "8B", "--parallel.data_parallel", "fsdp", *common], world_size=8)
+    layout = ["--parallel.data_parallel", "fsdp", "--parallel.tp", "8", "--parallel.pp", "2"]
+    load_config(None, ["--model.preset", "70B", *layout, *common], world_size=32)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--model.preset", "8B", *common], world_size=8)
+    msg = str(err.value)
+    assert "model.preset '8B'" in msg and "GiB more than the 80.0 GiB GPU" in msg
+    assert "parameters 29.9" in msg and "--parallel.data_parallel fsdp" in msg
+    with pytest.raises(ConfigError, match="more than the 80.0 GiB GPU"):
+        load_config(None, ["--model.preset", "70B", *common], world_size=8)
