@@ -244,6 +244,9 @@ class RunConfig:
     """Run directory. Empty: runs/<name>-<date>-<time>. An existing run is never overwritten."""
     name: str = ""
     """Run name; empty: the config file's stem."""
+    accept_changes: list[str] = field(default_factory=list)
+    """On resume, config keys (or sections) whose change from the saved run is accepted, e.g. ["optimizer.lr",
+    "training.steps"]. The model, tokenizer, data, seed and seq_len can never change within a run."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ import tomli_w
 
 from scaletrain.config import Config
 from scaletrain.errors import ConfigError
+from scaletrain.resume import resume_problems
 from scaletrain.validate import validate
 
 if sys.version_info >= (3, 11):
@@ -45,6 +46,10 @@ def load_config(
         if not cfg.run.name and path:
             cfg.run.name = Path(path).stem
         problems += validate(cfg, world_size, check_run_dir=check_run_dir)
+    saved = Path(cfg.run.dir) / "config.toml" if cfg.run.dir else None
+    if not problems and check_run_dir and saved is not None and saved.is_file():
+        # A start in an existing run directory resumes that run: it must be the same run.
+        problems += resume_problems(read_toml(str(saved)), to_dict(cfg), cfg.run.accept_changes)
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -85,7 +85,16 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert json.loads(commits[-1].read_text())["step"] == pre[0]["step"]
     # The next start resumes from it.
     run_cli(
-        "train", "--config", DEBUG, "--run.dir", str(run), *DET, "--training.steps", str(pre[0]["step"] + 2)
+        "train",
+        "--config",
+        DEBUG,
+        "--run.dir",
+        str(run),
+        *DET,
+        "--training.steps",
+        str(pre[0]["step"] + 2),
+        "--run.accept_changes",
+        "training.steps",
     )
     start = [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "start"][-1]
     assert start["resumed"] and start["step"] == pre[0]["step"]

@@ -1,0 +1,69 @@
+"""A resume must continue the same run: the config of a new start is compared with the one the run directory
+saved, key by key. What the checkpoint cannot continue with (the model's shape, the tokenizer, the data, the seed,
+the sequence length) is refused; what a run may legitimately change on the way (the learning rate, the number of
+steps) is refused unless `run.accept_changes` names it; how the run is executed (layout, checkpoints, metrics,
+resilience) may change freely — checkpoints reshard into any layout."""
+
+from __future__ import annotations
+
+# Key prefixes, matched on whole dotted segments.
+CANNOT_CHANGE = (
+    "model",
+    "data.tokenizer",
+    "data.sources",
+    "data.seq_len",
+    "data.val_fraction",
+    "training.seed",
+)
+FREE = (
+    "parallel",
+    "checkpoint",
+    "resilience",
+    "metrics",
+    "run",
+    "data.cache_dir",
+    "data.workers",
+    "training.threads",
+    "training.device",
+    "training.deterministic",
+    "training.micro_batch",
+    "training.eval_interval",
+    "training.eval_sequences",
+)
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def resume_problems(saved: dict, new: dict, accepted: list[str]) -> list[str]:
+    """Every difference between the saved resolved config and the new one that the resume cannot take, each with
+    what to do; [] when the new start continues the same run. Both are `to_dict` forms (None values dropped)."""
+    old, now = _flat(saved), _flat(new)
+    problems = []
+    for key in sorted(set(old) | set(now)):
+        was, is_ = old.get(key, "(unset)"), now.get(key, "(unset)")
+        if was == is_ or _under(key, FREE):
+            continue
+        change = f"{key} was {was!r} in the saved run, now {is_!r}"
+        if _under(key, CANNOT_CHANGE):
+            problems.append(
+                f"{change}: the checkpoint cannot continue with it (it changes the model or the sample order); "
+                f"keep {key} = {was!r}, or start a new --run.dir"
+            )
+        elif not _under(key, tuple(accepted)):
+            problems.append(
+                f"{change}: to continue the run with the new value, add --run.accept_changes {key} "
+                f"(or keep {key} = {was!r})"
+            )
+    return problems

@@ -1,0 +1,32 @@
+"""A start in an existing run directory continues that run or is refused before anything is written."""
+
+from tests.helpers import DEBUG, QUICK, events, run_cli
+
+ARGS = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--training.steps", "4"]
+
+
+def test_a_resume_that_changes_the_run_is_refused_and_config_history_is_kept(tmp_path):
+    run = tmp_path / "run"
+    run_cli("train", "--run.dir", str(run), *ARGS)
+    saved = (run / "config.toml").read_bytes()
+
+    refused = run_cli(
+        "train", "--run.dir", str(run), *ARGS, "--training.seed", "7", "--model.n_layers", "1", check=False
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert (
+        "training.seed was 1234 in the saved run, now 7" in refused.stderr
+        and "model.n_layers" in refused.stderr
+    )
+    assert (run / "config.toml").read_bytes() == saved  # nothing overwritten before the check
+
+    longer = [*ARGS, "--training.steps", "6", "--optimizer.lr", "1e-3"]
+    refused = run_cli("train", "--run.dir", str(run), *longer, check=False)
+    assert refused.returncode == 2 and "--run.accept_changes training.steps" in refused.stderr
+
+    run_cli("train", "--run.dir", str(run), *longer, "--run.accept_changes", "training.steps,optimizer.lr")
+    starts = events(run, "start")
+    assert [(s["step"], s["resumed"]) for s in starts] == [(0, False), (4, True)]
+    assert events(run, "end")[-1]["steps"] == 6
+    assert (run / "config.1.toml").read_bytes() == saved
+    assert "lr = 0.001" in (run / "config.toml").read_text()

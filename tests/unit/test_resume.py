@@ -1,0 +1,37 @@
+"""The resume rules on two resolved configs: refused, accepted with run.accept_changes, or free."""
+
+from scaletrain.config import Config
+from scaletrain.config_io import to_dict
+from scaletrain.resume import resume_problems
+
+
+def _changed(**sections) -> dict:
+    cfg = Config()
+    for section, values in sections.items():
+        for k, v in values.items():
+            setattr(getattr(cfg, section), k, v)
+    return to_dict(cfg)
+
+
+def test_the_same_config_and_a_new_layout_continue():
+    saved = to_dict(Config())
+    new = _changed(
+        parallel={"data_parallel": "fsdp", "tp": 2}, checkpoint={"interval": 5}, training={"threads": 1}
+    )
+    assert resume_problems(saved, new, []) == []
+
+
+def test_what_the_checkpoint_cannot_continue_with_is_refused_key_by_key():
+    new = _changed(model={"n_layers": 2}, data={"seq_len": 32}, training={"seed": 7})
+    problems = resume_problems(to_dict(Config()), new, ["model", "training"])  # accepting cannot help here
+    assert [p.split(" was ")[0] for p in problems] == ["data.seq_len", "model.n_layers", "training.seed"]
+    assert all("cannot continue" in p and "new --run.dir" in p for p in problems)
+    assert "training.seed was 1234 in the saved run, now 7" in problems[2]
+
+
+def test_a_new_learning_rate_or_length_needs_run_accept_changes():
+    new = _changed(optimizer={"lr": 1e-3}, training={"steps": 400})
+    problems = resume_problems(to_dict(Config()), new, [])
+    assert len(problems) == 2 and all("--run.accept_changes" in p for p in problems)
+    assert "--run.accept_changes optimizer.lr" in problems[0]
+    assert resume_problems(to_dict(Config()), new, ["optimizer", "training.steps"]) == []
