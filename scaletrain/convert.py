@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from scaletrain.checkpoint.hf import args_from_hf_config, export_hf, read_hf_dir, verify_with_transformers
 from scaletrain.checkpoint.integrity import COMMIT, verify
+from scaletrain.checkpoint.manager import checkpoint_root, read_run_id
 from scaletrain.checkpoint.safe_load import make_reader
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import Config
@@ -47,7 +48,7 @@ def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, Path]:
         ckpt, run_dir = src, src.parent.parent
     else:
         run_dir = src
-        ckpt = _newest_intact(Path(_run_config(src).checkpoint.storage or src / "checkpoints"))
+        ckpt = _newest_intact(Path(checkpoint_root(_run_config(src).checkpoint, src, read_run_id(src) or "")))
     if not (run_dir / "config.toml").is_file():
         raise UserError(f"{run_dir} has no config.toml; give a run directory or a checkpoint inside one")
     cfg = _run_config(run_dir)

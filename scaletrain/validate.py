@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.checkpoint.manager import checkpoint_root, has_committed_checkpoint, read_run_id
 from scaletrain.config import (
     CheckpointConfig,
     Config,
@@ -314,7 +315,10 @@ def _run(r: RunConfig, c: CheckpointConfig) -> list[str]:
     if not r.dir:
         return []
     path = Path(r.dir)
-    resumable = c.enabled and not c.storage and any((path / "checkpoints").glob("step-*/commit.json"))
+    run_id = read_run_id(path)
+    resumable = (
+        c.enabled and run_id is not None and has_committed_checkpoint(checkpoint_root(c, path, run_id))
+    )
     for marker in ("events.jsonl", "metrics.jsonl"):
         if (path / marker).exists() and not resumable:
             return [

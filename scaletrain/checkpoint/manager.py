@@ -401,6 +401,29 @@ class CheckpointManager:
             self.group = None
 
 
+def checkpoint_root(cfg: CheckpointConfig, run_dir: Path | str, run_id: str) -> str:
+    """Where a run's checkpoints live: <run.dir>/checkpoints, or <checkpoint.storage>/<run id>. A storage root
+    shared by several runs holds one folder per run, so no run resumes from, or retention deletes, another's."""
+    if not cfg.storage:
+        return str(Path(run_dir) / "checkpoints")
+    return f"{cfg.storage.rstrip('/')}/{run_id}"
+
+
+def read_run_id(run_dir: Path | str) -> str | None:
+    """The id of the run in `run_dir` (written at its first start), None when it has none yet."""
+    path = Path(run_dir) / "run_id"
+    return path.read_text().strip() if path.is_file() else None
+
+
+def has_committed_checkpoint(root: str) -> bool:
+    fs, _ = fsspec.core.url_to_fs(root)
+    return fs.exists(root) and any(
+        read_commit(fs, p.rstrip("/")) is not None
+        for p in fs.ls(root, detail=False)
+        if _STEP_DIR.match(p.rstrip("/").rsplit("/", 1)[-1])
+    )
+
+
 def build_checkpointing(
     cfg: CheckpointConfig,
     res: ResilienceConfig,
@@ -426,7 +449,7 @@ def build_checkpointing(
         )
     return CheckpointManager(
         cfg,
-        cfg.storage or str(Path(run_dir) / "checkpoints"),
+        checkpoint_root(cfg, run_dir, run_id),
         state,
         rank=env.rank,
         world_size=env.world_size,

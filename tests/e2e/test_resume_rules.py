@@ -30,3 +30,31 @@ def test_a_resume_that_changes_the_run_is_refused_and_config_history_is_kept(tmp
     assert events(run, "end")[-1]["steps"] == 6
     assert (run / "config.1.toml").read_bytes() == saved
     assert "lr = 0.001" in (run / "config.toml").read_text()
+
+
+def test_runs_sharing_a_storage_root_resume_their_own_checkpoints_and_keep_the_others(tmp_path):
+    """checkpoint.storage holds one folder per run (its run id): running again resumes from it (it used to be
+    refused as having no checkpoint), and another run on the same root neither resumes from nor deletes it."""
+    store = tmp_path / "store"
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = [*ARGS, "--checkpoint.storage", str(store), "--checkpoint.keep_last", "1"]
+    run_cli("train", "--run.dir", str(a), *common)
+    run_cli("train", "--run.dir", str(b), *common, "--training.steps", "2")
+    id_a, id_b = ((d / "run_id").read_text().strip() for d in (a, b))
+    assert sorted(p.name for p in (store / id_a).iterdir()) == ["step-00000004"]
+    assert sorted(p.name for p in (store / id_b).iterdir()) == ["step-00000002"]
+    assert [s["resumed"] for s in events(b, "start")] == [False]  # b did not pick up a's step 4
+
+    run_cli(
+        "train",
+        "--run.dir",
+        str(a),
+        *common,
+        "--training.steps",
+        "6",
+        "--run.accept_changes",
+        "training.steps",
+    )
+    assert [(s["step"], s["resumed"]) for s in events(a, "start")] == [(0, False), (4, True)]
+    assert sorted(p.name for p in (store / id_a).iterdir()) == ["step-00000006"]
+    assert sorted(p.name for p in (store / id_b).iterdir()) == ["step-00000002"]
