@@ -147,6 +147,10 @@ class ParallelConfig:
     """Context-parallel ranks: each sequence is split over them and attention runs as ring attention."""
     cp_load_balance: bool = True
     """Zig-zag chunk order so that every context-parallel rank does the same causal-attention work."""
+    grad_sync: Literal["step", "micro_batch"] = "step"
+    """With gradient accumulation under fsdp/zero2/hsdp: step reduce-scatters once per optimizer step (1/m of the
+    traffic; each rank holds its unsharded gradients until then), micro_batch after every micro-batch (ZeRO's
+    sharded gradient memory, m x the traffic). DDP always all-reduces once per step."""
     ddp_bucket_mb: int = 25
     """DDP gradient bucket size in MiB."""
 

@@ -13,13 +13,18 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
 import uuid
 from pathlib import Path
 
+from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
@@ -142,6 +147,34 @@ def launch_local(
         )
 
 
+LOOPBACK_RDZV = "scaletrain-loopback"
+
+
+def loopback_store() -> TCPStore:
+    """A TCPStore server reachable from this machine only. Given any host, even "localhost", a TCPStore server
+    listens on every interface ([::], torch 2.13), so it is handed a socket already bound to 127.0.0.1."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    # detach(): the store's libuv server owns and closes the descriptor from now on.
+    return TCPStore(
+        "127.0.0.1", port, is_master=True, multi_tenant=True, use_libuv=True, master_listen_fd=sock.detach()
+    )
+
+
+def _loopback_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """torch's c10d rendezvous handler with both of its store servers (the rendezvous store and the one shared
+    with the workers) on loopback."""
+    store = loopback_store()
+    handler = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    handler._create_tcp_store_server = lambda addr, port: loopback_store()  # torch binds this one to [::] too
+    return handler
+
+
+rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_handler)
+
+
 def _run_workers(nproc: int, log_dir: Path, worker_args: list[str]) -> None:
     """One attempt: what `torchrun --standalone --nproc-per-node N -m scaletrain train ARGS` does, except that the
     workers are forked from a fork server that has already imported torch and scaletrain. A fresh interpreter
@@ -166,8 +199,10 @@ def _run_workers(nproc: int, log_dir: Path, worker_args: list[str]) -> None:
     )
     # "--module scaletrain" only satisfies the parser (it wants a script); the entrypoint is worker_main above,
     # which the fork server finds by reference (module and name), so it must stay a module-level function.
-    # As torchrun --standalone: a private c10d rendezvous on a free local port.
-    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    # As torchrun --standalone (a private c10d rendezvous on a free port), but listening on loopback only;
+    # local_addr makes the workers' MASTER_ADDR 127.0.0.1 too. Multi-node runs use torchrun's own flags.
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = LOOPBACK_RDZV, "127.0.0.1:0", str(uuid.uuid4())
+    args.local_addr = "127.0.0.1"
     config, _, _ = config_from_args(args)
     # Set before the first launch starts the fork server, which then keeps these imported for every restart
     # (this module imports the trainer).

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -34,6 +35,7 @@ class StepRunner:
     cp_shard: object = None  # (inputs, targets) -> (inputs, targets, positions) under context parallel
     pipeline: object = None  # PipelineParts under pipeline parallel
     pp_mesh: object = None
+    grad_sync: str = "step"  # parallel.grad_sync: when FSDP reduce-scatters under gradient accumulation
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss over this rank's share of the global batch, gradients accumulated into .grad.
@@ -50,12 +52,20 @@ class StepRunner:
         n = len(xs)
         loss_sum = torch.zeros((), device=inputs.device)
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            sync = contextlib.nullcontext() if i == n - 1 or not isinstance(model, DDP) else model.no_sync()
-            with sync, self.loss_context():
+            with self._grad_sync(model, last=i == n - 1), self.loss_context():
                 loss = cross_entropy(self._logits(model, x, positions), y)
                 (loss / n).backward()
             loss_sum += _local(loss.detach())
         return loss_sum / n
+
+    def _grad_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """Reduce gradients over data-parallel ranks after the last micro-batch only: DDP's no_sync, and FSDP2's
+        gradient-sync switch (unless parallel.grad_sync = micro_batch trades the traffic for sharded memory)."""
+        if isinstance(model, DDP):
+            return contextlib.nullcontext() if last else model.no_sync()
+        if isinstance(model, FSDPModule) and self.grad_sync == "step":
+            model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
 
     def _shard(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's part of each sequence under context parallel (with its original positions), else as is."""
@@ -115,6 +125,7 @@ def build_step_runner(
         cp_shard=cp_shard,
         pipeline=pm.pipeline,
         pp_mesh=dims.submesh("pp") if dims.pp_enabled else None,
+        grad_sync=pcfg.grad_sync,
     )
 
 

@@ -107,6 +107,9 @@ def per_rank_bytes(
         tables = first + (last and not (args.tie_embeddings and first))
         n = (layers * block_split + tables * vocab_rows) / p.tp + layers * block_rep + last * args.dim
         part = _state_bytes(p.data_parallel, n, shards, (block_split / p.tp + block_rep) * PARAM_BYTES)
+        if p.data_parallel in ("zero2", "fsdp", "hsdp") and p.pp == 1 and p.grad_sync == "step":
+            if (local_batch or training.micro_batch) > training.micro_batch:  # accumulating: unsharded grads
+                part["gradients"] += n * GRAD_BYTES
         act = layer_activation_bytes(args, p, micro, seq_len, elt) * layers * _in_flight(p, r, n_micro, v)
         part["activations"] = act
         # fp32 logits and the log-softmax saved for backward, split by vocabulary under tp (loss parallel).
