@@ -163,11 +163,17 @@ def loopback_store() -> TCPStore:
     )
 
 
+class _LoopbackBackend(C10dRendezvousBackend):
+    @property
+    def name(self) -> str:  # the handler reports it, and torch checks it against the name asked for
+        return LOOPBACK_RDZV
+
+
 def _loopback_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     """torch's c10d rendezvous handler with both of its store servers (the rendezvous store and the one shared
     with the workers) on loopback."""
     store = loopback_store()
-    handler = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    handler = create_handler(store, _LoopbackBackend(store, params.run_id), params)
     handler._create_tcp_store_server = lambda addr, port: loopback_store()  # torch binds this one to [::] too
     return handler
 

@@ -14,23 +14,28 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from scaletrain.errors import UserError
 
-# DCP's .metadata is a pickle of plain dataclasses from these modules; anything else is refused.
-_ALLOWED_MODULES = {
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-}
+# What DCP's .metadata pickles name (recorded from our checkpoints, torch 2.13), and nothing else: not whole modules,
+# whose other classes (FileSystemWriter, a Future, ...) a crafted pickle could construct. torch dtypes, layouts
+# and memory formats are admitted by value in find_class.
+_DCP = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
-    ("collections", "OrderedDict"),
+    (_DCP, "Metadata"),
+    (_DCP, "StorageMeta"),
+    (_DCP, "MetadataIndex"),
+    (_DCP, "TensorStorageMetadata"),
+    (_DCP, "BytesStorageMetadata"),
+    (_DCP, "ChunkStorageMetadata"),
+    (_DCP, "TensorProperties"),
+    (_DCP, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
+    ("collections", "OrderedDict"),
     ("builtins", "set"),
     ("builtins", "frozenset"),
     ("builtins", "slice"),
-    ("pathlib", "PosixPath"),
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
     ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
 }
 
 
@@ -40,10 +45,6 @@ class UnsafeCheckpointError(UserError):
 
 class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES and not name.startswith("__"):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):
-                return obj
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(

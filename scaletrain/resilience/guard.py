@@ -71,9 +71,16 @@ class Guard:
 
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Decision:
         """'ok', 'skip' (no update this step) or 'rollback' (restore the newest snapshot). The grad norm is global
-        (the same on every rank) and spikes are judged on the data-parallel mean: every rank decides alike."""
+        (the same on every rank) and spikes are judged on the data-parallel mean: every rank decides alike.
+
+        Everything the checks need is copied to the host in one transfer: on a GPU that is the step's only
+        device sync outside logging steps (two float() calls used to make two)."""
+        if self.nan is None and self.spike is None:
+            return "ok"
+        values = [loss, grad_norm] + ([self.mean_loss(loss)] if self.spike is not None else [])
+        host = torch.stack([v.detach().float().reshape(()) for v in values]).tolist()
         if self.nan is not None:
-            decision = self.nan.check(float(loss), float(grad_norm))
+            decision = self.nan.check(host[0], host[1])
             if decision != "ok":
                 self.event(
                     "skipped_step",
@@ -82,11 +89,9 @@ class Guard:
                     skipped_total=self.nan.skipped_total,
                 )
                 return decision
-        if self.spike is not None:
-            value = float(self.mean_loss(loss))
-            if self.spike.observe(value):
-                self.event("loss_spike", step=step, loss=value, mean=self.spike.mean, std=self.spike.std)
-                return "rollback"
+        if self.spike is not None and self.spike.observe(host[2]):
+            self.event("loss_spike", step=step, loss=host[2], mean=self.spike.mean, std=self.spike.std)
+            return "rollback"
         return "ok"
 
     def rollback(self, step: int, ckpt, loader) -> int | None:
