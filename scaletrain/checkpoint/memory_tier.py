@@ -12,7 +12,6 @@ is deleted, so the ranks use its replica or else storage (docs/checkpointing.md 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -30,9 +29,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
+from scaletrain.checkpoint.shm import default_root, private_dir, remove_stale_jobs, restrict_files
+
 log = logging.getLogger("scaletrain")
 
-SHM_ROOT = Path("/dev/shm/scaletrain")
 TENSORS, META, COMPLETE = "tensors.safetensors", "meta.json", "COMPLETE"
 _NAMES = (TENSORS, META, COMPLETE)
 _FORMAT = 2  # 2: CRC32s in meta.json and COMPLETE
@@ -53,15 +53,6 @@ def make_layout_key(world_size: int, layout: str) -> str:
     """What a snapshot must match to be restored: the world size and the parallel layout string. A snapshot of
     another layout holds other shards, so it is never used (storage, which reshards, is the fallback)."""
     return f"world={world_size}|{layout}"
-
-
-def default_root() -> Path:
-    """/dev/shm/scaletrain where it exists (Linux); elsewhere a temp dir, which is not memory but still works."""
-    if Path("/dev/shm").is_dir():
-        return SHM_ROOT
-    import tempfile
-
-    return Path(tempfile.gettempdir()) / "scaletrain-memory-tier"
 
 
 # -- flattening: nested dicts -> {"a/b/c": tensor} + {"a/b/d": JSON leaf} -------------------------------------------
@@ -174,6 +165,7 @@ def _step_dir(slot: Path, step: int) -> Path:
 def _write_marker(path: Path, info: dict) -> None:
     tmp = path.with_name(COMPLETE + ".tmp")
     tmp.write_text(json.dumps(info))
+    restrict_files(path.parent)  # within a 0700 root already; 0600 too, should the root ever be opened
     os.replace(tmp, path)  # atomic: a snapshot either has its marker or does not exist
 
 
@@ -252,7 +244,7 @@ class MemoryTier:
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.layout_key = layout_key
         self.max_bytes = max_bytes
-        self.job_dir = Path(root if root is not None else default_root()) / job_key
+        self.job_dir = private_dir(Path(root) if root is not None else default_root()) / job_key
         self.own = self.job_dir / f"rank{self.rank}"
         self.prev = (self.rank - 1) % self.world_size  # whose replica this rank holds
         self.next = (self.rank + 1) % self.world_size  # who holds this rank's replica
@@ -312,7 +304,7 @@ class MemoryTier:
 
         d = _step_dir(self.own, step)
         shutil.rmtree(d, ignore_errors=True)  # a half-written one from before a crash
-        d.mkdir(parents=True)
+        d.mkdir(parents=True, mode=0o700)
         save_file(tensors, d / TENSORS)
         del tensors
         # The checksums are of the file as written (read back from shared memory), not of the tensors.
@@ -345,7 +337,7 @@ class MemoryTier:
         their_step, their_meta, their_n, their_crc = theirs.tolist()
         rd = _step_dir(self.replica, their_step)
         shutil.rmtree(rd, ignore_errors=True)
-        rd.mkdir(parents=True)
+        rd.mkdir(parents=True, mode=0o700)
         meta_in = torch.empty(their_meta, dtype=torch.uint8)
         out_file = _map_file(rd / TENSORS, their_n, create=True)
         self._exchange(
@@ -504,7 +496,7 @@ class MemoryTier:
             ]
         if found:
             shutil.rmtree(d, ignore_errors=True)
-            d.mkdir(parents=True)
+            d.mkdir(parents=True, mode=0o700)
             recvs = [
                 (torch.empty(n_meta, dtype=torch.uint8), self.next),
                 (_map_file(d / TENSORS, n, create=True), self.next),
@@ -565,30 +557,6 @@ class MemoryTier:
         ]
         for w in works:
             w.wait()
-
-
-def remove_stale_jobs(root: Path, ttl_s: float, keep: str = "") -> list[str]:
-    """Remove the snapshots of jobs that wrote nothing for `ttl_s` seconds: a job that crashed for good (or whose
-    launcher gave up) leaves its snapshots in shared memory, where nothing else frees them. Age, not a liveness
-    check, decides, because a job's run directory may live on another node: a job queued longer than the TTL
-    resumes from storage instead. Returns the removed job keys."""
-    removed = []
-    now = time.time()
-    for job in root.iterdir() if root.is_dir() else []:
-        if job.name == keep or not job.is_dir():
-            continue
-        # A snapshot creates or removes a step directory inside a slot, which updates the slot's mtime.
-        with contextlib.suppress(OSError):
-            newest = max([job.stat().st_mtime] + [s.stat().st_mtime for s in job.iterdir()])
-            if now - newest > ttl_s:
-                shutil.rmtree(job, ignore_errors=True)
-                removed.append(job.name)
-                log.info(
-                    "memory tier: removed stale snapshots of job %s (idle %.1f h)",
-                    job.name,
-                    (now - newest) / 3600,
-                )
-    return removed
 
 
 def _map_file(path: Path, n: int, *, create: bool = False) -> torch.Tensor:
