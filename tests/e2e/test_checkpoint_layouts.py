@@ -44,7 +44,9 @@ def test_resume_across_layouts_continues_the_reference_losses(tmp_path):
     want = losses(ref)
     run = tmp_path / "chain"
     for i, (nproc, layout) in enumerate(CHAIN):
-        run_cli("train", "--nproc", str(nproc), "--run.dir", str(run), *BASE, str(2 * (i + 1)), *layout)
+        # Each link runs two more steps of a constant schedule: a length change the resume must be told to accept.
+        longer = [str(2 * (i + 1)), "--run.accept_changes", "training.steps"]
+        run_cli("train", "--nproc", str(nproc), "--run.dir", str(run), *BASE, *longer, *layout)
     got = losses(run)
     assert sorted(got) == sorted(want)
     for step, loss in want.items():

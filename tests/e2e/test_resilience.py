@@ -219,7 +219,8 @@ def test_elastic_4_2_4_workers_keep_the_data_order_and_the_losses(tmp_path):
     run_cli("train", "--run.dir", str(ref), *args, "--training.steps", "9")
     run = tmp_path / "run"
     for nproc, steps in ((4, 3), (2, 6), (4, 9)):
-        run_cli("train", "--nproc", str(nproc), "--run.dir", str(run), *args, "--training.steps", str(steps))
+        longer = ["--training.steps", str(steps), "--run.accept_changes", "training.steps"]
+        run_cli("train", "--nproc", str(nproc), "--run.dir", str(run), *args, *longer)
     want, got = per_step(ref, "loss"), per_step(run, "loss")
     assert sorted(got) == sorted(want)
     assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want)
