@@ -42,11 +42,12 @@ class StepRunner:
 
         Each micro-batch loss is divided by the number of micro-batches, so the summed gradient is the mean over
         the rank's sequences; data parallelism then averages over ranks: the mean over the global batch."""
+        inputs, targets, positions = self._shard(inputs, targets)
         if self.pipeline is not None:
-            # The schedule calls the stage modules itself: autocast must wrap the whole step.
+            # The schedule calls the stage modules itself: autocast must wrap the whole step. Under context parallel
+            # each stage gets its tokens' positions from apply_cp's hook.
             with self.autocast:
                 return self.pipeline.step(inputs, targets)
-        inputs, targets, positions = self._shard(inputs, targets)
         model = self.parts[0]
         xs, ys = inputs.split(self.micro_batch), targets.split(self.micro_batch)
         n = len(xs)
@@ -88,10 +89,10 @@ class StepRunner:
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Summed validation loss and token count over a batch (forward only)."""
+        inputs, targets, positions = self._shard(inputs, targets)
         if self.pipeline is not None:
             with self.autocast:
                 return self.pipeline.eval_sum(inputs, targets)
-        inputs, targets, positions = self._shard(inputs, targets)
         with self.loss_context():
             logits = self._logits(self.parts[0], inputs, positions)
             total = _local(cross_entropy(logits, targets, reduction="sum"))

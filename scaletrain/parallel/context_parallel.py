@@ -336,14 +336,19 @@ def select_cp_backend(device: torch.device | str) -> CPBackend:
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool) -> nn.Module:
     """Swap every layer's attention kernel for ring attention over `cp_mesh` (1-D). Apply before DDP/FSDP
-    wrapping; the model must then be called with `positions=` from `cp_shard_batch`, and gradients averaged over
-    cp (see the module docstring)."""
+    wrapping; each batch goes through `cp_shard_batch`, whose `positions=` the model gets (from the caller, or
+    from a pre-hook when a pipeline schedule calls it), and gradients are averaged over cp (module docstring)."""
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     backend = select_cp_backend(device)
     ring = RingAttention(cp_mesh.get_group(), load_balance=load_balance)
     for layer in model.layers.values():
         layer.attention.sdpa = ring
+    # A pipeline stage is called by the schedule with its input only: the hook supplies the original positions of
+    # this rank's tokens wherever the caller did not, so RoPE is right on every stage (and in evaluation).
+    model.register_forward_pre_hook(
+        _original_positions(cp_mesh.get_local_rank(), cp_mesh.size(), load_balance), with_kwargs=True
+    )
     log.info(
         "applied context parallel over %d ranks: %s attention on %s, %s layout",
         cp_mesh.size(),
@@ -352,6 +357,20 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool) -> nn
         "zig-zag load-balanced" if load_balance else "contiguous",
     )
     return model
+
+
+def _original_positions(cp_rank: int, cp_size: int, load_balance: bool):
+    """A forward pre-hook that passes `positions=` (those of `cp_positions` for a sequence of cp_size times the
+    local length) when the call gave none."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("positions") is None:
+            local = args[0].shape[1]
+            pos = cp_positions(local * cp_size, cp_rank, cp_size, load_balance)
+            kwargs = {**kwargs, "positions": pos.to(args[0].device)}
+        return args, kwargs
+
+    return hook
 
 
 def cp_shard_batch(

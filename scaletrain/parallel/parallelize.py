@@ -43,7 +43,10 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, pcfg: ParallelConf
         mesh = dims.submesh("dp_shard_cp")
     else:
         return model
-    return apply_fsdp(model, mesh, reshard_after_forward=mode != "zero2")
+    from scaletrain.parallel.pipeline import reshards_after_forward
+
+    reshard = reshards_after_forward(mode, dims.pp, pcfg.pp_schedule)
+    return apply_fsdp(model, mesh, reshard_after_forward=reshard)
 
 
 def parallelize(

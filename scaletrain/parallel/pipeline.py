@@ -40,6 +40,19 @@ SCHEDULES = {
 }
 SINGLE_STAGE = ("gpipe", "1f1b")
 V_SHAPED = ("zbv", "dualpipev")
+# The zero-bubble schedules split each backward into an input-gradient pass and a later weight-gradient pass.
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
+
+
+def reshards_after_forward(data_parallel: str, pp: int, schedule: str) -> bool:
+    """Whether FSDP frees a stage's gathered weights after its forward: fsdp and hsdp do, zero2 keeps them until
+    backward, and so does every mode under a zero-bubble schedule. With the weights resharded between a
+    micro-batch's input-gradient and weight-gradient passes, torch 2.13 trains a different model (measured:
+    grad norms 3-5% off the single-process run from step 2, tests/distributed/test_hybrid_layouts.py); kept
+    gathered, they match it. The cost is ZeRO-2's memory for the stage's parameters."""
+    if pp > 1 and schedule in SPLIT_BACKWARD:
+        return False
+    return data_parallel in ("fsdp", "hsdp")
 
 
 def stages_per_rank(schedule: str, virtual_stages: int) -> int:

@@ -123,6 +123,8 @@ def apply_tp(
     parallelize_module(
         model, tp_mesh, tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     )
+    if sequence_parallel:
+        _local_stage_boundaries(model, tp_mesh)
     log.info(
         "applied tensor parallel over %d ranks%s%s",
         tp_mesh.size(),
@@ -130,6 +132,21 @@ def apply_tp(
         ", loss parallel" if loss_parallel else "",
     )
     return model
+
+
+def _local_stage_boundaries(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A pipeline stage under sequence parallel hands on its tp rank's shard of the sequence as a plain tensor
+    (the pipeline moves plain tensors, and each tp rank sends 1/tp of the activation to its peer of the next stage)
+    and turns the shard it receives back into the sequence-sharded DTensor its blocks expect. A whole model (with
+    the embedding and the output) has no such boundary."""
+    if getattr(model, "tok_embeddings", None) is None:
+        model.register_forward_pre_hook(
+            lambda mod, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:])
+        )
+    if getattr(model, "output", None) is None:
+        model.register_forward_hook(
+            lambda mod, args, out: out.to_local() if isinstance(out, DTensor) else out
+        )
 
 
 def loss_context(tp_enabled: bool) -> contextlib.AbstractContextManager:

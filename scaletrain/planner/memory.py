@@ -14,6 +14,7 @@ from scaletrain.parallel.pipeline import (
     layers_per_stage,
     placement_style,
     rank_stages,
+    reshards_after_forward,
     resolve_microbatches,
     stages_per_rank,
 )
@@ -98,6 +99,11 @@ def per_rank_bytes(
     block_split, block_rep = block_parameters(args)
     vocab_rows = args.vocab_size * args.dim
     shards, elt = _zero_shards(p, dims), 2 if training.precision == "bf16" else 4
+    # fsdp/hsdp under a zero-bubble schedule keep the stage's weights gathered, as zero2 does.
+    keeps = p.data_parallel in ("fsdp", "hsdp") and not reshards_after_forward(
+        p.data_parallel, p.pp, p.pp_schedule
+    )
+    mode = "zero2" if keeps else p.data_parallel
     best: dict[str, float] = {}
     for r in range(p.pp):
         stages = rank_stages(r, p.pp, v, placement_style(p.pp_schedule)) if p.pp > 1 else [0]
@@ -106,7 +112,7 @@ def per_rank_bytes(
         # tp splits the embedding by vocabulary rows and the output by vocabulary columns; a tied table is one.
         tables = first + (last and not (args.tie_embeddings and first))
         n = (layers * block_split + tables * vocab_rows) / p.tp + layers * block_rep + last * args.dim
-        part = _state_bytes(p.data_parallel, n, shards, (block_split / p.tp + block_rep) * PARAM_BYTES)
+        part = _state_bytes(mode, n, shards, (block_split / p.tp + block_rep) * PARAM_BYTES)
         if p.data_parallel in ("zero2", "fsdp", "hsdp") and p.pp == 1 and p.grad_sync == "step":
             if (local_batch or training.micro_batch) > training.micro_batch:  # accumulating: unsharded grads
                 part["gradients"] += n * GRAD_BYTES

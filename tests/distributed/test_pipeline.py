@@ -52,7 +52,10 @@ CASES_2 = {
     "zbv": ("zbv", 4, 4, 8),
     "dualpipev": ("dualpipev", 4, 4, 8),
 }
-CASES_4 = {"1f1b_pp4": ("1f1b", 4, 4, 8)}
+CASES_4 = {"1f1b_pp4": ("1f1b", 4, 4, 8), "interleaved_1f1b_pp4": ("interleaved_1f1b", 8, 4, 8)}
+# 8 stages need 8 layers, where the grad norm's summation order alone drifts by 1.5e-5 relative over 10 steps
+# (clipping turns it into every update); the step-1 gradients are still held to 1e-6 (_check).
+DEEP_RTOL = 3e-5
 
 
 def _grads(pm: ParallelModel) -> dict[str, torch.Tensor]:
@@ -105,7 +108,7 @@ def pipeline_case(rank: int, world_size: int, spec: tuple) -> dict:
         "layers": [sorted(int(k) for k in mod.layers) for mod in pipe.modules],
         "ends": [(mod.tok_embeddings is not None, mod.output is not None) for mod in pipe.modules],
     }
-    return {"run": run, "ref": ref, "facts": facts}
+    return {"run": run, "ref": ref, "facts": facts, **({"rtol": DEEP_RTOL} if n_layers >= 8 else {})}
 
 
 def _nan_injection(rank: int, run: Run, x: torch.Tensor, y: torch.Tensor) -> list[bool]:
@@ -189,6 +192,11 @@ def test_v_schedules_match_reference(results_2, name):
 def test_1f1b_on_four_ranks_matches_reference(results_4):
     ranks = _check(results_4, "1f1b_pp4")
     assert [r["stages"] for r in ranks] == [[0], [1], [2], [3]]
+
+
+def test_interleaved_on_four_ranks_matches_reference(results_4):
+    ranks = _check(results_4, "interleaved_1f1b_pp4")
+    assert [r["stages"] for r in ranks] == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 # Stage split, balance and refusals: single process.
