@@ -18,7 +18,7 @@ from scaletrain.config import Config
 from scaletrain.config_io import all_keys, help_text, load_config
 from scaletrain.convert import from_hf, to_hf
 from scaletrain.data import load_tokenizer, prepare_data
-from scaletrain.data.sources import embedded_corpus_files, list_files, read_documents
+from scaletrain.data.sources import Skipped, embedded_corpus_files, list_files, read_documents
 from scaletrain.data.tokenizer import train_bpe
 from scaletrain.errors import CONFIG_EXIT_CODE, ConfigError, report_errors
 from scaletrain.launch import install_stack_dump, launch_local, run_training, under_torchrun
@@ -203,8 +203,11 @@ def _prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
             if srcs
             else [(f, "text", "text") for f in embedded_corpus_files()]
         )
-        texts = (doc for f, fmt, field in files for doc in read_documents(f, fmt, field))
+        skipped = Skipped()  # not UTF-8 text: left out with a warning, as prepare_data does
+        texts = (doc for f, fmt, field in files for doc in read_documents(f, fmt, field, skipped=skipped))
         tokenizer = train_bpe(texts, args.vocab_size, out)
+        if skipped:
+            print(f"warning: the tokenizer's training text left out {skipped.describe()}", file=sys.stderr)
         print(
             f"tokenizer with {tokenizer.vocab_size} tokens written to {out}; train with --data.tokenizer {out}"
         )

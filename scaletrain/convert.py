@@ -10,7 +10,13 @@ import fsspec
 import tomli_w
 import torch.distributed.checkpoint as dcp
 
-from scaletrain.checkpoint.hf import args_from_hf_config, export_hf, read_hf_dir, verify_with_transformers
+from scaletrain.checkpoint.hf import (
+    args_from_hf_config,
+    export_hf,
+    hf_dir_problems,
+    read_hf_config,
+    verify_with_transformers,
+)
 from scaletrain.checkpoint.integrity import COMMIT, verify
 from scaletrain.checkpoint.manager import checkpoint_root, read_run_id
 from scaletrain.checkpoint.safe_load import make_reader
@@ -76,7 +82,11 @@ def to_hf(src: Path, out: Path) -> str:
 def from_hf(hf_dir: Path, out_toml: Path) -> str:
     if out_toml.exists():
         raise UserError(f"{out_toml} exists; choose another --out (nothing is overwritten)")
-    cfg_json, _ = read_hf_dir(hf_dir)
+    cfg_json = read_hf_config(hf_dir)
+    # Refused before anything is written: a config that trains from weights our model would load differently.
+    problems = hf_dir_problems(hf_dir)
+    if problems:
+        raise ConfigError(problems)
     model = {"preset": "debug", **args_from_hf_config(cfg_json), "init_from": f"hf:{hf_dir}"}
     data = {"tokenizer": str(hf_dir / "tokenizer.json")} if (hf_dir / "tokenizer.json").exists() else {}
     header = (

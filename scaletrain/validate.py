@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.checkpoint.hf import hf_dir_problems
 from scaletrain.checkpoint.manager import checkpoint_root, has_committed_checkpoint, read_run_id
 from scaletrain.config import (
     CheckpointConfig,
@@ -192,6 +193,8 @@ def _model(m: ModelConfig) -> list[str]:
                 f"model.init_from: '{hf}' needs config.json and .safetensors weights (pickle files are "
                 "never loaded)"
             )
+        else:
+            problems += hf_dir_problems(hf)  # before launch, not at the first rank's build
     return problems
 
 

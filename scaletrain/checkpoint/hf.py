@@ -6,13 +6,15 @@ layout, so the weights map one to one; only the names differ. Import reads safet
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from scaletrain.errors import UserError
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.llama import ModelArgs, Transformer
 
 _LAYER_NAMES = {
@@ -26,6 +28,17 @@ _LAYER_NAMES = {
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+
+
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = re.compile(r"model\.layers\.(?P<i>\d+)\.(?P<module>.+)\.(?P<leaf>\w+)")
+# The config.json fields an import cannot do without.
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_FEW = 3  # tensor names shown in a message; the rest are counted
 
 
 def to_hf_name(name: str) -> str:
@@ -42,17 +55,12 @@ def to_hf_name(name: str) -> str:
 
 def from_hf_name(name: str) -> str:
     reverse = {v: k for k, v in _LAYER_NAMES.items()}
-    if name == "model.embed_tokens.weight":
-        return "tok_embeddings.weight"
-    if name == "model.norm.weight":
-        return "norm.weight"
-    if name == "lm_head.weight":
-        return "output.weight"
-    _, _, i, rest = name.split(".", 3)
-    module, leaf = rest.rsplit(".", 1)
-    if module not in reverse:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER.fullmatch(name)
+    if m is None or m["module"] not in reverse:
         raise UserError(f"unexpected tensor '{name}' in the Hugging Face checkpoint (not a Llama weight)")
-    return f"layers.{i}.{reverse[module]}.{leaf}"
+    return f"layers.{m['i']}.{reverse[m['module']]}.{m['leaf']}"
 
 
 def hf_config(args: ModelArgs, eod_id: int | None = None) -> dict:
@@ -89,33 +97,136 @@ def hf_config(args: ModelArgs, eod_id: int | None = None) -> dict:
 
 
 def args_from_hf_config(cfg: dict) -> dict:
-    """model.* config fields from an HF Llama config.json."""
+    """model.* config fields from an HF Llama config.json; ConfigError naming every field our model would compute
+    differently (biases, another activation or head size, a RoPE it does not implement)."""
+    fields, problems = _read_hf_config(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return fields
+
+
+def _read_hf_config(cfg: dict) -> tuple[dict, list[str]]:
+    """(model.* fields, problems) of a config.json."""
     if cfg.get("model_type") != "llama":
-        raise UserError(
-            f"config.json has model_type '{cfg.get('model_type')}'; only Llama checkpoints import"
+        return {}, [f"config.json has model_type '{cfg.get('model_type')}'; only Llama checkpoints import"]
+    missing = [k for k in _REQUIRED if k not in cfg]
+    if missing:
+        return {}, [f"config.json lacks {', '.join(missing)}; is it a complete Llama config?"]
+    problems = [
+        f"config.json: {flag} is true, but our Llama has no biases, so they would be dropped; only bias-free "
+        "Llama checkpoints import"
+        for flag in ("attention_bias", "mlp_bias")
+        if cfg.get(flag)
+    ]
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(
+            f"config.json: hidden_act {cfg['hidden_act']!r} is not supported; our MLP is SwiGLU (hidden_act 'silu')"
         )
-    out = {
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if cfg.get("head_dim") not in (None, head_dim):
+        problems.append(
+            f"config.json: head_dim {cfg['head_dim']} is not hidden_size / num_attention_heads = {head_dim}, "
+            "which our model always uses"
+        )
+    rope, rope_problems = _rope_from_hf(cfg)
+    fields = {
         "dim": cfg["hidden_size"],
         "n_layers": cfg["num_hidden_layers"],
         "n_heads": cfg["num_attention_heads"],
-        "n_kv_heads": cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+        "n_kv_heads": cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
         "ffn_hidden": cfg["intermediate_size"],
         "vocab_size": cfg["vocab_size"],
-        "norm_eps": cfg["rms_norm_eps"],
-        "rope_theta": float(cfg.get("rope_theta", 10000.0)),
-        "tie_embeddings": cfg.get("tie_word_embeddings", False),
-        "rope_scaling": "none",
+        "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),  # LlamaConfig's default
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        **rope,
     }
-    scaling = cfg.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        out.update(
-            rope_scaling="llama3",
-            rope_scaling_factor=float(scaling["factor"]),
-            rope_original_max_len=int(scaling["original_max_position_embeddings"]),
+    return fields, problems + rope_problems
+
+
+def _rope_from_hf(cfg: dict) -> tuple[dict, list[str]]:
+    """(model.rope_* fields, problems). transformers >= 5 writes rope_parameters (rope_theta inside it); earlier
+    versions, and our export, write rope_theta and rope_scaling. Accepted is what our model computes identically:
+    plain RoPE, and Llama 3.1's scaling with its low_freq_factor 1 and high_freq_factor 4 (models/llama.py)."""
+    key = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
+    rope = dict(cfg.get(key) or {})
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    fields = {"rope_theta": float(theta), "rope_scaling": "none"}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    supported = (
+        "our model computes RoPE unscaled (rope_type 'default') or with Llama 3.1's scaling (rope_type 'llama3', "
+        "low_freq_factor 1.0, high_freq_factor 4.0), so these weights would run with other frequencies"
+    )
+    if kind == "default":
+        return fields, []
+    if kind != "llama3":
+        return fields, [f"config.json: {key}.rope_type {kind!r} is not supported; {supported}"]
+    problems = [
+        f"config.json: {key}.{name} {rope[name]} is not {ours}; {supported}"
+        for name, ours in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0))
+        if float(rope.get(name, ours)) != ours
+    ]
+    missing = [k for k in ("factor", "original_max_position_embeddings") if k not in rope]
+    if missing:
+        problems.append(f"config.json: {key} (rope_type 'llama3') lacks {', '.join(missing)}")
+        return fields, problems
+    fields.update(
+        rope_scaling="llama3",
+        rope_scaling_factor=float(rope["factor"]),
+        rope_original_max_len=int(rope["original_max_position_embeddings"]),
+    )
+    return fields, problems
+
+
+def _expected_names(n_layers: int) -> set[str]:
+    per_layer = [f"{m}.weight" for m in _LAYER_NAMES.values()]
+    return set(_GLOBAL_NAMES) | {f"model.layers.{i}.{n}" for i in range(n_layers) for n in per_layer}
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:_FEW])
+    return shown + (f" ({len(names)} in all)" if len(names) > _FEW else "")
+
+
+def tensor_problems(names: list[str], n_layers: int, layers_from: str) -> list[str]:
+    """What in a checkpoint's tensor names our model has no place for: biases, layers at or beyond `n_layers`
+    (`layers_from` names where that count comes from), anything else unexpected. Dropping them would load a
+    different model than the one saved."""
+    expected = _expected_names(n_layers)
+    extra = [n for n in names if n not in expected and "rotary_emb" not in n]  # old HF saved RoPE's inv_freq
+    biases = [n for n in extra if n.endswith(".bias")]
+    beyond = [n for n in extra if n not in biases and (m := _LAYER.fullmatch(n)) and int(m["i"]) >= n_layers]
+    other = [n for n in extra if n not in biases and n not in beyond]
+    problems = []
+    if biases:
+        problems.append(
+            f"{len(biases)} bias tensor(s) in the weights, e.g. {_few(biases)}; our Llama has no biases"
         )
-    elif scaling:
-        raise UserError(f"rope_scaling {scaling} is not supported; only llama3 scaling imports")
-    return out
+    if beyond:
+        layers = sorted({int(_LAYER.fullmatch(n)["i"]) for n in beyond})
+        problems.append(
+            f"tensor(s) of layer {', '.join(map(str, layers))}, beyond {layers_from} {n_layers}: {_few(beyond)}; "
+            "they would be dropped"
+        )
+    if other:
+        problems.append(
+            f"unexpected tensor(s) {_few([repr(n) for n in other])}: not weights of a Llama causal LM"
+        )
+    return problems
+
+
+def hf_dir_problems(path: Path) -> list[str]:
+    """Every reason an HF directory would not import as the model it holds, from config.json and the tensor names
+    (no weights are read): for `scaletrain convert --from hf` and for checking model.init_from early."""
+    try:
+        _weight_files(path)
+    except UserError as e:
+        return [str(e)]
+    cfg = json.loads((path / "config.json").read_text())
+    fields, problems = _read_hf_config(cfg)
+    if "n_layers" in fields:
+        names = _tensor_names(path)
+        problems += tensor_problems(names, fields["n_layers"], "config.json's num_hidden_layers")
+    return [f"{path}: {p}" for p in problems]
 
 
 def export_hf(
@@ -135,8 +246,9 @@ def export_hf(
         shutil.copy(tokenizer_file, out / "tokenizer.json")
 
 
-def read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """config.json and the safetensors weights of an HF Llama directory. Pickle files are refused."""
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files of an HF directory; UserError when config.json or the weights are missing (pickle
+    files are never loaded)."""
     if not (path / "config.json").is_file():
         raise UserError(f"{path} has no config.json; give a Hugging Face Llama model directory")
     files = sorted(path.glob("*.safetensors"))
@@ -148,20 +260,60 @@ def read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             else ""
         )
         raise UserError(f"{path} has no .safetensors weights{hint}")
+    return files
+
+
+def _tensor_names(path: Path) -> list[str]:
+    names: list[str] = []
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as st:  # reads the header only
+            names += list(st.keys())
+    return names
+
+
+def read_hf_config(path: Path) -> dict:
+    """config.json of an HF Llama directory that also has safetensors weights (UserError otherwise)."""
+    _weight_files(path)
+    return json.loads((path / "config.json").read_text())
+
+
+def read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and the safetensors weights of an HF Llama directory. Pickle files are refused."""
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in _weight_files(path):
         weights.update(load_file(str(f)))
     return json.loads((path / "config.json").read_text()), weights
 
 
+def _args_problems(args: ModelArgs, hf: dict) -> list[str]:
+    """model.* fields that differ from what config.json says the weights were trained with: same shapes, other
+    numbers (e.g. the 8B preset's Llama 3.1 RoPE scaling on Llama 3 weights, which have none)."""
+    keys = ["rope_theta", "rope_scaling", "norm_eps", "tie_embeddings"]
+    if hf.get("rope_scaling") == "llama3":
+        keys += ["rope_scaling_factor", "rope_original_max_len"]
+    return [
+        f"model.{k} is {getattr(args, k)!r} but config.json has {hf[k]!r}; set model.{k} = {hf[k]!r} (as "
+        "`scaletrain convert --from hf` writes it)"
+        for k in keys
+        if k in hf and getattr(args, k) != hf[k]
+    ]
+
+
 def load_hf_weights(model: Transformer, path: Path) -> None:
-    """Copy HF weights into an (already materialised) model, checking names and shapes."""
-    _, weights = read_hf_dir(path)
+    """Copy HF weights into an (already materialised) model, checking config.json, names and shapes: ConfigError
+    naming every field and tensor that would not load as saved."""
+    cfg, weights = read_hf_dir(path)
+    fields, problems = _read_hf_config(cfg)
+    problems += _args_problems(model.args, fields)
+    problems += tensor_problems(list(weights), model.args.n_layers, "model.n_layers")
+    if problems:
+        raise ConfigError([f"{path}: {p}" for p in problems])
     ours = {from_hf_name(k): v for k, v in weights.items() if "rotary_emb" not in k}
     if model.args.tie_embeddings:
-        ours.setdefault("output.weight", ours.get("tok_embeddings.weight"))
+        # Tied: the embedding is the one weight; a saved copy of it as lm_head must not overwrite it.
+        ours["output.weight"] = ours.get("tok_embeddings.weight")
     sd = model.state_dict()
-    missing = sorted(set(sd) - set(ours))
+    missing = sorted(k for k in sd if ours.get(k) is None)
     if missing:
         raise UserError(f"the Hugging Face checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
     for k, v in sd.items():

@@ -7,8 +7,10 @@ half-written directory that looks complete.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -22,10 +24,16 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.config import DataConfig, SourceConfig
-from scaletrain.data.sources import embedded_corpus_files, list_files, read_documents
+from scaletrain.data.sources import CONVERT_HINT, Skipped, embedded_corpus_files, list_files, read_documents
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer, fingerprint
+from scaletrain.errors import UserError
+
+logger = logging.getLogger("scaletrain")
 
 INDEX_VERSION = 1
+# How files are read into documents, part of the cache key: revision 2 leaves out text that is not UTF-8 (revision 1
+# replaced bad bytes with U+FFFD), so shards prepared by the old reader are not reused.
+READER_REVISION = 2
 # ~64M tokens: 128 MiB per uint16 shard, few enough files for large corpora and small enough to write in one go.
 SHARD_TOKENS = 1 << 26
 # HF documents are encoded in batches of this many: one Rust call per batch instead of one per document.
@@ -62,16 +70,18 @@ def cache_key(files: list[Path], fmt: str, field: str, tok_fingerprint: str) -> 
     for p in sorted(files):
         st = p.stat()
         h.update(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    h.update(f"{fmt}\0{field}\0{tok_fingerprint}".encode())
+    h.update(f"{fmt}\0{field}\0{tok_fingerprint}\0reader{READER_REVISION}".encode())
     return h.hexdigest()[:16]
 
 
-def tokenize_file(path: Path, job: _Job) -> tuple[np.ndarray, int]:
-    """All documents of one file as one token array, each document followed by eod; and the document count."""
+def tokenize_file(path: Path, job: _Job) -> tuple[np.ndarray, int, Skipped]:
+    """All documents of one file as one token array, each document followed by eod; the document count; and what
+    was left out as not UTF-8 text."""
     eod = np.array([job.tokenizer.eod_id], dtype=job.dtype)
     parts: list[np.ndarray] = []
     n_docs = 0
-    docs = read_documents(path, job.fmt, job.field, job.index)
+    skipped = Skipped()
+    docs = read_documents(path, job.fmt, job.field, job.index, skipped)
     if isinstance(job.tokenizer, ByteTokenizer):
         for text in docs:
             # Fast path: the byte tokenizer's ids are the UTF-8 bytes themselves.
@@ -83,8 +93,8 @@ def tokenize_file(path: Path, job: _Job) -> tuple[np.ndarray, int]:
                 parts += [np.asarray(ids, dtype=job.dtype), eod]
             n_docs += len(batch)
     if not parts:
-        return np.zeros(0, dtype=job.dtype), 0
-    return np.concatenate(parts).astype(job.dtype, copy=False), n_docs
+        return np.zeros(0, dtype=job.dtype), 0, skipped
+    return np.concatenate(parts).astype(job.dtype, copy=False), n_docs, skipped
 
 
 def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
@@ -106,12 +116,12 @@ def _init_worker(job: _Job) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _tokenize_in_worker(path: Path) -> tuple[np.ndarray, int]:
+def _tokenize_in_worker(path: Path) -> tuple[np.ndarray, int, Skipped]:
     assert _JOB is not None, "worker started without _init_worker"
     return tokenize_file(path, _JOB)
 
 
-def _tokenized(files: list[Path], job: _Job, workers: int) -> Iterator[tuple[np.ndarray, int]]:
+def _tokenized(files: list[Path], job: _Job, workers: int) -> Iterator[tuple[np.ndarray, int, Skipped]]:
     """Token arrays in file order, whatever the worker count, so the shards are deterministic."""
     workers = min(workers, len(files))
     if workers <= 1:
@@ -160,17 +170,38 @@ class _ShardWriter:
             self._f = None
 
 
+def _source_name(index: int | None) -> str:
+    return f"data.sources[{index}]" if index is not None else "the embedded corpus"
+
+
+def _check_skipped(skipped: Skipped, n_docs: int, n_files: int, index: int | None) -> None:
+    """Warn about what was left out as not UTF-8 text; refuse a source that kept nothing (before anything of it is
+    committed to the cache)."""
+    if not skipped:
+        return
+    name = _source_name(index)
+    if n_docs == 0:
+        counts = f"all {n_files} file(s)" if skipped.files == n_files else skipped.counts()
+        raise UserError(
+            f"{name}: nothing to train on: {counts} are not UTF-8 text: {skipped.named()}; point {name}.path at "
+            f"UTF-8 text, jsonl or parquet files, or {CONVERT_HINT}"
+        )
+    logger.warning("%s: left out %s; %s to keep them", name, skipped.describe(), CONVERT_HINT)
+
+
 def _write_prepared(target: Path, files: list[Path], job: _Job, workers: int, tok_fp: str) -> dict:
     """Tokenise into a temporary sibling of `target`, then rename it into place; return the index."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
     try:
         writer = _ShardWriter(tmp, job.dtype, SHARD_TOKENS)
-        n_docs = 0
-        for tokens, docs in _tokenized(files, job, workers):
+        n_docs, skipped = 0, Skipped()
+        for tokens, docs, left_out in _tokenized(files, job, workers):
             writer.write(tokens)
             n_docs += docs
+            skipped.update(left_out)
         writer.close()
+        _check_skipped(skipped, n_docs, len(files), job.index)
         index = {
             "version": INDEX_VERSION,
             "dtype": job.dtype,
@@ -181,6 +212,7 @@ def _write_prepared(target: Path, files: list[Path], job: _Job, workers: int, to
             "shards": writer.shards,
             "files": [str(p) for p in files],
             "tokenizer": tok_fp,
+            "skipped": dataclasses.asdict(skipped),
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1))
         try:
@@ -233,7 +265,9 @@ def prepare_data(
         t0 = time.perf_counter()
         target, index, hit = prepare_source(files, src.format, src.field, tokenizer, cache_dir, workers, i)
         if hit:
-            log(f"data: {name}: cache hit, {index['num_tokens']:,} tokens in {target}")
+            left_out = Skipped(**index.get("skipped", {}))
+            note = f" ({left_out.counts()} that are not UTF-8 text were left out)" if left_out else ""
+            log(f"data: {name}: cache hit, {index['num_tokens']:,} tokens in {target}{note}")
         else:
             log(
                 f"data: {name}: wrote {index['num_tokens']:,} tokens from {len(files)} file(s), "

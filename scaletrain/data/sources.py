@@ -1,6 +1,7 @@
 """Where documents come from: resolve a source's path to files and read documents out of text, jsonl or parquet.
 
 Also names the default corpus: the running interpreter's standard-library sources, present on every machine.
+Text is read as strict UTF-8: what does not decode is left out and counted (or refused), never replaced.
 """
 
 from __future__ import annotations
@@ -10,12 +11,61 @@ import json
 import os
 import sysconfig
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scaletrain.config import SourceConfig
 from scaletrain.errors import UserError
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 _EXCLUDED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
+# How much of a file is searched for a NUL byte to call it binary (git's heuristic looks at the first 8000 bytes).
+_SNIFF_BYTES = 8192
+# Skipped files and lines named in the warning; the rest are only counted.
+_EXAMPLES = 5
+CONVERT_HINT = "convert text to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8 IN > OUT)"
+
+
+@dataclass
+class Skipped:
+    """Files and lines left out because they are not UTF-8 text: counted, the first few named for the warning.
+
+    Crosses from tokenising workers back to the parent by pickle, so it stays plain data."""
+
+    files: int = 0
+    lines: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, what: str, reason: str, whole_file: bool) -> None:
+        if whole_file:
+            self.files += 1
+        else:
+            self.lines += 1
+        if len(self.examples) < _EXAMPLES:
+            self.examples.append(f"{what} ({reason})")
+
+    def update(self, other: Skipped) -> None:
+        self.files += other.files
+        self.lines += other.lines
+        self.examples += other.examples[: _EXAMPLES - len(self.examples)]
+
+    def __bool__(self) -> bool:
+        return bool(self.files or self.lines)
+
+    def counts(self) -> str:
+        """'2 file(s) and 1 line(s)'."""
+        return " and ".join(f"{n} {what}(s)" for n, what in ((self.files, "file"), (self.lines, "line")) if n)
+
+    def named(self) -> str:
+        """'a.png (binary: a NUL byte at offset 8), b.jsonl:3 (invalid UTF-8 at offset 4) and 7 more'."""
+        more = self.files + self.lines - len(self.examples)
+        return ", ".join(self.examples) + (f" and {more} more" if more > 0 else "")
+
+    def describe(self) -> str:
+        return f"{self.counts()} that are not UTF-8 text: {self.named()}"
 
 
 def _where(index: int | None) -> str:
@@ -60,23 +110,74 @@ def resolve_format(path: Path, fmt: str) -> str:
     return "text"
 
 
-def read_documents(path: Path, fmt: str, field: str, index: int | None = None) -> Iterator[str]:
-    """Yield the documents of one file; `index` (the source's position) only sharpens error messages."""
+def _binary(head: bytes) -> str | None:
+    """Why bytes that start a file are not text, or None: a UTF-16 byte-order mark, or a NUL byte (images,
+    archives and compiled files have them; UTF-8 text has none)."""
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return "UTF-16 text"
+    nul = head.find(b"\0")
+    return f"binary: a NUL byte at offset {nul}" if nul >= 0 else None
+
+
+def not_text(data: bytes) -> str | None:
+    """Why `data` is not UTF-8 text ('binary: a NUL byte at offset 8', 'invalid UTF-8 at offset 3'), or None."""
+    if (reason := _binary(data)) is not None:
+        return reason
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"invalid UTF-8 at offset {e.start}"
+    return None
+
+
+def read_documents(
+    path: Path, fmt: str, field: str, index: int | None = None, skipped: Skipped | None = None
+) -> Iterator[str]:
+    """Yield the documents of one file; `index` (the source's position) only sharpens error messages.
+
+    Text that is not UTF-8 is never decoded with replacement characters, which would train the model on garbage.
+    With `skipped`, it is left out and counted there: a binary or non-UTF-8 file as a whole (even one bad byte in a
+    text file leaves out the file, since the file is one document and its extent is unknown), and a jsonl line
+    that does not decode on its own. The caller warns, naming them, and refuses a source with nothing left.
+    Without `skipped` it is refused here, naming the file and the offset of the first bad byte."""
     fmt = resolve_format(path, fmt)
     if fmt == "text":
-        yield path.read_bytes().decode("utf-8", errors="replace")
+        data = path.read_bytes()
+        reason = not_text(data)
+        if reason is None:
+            yield data.decode("utf-8")
+        else:
+            _skip(str(path), reason, True, skipped, index)
     elif fmt == "jsonl":
-        yield from _read_jsonl(path, field, index)
+        yield from _read_jsonl(path, field, index, skipped)
     elif fmt == "parquet":
         yield from _read_parquet(path, field, index)
     else:
         raise UserError(f"{_where(index)}.format {fmt!r} is unknown; use auto, text, jsonl or parquet")
 
 
-def _read_jsonl(path: Path, field: str, index: int | None) -> Iterator[str]:
+def _skip(what: str, reason: str, whole_file: bool, skipped: Skipped | None, index: int | None) -> None:
+    if skipped is None:
+        raise UserError(
+            f"{what} is not UTF-8 text ({reason}); {CONVERT_HINT} or remove it from {_where(index)}.path"
+        )
+    skipped.add(what, reason, whole_file)
+
+
+def _read_jsonl(path: Path, field: str, index: int | None, skipped: Skipped | None) -> Iterator[str]:
     where = _where(index)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        # A binary file (a gzipped .jsonl, say) is left out whole, not reported as its first unparsable line.
+        if (reason := _binary(f.read(_SNIFF_BYTES))) is not None:
+            _skip(str(path), reason, True, skipped, index)
+            return
+        f.seek(0)
+        for lineno, raw in enumerate(f, start=1):
+            # Each line is decoded on its own: one bad line is one document left out, not the whole file.
+            if (reason := not_text(raw)) is not None:
+                _skip(f"{path}:{lineno}", reason, False, skipped, index)
+                continue
+            line = raw.decode("utf-8")
             if not line.strip():
                 continue  # blank lines (often a trailing newline) are not documents
             try:
@@ -110,11 +211,19 @@ def _read_parquet(path: Path, field: str, index: int | None) -> Iterator[str]:
         raise UserError(
             f"{path} is not a readable parquet file ({e}); fix the file or set {_where(index)}.format"
         ) from None
-    columns = pf.schema_arrow.names
-    if field not in columns:
+    schema = pf.schema_arrow
+    if field not in schema.names:
         raise UserError(
-            f"{path} has no column {field!r} (columns: {', '.join(columns)}); set {_where(index)}.field to "
+            f"{path} has no column {field!r} (columns: {', '.join(schema.names)}); set {_where(index)}.field to "
             "the column that holds the text"
+        )
+    column_type = schema.field(field).type
+    if not _is_string(column_type):
+        # Numbers, bytes or lists would reach the tokenizer as Python objects and fail there, far from the cause.
+        strings = ", ".join(repr(f.name) for f in schema if _is_string(f.type)) or "none in this file"
+        raise UserError(
+            f"{path}: column {field!r} holds {column_type}, not strings; set {_where(index)}.field to a string "
+            f"column (here: {strings}), or write the text as a string column"
         )
     # One row group at a time keeps memory bounded by the row-group size, not the file size.
     for rg in range(pf.num_row_groups):
@@ -122,6 +231,16 @@ def _read_parquet(path: Path, field: str, index: int | None) -> Iterator[str]:
         for value in column.to_pylist():
             if value is not None:
                 yield value
+
+
+def _is_string(t: pa.DataType) -> bool:
+    """Arrow types whose values read back as Python str: string, large_string, string_view, dictionaries of them."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16 only
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or is_view(t)
 
 
 def embedded_corpus_files() -> list[Path]:
