@@ -3,7 +3,8 @@ grad norms and every final parameter, tests/distributed/reference.py), with its 
 equal: data parallel x tensor x context x pipeline parallel, and the pipeline schedules beyond plain pipelines.
 
 The one-dimension layouts (ddp, zero1/2, fsdp, hsdp; tp; cp; each schedule alone) have their own files; the
-refused combinations are tested in tests/unit/test_layout_rules.py. docs/parallelism.md lists both."""
+refused combinations are tested in tests/unit/test_parallel_validate.py and test_pipeline.py
+(test_pipeline_problems_name_the_fix). docs/parallelism.md lists both."""
 
 from __future__ import annotations
 

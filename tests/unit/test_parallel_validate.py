@@ -146,3 +146,14 @@ def test_the_whole_config_check_sees_the_resolved_model_and_the_step_s_micro_bat
     load_config(None, [*pp, "--training.micro_batch", "4"], world_size=2)  # 2 micro-batches for 2 stages
     with pytest.raises(ConfigError, match="1f1b needs at least as many micro-batches as stages: 1 < 2"):
         load_config(None, [*pp, "--training.micro_batch", "8"], world_size=2)
+
+
+def test_pipeline_x_context_parallel_needs_sharded_data_parallel():
+    # cp ranks are data-parallel ranks for the gradients, and DDP cannot run inside pipeline stages.
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--parallel.pp", "2", "--parallel.cp", "2"], world_size=4)
+    assert any("use data_parallel fsdp, zero2 or hsdp" in p for p in e.value.problems), e.value.problems
+    cfg = load_config(
+        None, ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.data_parallel", "fsdp"], world_size=4
+    )
+    assert (cfg.parallel.pp, cfg.parallel.cp) == (2, 2)
