@@ -45,6 +45,16 @@ def _writer(path: str, step: int):
     return FsspecWriter(path) if "://" in path else FileSystemWriter(path)
 
 
+def staging_options(device_type: str) -> StagingOptions:
+    """How an async save copies the state to host memory: into pinned buffers with non-blocking copies from a
+    GPU (the copy overlaps the next forward), plain copies on a CPU device (nothing to pin; a CPU run on a GPU host
+    must not open a CUDA context)."""
+    cuda = device_type == "cuda"
+    return StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+    )
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -210,15 +220,11 @@ class CheckpointManager:
             # Stage 1 (the copy to host memory) runs in a thread beside the next forward/backward, which does not
             # change the weights; before_update() waits for it before the optimizer does.
             if self.stager is None:
-                cuda = torch.cuda.is_available()
-                self.stager = DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=cuda,
-                        use_shared_memory=False,
-                        use_async_staging=True,
-                        use_non_blocking_copy=cuda,
-                    )
-                )
+                self.stager = DefaultStager(staging_options(self.device_type))
+            if self.device_type == "cuda":
+                # The stager copies on a stream of its own, which nothing orders after the optimizer's kernels:
+                # without this wait a save may copy weights the queued update has not written yet.
+                torch.cuda.current_stream().synchronize()
             resp = dcp.async_save(
                 self.state,
                 storage_writer=writer,

@@ -69,7 +69,10 @@ def setup_process(env: DistEnv, threads: int, deterministic: bool) -> None:
     )
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     if deterministic:
-        # Same kernels, same reduction order, same thread count: bit-identical CPU runs.
+        # Same kernels, same reduction order, same thread count: bit-identical CPU runs. cuBLAS is deterministic
+        # only with a fixed workspace (without it the first matmul raises under use_deterministic_algorithms).
+        if env.device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     if env.device.type == "cuda":
         # TF32 matmuls would silently compute with a 10-bit mantissa.

@@ -1,0 +1,491 @@
+"""The CUDA side of what the CPU suite checks: the default process group that pairs NCCL (CUDA tensors) with
+gloo (CPU tensors), the control plane on its gloo group, FSDP2 and a sharded DCP checkpoint of CUDA tensors, fused
+AdamW, TF32 off, pinned asynchronous staging, CUDA peak memory, and the CLI on a GPU.
+
+None of these stands in for a CPU test: each docstring names the CPU test of the same logic. Every process group
+here has one rank (NCCL refuses two ranks on one device), so the file runs on any single GPU; it is sized for well
+under three minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from scaletrain.checkpoint import CheckpointManager, ModelState, TrainState
+from scaletrain.config import CheckpointConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from scaletrain.metrics.memory import peak_memory_mib
+from scaletrain.optim import Optimizers, build_optimizer
+from scaletrain.parallel.data_parallel import apply_fsdp, full_state_dict, optimizer_builder
+from scaletrain.parallel.mesh import (
+    DistEnv,
+    ParallelDims,
+    all_reduce_mean,
+    any_rank,
+    broadcast_object,
+    main_first,
+    setup_process,
+)
+from scaletrain.parallel.parallelize import ParallelModel, parallelize
+from scaletrain.resilience.preemption import Preemption
+from scaletrain.step import build_step_runner
+from tests.distributed.reference import OPT, STEPS, full_model, global_batches, reference_run, tiny_args
+from tests.distributed.spawn import spawn
+from tests.helpers import DEBUG, QUICK, events, free_port, read_jsonl, run_cli
+from tests.unit.test_device_branches import kept_process_settings
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = torch.device("cuda", 0)
+# The collectives the control plane issues (mesh.py, checkpoint/state.py, resilience/preemption.py).
+CONTROL_OPS = (
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "broadcast_object_list",
+    "all_gather_object",
+    "barrier",
+)
+
+
+# -- One spawned rank with the process group the code makes on GPUs ------------------------------------------------
+#
+# The worker records facts (JSON) section by section; the tests assert on them, so one failing section does not hide
+# the others (the pattern of tests/distributed/reference.run_layouts).
+
+
+def _join_as_the_code_does(device: torch.device) -> None:
+    """The default group init_distributed joins on GPUs (it joins none at world size 1, so the call is repeated
+    here): NCCL for CUDA tensors beside gloo for CPU ones, bound to the device; then setup_process. It replaces
+    spawn's gloo-only group, on a fresh port so that the new store never meets the old one's keys."""
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(free_port())
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend="cuda:nccl,cpu:gloo" if cuda else "gloo", device_id=device if cuda else None
+    )
+    setup_process(DistEnv(0, 1, 0, 1, device), threads=1, deterministic=False)
+
+
+def _group_worker(rank: int, world_size: int, device_name: str, out: str) -> None:
+    device = torch.device(device_name)
+    _join_as_the_code_does(device)
+    facts = {}
+    for name, section in (
+        ("process_group", _process_group_facts),
+        ("control_plane", _control_plane_facts),
+        ("fsdp", _fsdp_facts),
+    ):
+        facts[name] = _guarded(section, device, Path(out).parent / name)
+    Path(out).write_text(json.dumps(facts))
+
+
+def _guarded(section, *args) -> dict:
+    try:
+        return section(*args)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def _process_group_facts(device: torch.device, tmp: Path) -> dict:
+    on_device, on_host = torch.ones(4, device=device), torch.ones(4)
+    dist.all_reduce(on_device)  # the default group's NCCL
+    dist.all_reduce(on_host)  # the default group's gloo
+    control = dist.new_group(backend="gloo")  # what ParallelDims.build_mesh makes for the control plane
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_cp",))
+    mean = all_reduce_mean(torch.full((3,), 2.0, device=device), mesh)
+    return {
+        "default": dist.get_backend_config(),
+        "control": str(dist.get_backend(control)),
+        "mesh": dist.get_backend_config(mesh.get_group()),
+        "sums": [[t.device.type, t.tolist()] for t in (on_device, on_host)],
+        "mean": [mean.device.type, mean.tolist()],
+    }
+
+
+def _recording(fn, name: str, calls: list[dict]):
+    def wrapped(*args, **kwargs):
+        group = kwargs.get("group")
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors += [t for a in args if isinstance(a, list) for t in a if isinstance(t, torch.Tensor)]
+        call = {
+            "op": name,
+            "backend": "default group" if group is None else str(dist.get_backend(group)),
+            "devices": sorted({t.device.type for t in tensors}),
+        }
+        if name.endswith("_object_list") or name.endswith("_object"):
+            # The device torch stages pickled objects on for this group (private, pinned torch 2.13).
+            call["object_device"] = dist.distributed_c10d._get_object_coll_device(group)
+        calls.append(call)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _control_plane_facts(device: torch.device, tmp: Path) -> dict:
+    """Every collective of the control plane (flags, objects, RNG rows, preemption), with its group's backend and
+    its tensors' devices, while the default group holds NCCL for the device."""
+    control = dist.new_group(backend="gloo")
+    calls: list[dict] = []
+    saved = {name: getattr(dist, name) for name in CONTROL_OPS}
+    for name, fn in saved.items():
+        setattr(dist, name, _recording(fn, name, calls))
+    try:
+        preemption = Preemption(control)
+        results = {
+            "any_false": any_rank(False, control),
+            "any_true": any_rank(True, control),
+            "broadcast": broadcast_object({"step": 3, "path": "ck"}, control),
+            "main_first": main_first(True, control, lambda: 7),
+            "rng_rows": list(TrainState(control).state_dict()["rng"].shape),
+            "preempted": preemption.requested(),
+        }
+        preemption.close()
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    return {"results": results, "calls": calls}
+
+
+def _train(pm: ParallelModel, pcfg: ParallelConfig, batches: list, device: torch.device):
+    """What tests/distributed/reference.train_steps does on one process (that helper is CPU-only), on `device`:
+    the StepRunner, Optimizers and optimizer builder of train.py. Returns (losses, final weights, optimizers)."""
+    build = optimizer_builder(OPT, pcfg.data_parallel, None, device)
+    optimizers = Optimizers(pm.parts, build, OPT, len(batches))
+    runner = build_step_runner(pm, ParallelDims(), pcfg, TrainingConfig(micro_batch=4, grad_clip=1.0), device)
+    losses = []
+    for x, y in batches:
+        loss = runner.forward_backward(x.to(device), y.to(device))
+        runner.clip()
+        optimizers.step()
+        losses.append(loss.item())
+    return losses, full_state_dict(pm.parts[0]), optimizers
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _fsdp_facts(device: torch.device, tmp: Path) -> dict:
+    """The tiny model three ways from the same CPU-initialised weights: the CPU reference, unsharded on the device
+    (what parallelize does on one GPU), and FSDP2 over a one-rank device mesh."""
+    args = tiny_args()
+    batches = global_batches(args)
+    ref = reference_run(full_model(args), batches)
+    plain = parallelize(
+        full_model(args).to(device), ParallelDims(), ParallelConfig(), device=device, n_microbatches=1
+    )
+    plain_losses, plain_state, _ = _train(plain, ParallelConfig(), batches, device)
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard_cp",))
+    sharded = ParallelModel([apply_fsdp(full_model(args).to(device), mesh, reshard_after_forward=True)])
+    fsdp_losses, fsdp_state, optimizers = _train(
+        sharded, ParallelConfig(data_parallel="fsdp"), batches, device
+    )
+    wq = sharded.parts[0].layers["0"].attention.wq.weight
+    return {
+        "losses": {"cpu": ref.losses, "device": plain_losses, "fsdp": fsdp_losses},
+        "dtensor": isinstance(wq, DTensor),
+        "device": wq.device.type,
+        "mesh": dist.get_backend_config(mesh.get_group()),
+        "fused": bool(optimizers.optimizers[0].defaults["fused"]),
+        "param_diff_fsdp_vs_device": _max_diff(fsdp_state, plain_state),
+        "param_diff_device_vs_cpu": _max_diff(plain_state, ref.state),
+        "checkpoint": _guarded(_checkpoint_facts, sharded, optimizers, mesh, device, tmp),
+    }
+
+
+def _manager(state: dict, root: Path, device: torch.device, seen: list[str]) -> CheckpointManager:
+    mgr = CheckpointManager(
+        CheckpointConfig(async_save=True),
+        str(root),
+        state,
+        rank=0,
+        world_size=1,
+        event=lambda kind, **kw: seen.append(kind),
+        device_type=device.type,
+    )
+    # What the constructor makes when world_size > 1 (here of one rank): the save talks over gloo while the
+    # tensors it writes are CUDA DTensors on an NCCL mesh, the multi-GPU combination.
+    mgr.group = dist.new_group(backend="gloo")
+    return mgr
+
+
+def _checkpoint_facts(
+    pm: ParallelModel, optimizers: Optimizers, mesh: DeviceMesh, device: torch.device, tmp: Path
+) -> dict:
+    """Save the trained FSDP model, its optimizer and train state asynchronously; load them into a fresh sharded
+    model with other weights; compare everything gathered."""
+    control, seen = dist.new_group(backend="gloo"), []
+    train = TrainState(control)
+    train.step = STEPS
+    mgr = _manager(dict(model=ModelState(pm.parts), optimizer=optimizers, train=train), tmp, device, seen)
+    mgr.save(STEPS)
+    saved = mgr.wait()
+    mgr.shutdown()
+    fresh = ParallelModel(
+        [apply_fsdp(full_model(tiny_args(), seed=1).to(device), mesh, reshard_after_forward=True)]
+    )
+    fresh_opt = Optimizers(fresh.parts, lambda part: build_optimizer(part, OPT, device), OPT, STEPS)
+    fresh_train = TrainState(control)
+    mgr = _manager(
+        dict(model=ModelState(fresh.parts), optimizer=fresh_opt, train=fresh_train), tmp, device, seen
+    )
+    loaded = mgr.load_latest()
+    mgr.shutdown()
+    before, after = optimizers.state_dict(), fresh_opt.state_dict()
+    moments = [k for k in before if k.startswith("state.") and isinstance(before[k], torch.Tensor)]
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    wq = fresh.parts[0].layers["0"].attention.wq.weight
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "train_step": fresh_train.step,
+        "events": seen,
+        "param_diff": _max_diff(full_state_dict(pm.parts[0]), full_state_dict(fresh.parts[0])),
+        "moments": len(moments),
+        "moment_diff": max(_max_diff({k: full(before[k])}, {k: full(after[k])}) for k in moments),
+        "on_device": isinstance(wq, DTensor)
+        and wq.device.type == device.type
+        and all(after[k].device.type == device.type for k in moments if k.endswith("exp_avg")),
+    }
+
+
+@pytest.fixture(scope="module")
+def group_facts(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpu_group") / "facts.json"
+    spawn(_group_worker, 1, str(CUDA), str(out), timeout=240)
+    return json.loads(out.read_text())
+
+
+def _ok(facts: dict) -> dict:
+    assert "error" not in facts, facts["error"]
+    return facts
+
+
+def _backends(config: str) -> dict[str, str]:
+    """'cuda:nccl,cpu:gloo' -> {'cuda': 'nccl', 'cpu': 'gloo'}; a bare 'nccl' serves every device."""
+    if ":" not in config:
+        return {"cuda": config, "cpu": config}
+    return dict(pair.split(":") for pair in config.split(","))
+
+
+def _assert_close(got: list[float], want: list[float], rtol: float, what: str) -> None:
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+    print(f"{what}: max relative loss difference {worst:.1e} (allowed {rtol:.0e})")
+    assert worst <= rtol, f"{what}: {got} vs {want}"
+
+
+def test_the_default_group_carries_cuda_tensors_on_nccl_and_cpu_tensors_on_gloo(group_facts):
+    """CPU twins: the decision, in tests/unit/test_device_branches.py:
+    test_init_distributed_pairs_nccl_with_gloo_for_cuda_only; the gloo side, every test of tests/distributed/."""
+    f = _ok(group_facts["process_group"])
+    assert _backends(f["default"]) == {"cuda": "nccl", "cpu": "gloo"}
+    assert f["control"] == "gloo"
+    assert f["sums"] == [["cuda", [1.0] * 4], ["cpu", [1.0] * 4]]
+    assert f["mean"] == ["cuda", [2.0] * 3]  # all_reduce_mean over the device mesh's NCCL group
+    assert _backends(f["mesh"])["cuda"] == "nccl"
+
+
+def test_the_control_plane_exchanges_cpu_tensors_on_its_gloo_group(group_facts):
+    """CPU twins: tests/distributed/test_control_plane.py (no control-plane collective on the default group) and
+    tests/unit/test_device_branches.py::test_the_control_group_is_gloo_whatever_the_mesh_device."""
+    f = _ok(group_facts["control_plane"])
+    assert f["results"] == {
+        "any_false": False,
+        "any_true": True,
+        "broadcast": {"step": 3, "path": "ck"},
+        "main_first": 7,
+        "rng_rows": [1, torch.get_rng_state().numel()],
+        "preempted": False,
+    }
+    ops = {c["op"] for c in f["calls"]}
+    assert {"all_reduce", "all_gather", "broadcast_object_list"} <= ops, f["calls"]
+    for call in f["calls"]:
+        assert call["backend"] == "gloo" and set(call["devices"]) <= {"cpu"}, call
+        assert call.get("object_device", "cpu") == "cpu", call
+
+
+def test_fsdp2_on_cuda_matches_the_unsharded_cuda_run_and_the_cpu_reference(group_facts):
+    """CPU twin: tests/distributed/test_data_parallel.py::test_sharded_data_parallel_matches_reference[fsdp]
+    (FSDP over 2 gloo ranks against the same reference). Here: CUDA kernels with TF32 off, fused AdamW on
+    DTensors, and FSDP2's NCCL collectives, against the CPU reference of the same initial weights."""
+    f = _ok(group_facts["fsdp"])
+    assert f["dtensor"] and f["device"] == "cuda" and f["fused"]
+    assert _backends(f["mesh"])["cuda"] == "nccl"
+    losses = f["losses"]
+    _assert_close(losses["fsdp"], losses["device"], 1e-5, "FSDP2 vs unsharded, both on CUDA")
+    # Different kernels and reduction orders (and fused vs foreach AdamW): close, not equal.
+    _assert_close(losses["device"], losses["cpu"], 1e-4, "CUDA vs the CPU reference")
+    fsdp_diff, cpu_diff = f["param_diff_fsdp_vs_device"], f["param_diff_device_vs_cpu"]
+    print(f"largest weight difference: FSDP vs unsharded {fsdp_diff:.1e}, CUDA vs CPU {cpu_diff:.1e}")
+    assert fsdp_diff <= 1e-5 and cpu_diff <= 1e-3
+    assert losses["device"][-1] < losses["device"][0]
+
+
+def test_a_sharded_cuda_checkpoint_round_trips_through_dcp_over_a_gloo_group(group_facts):
+    """CPU twins: tests/unit/test_checkpoint.py::test_save_then_load_restores_everything (one process) and
+    tests/e2e/test_checkpoint_layouts.py (sharded layouts on gloo). Here the tensors are CUDA DTensors, staged to
+    pinned host memory asynchronously, and the save's group is gloo while the mesh is NCCL."""
+    c = _ok(_ok(group_facts["fsdp"])["checkpoint"])
+    assert c["saved"] and c["loaded"] == STEPS and c["train_step"] == STEPS
+    assert "checkpoint_saved" in c["events"] and "checkpoint_loaded" in c["events"]
+    assert c["param_diff"] == 0.0 and c["moments"] > 0 and c["moment_diff"] == 0.0
+    assert c["on_device"], "the loaded parameters or moments left the device"
+
+
+# -- In this process, no process group -------------------------------------------------------------------------
+
+
+def test_setup_process_makes_cuda_fp32_matmuls_full_fp32():
+    """CPU twin (the flags): tests/unit/test_device_branches.py::test_setup_process_turns_tf32_off_for_cuda_only.
+    Here the matmul itself: relative to its largest entry, TF32's 10-bit mantissa errs by ~4e-4, fp32 by ~1e-7."""
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    a, b = (torch.randn(1024, 1024, device=CUDA, generator=g) for _ in range(2))
+    exact = a.double() @ b.double()
+    with kept_process_settings():
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        setup_process(DistEnv(0, 1, 0, 1, CUDA), threads=1, deterministic=False)
+        flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        err = ((a @ b).double() - exact).abs().max() / exact.abs().max()
+    assert flags == (False, False)
+    assert err < 1e-5, f"relative error {err:.1e}: the matmul ran in TF32"
+
+
+def test_auto_adamw_is_fused_on_cuda_and_steps_like_foreach():
+    """CPU twin (the choice), in tests/unit/test_device_branches.py:
+    test_auto_adamw_is_fused_for_cuda_and_foreach_for_cpu. Here the fused kernel runs: its step counter lives on
+    the device, and one update from the same gradients equals the foreach update to rounding."""
+    fused_model, foreach_model = (full_model(tiny_args()).to(CUDA) for _ in range(2))
+    fused = build_optimizer(fused_model, OptimizerConfig(), CUDA)
+    foreach = build_optimizer(foreach_model, OptimizerConfig(implementation="foreach"), CUDA)
+    assert fused.defaults["fused"] and not fused.defaults["foreach"]
+    x = torch.randint(0, 128, (2, 32), device=CUDA)
+    fused_model(x).float().square().mean().backward()
+    for p, q in zip(fused_model.parameters(), foreach_model.parameters(), strict=True):
+        q.grad = p.grad.clone()  # the same gradients for both: only the update kernels differ
+    fused.step()
+    foreach.step()
+    for (name, p), q in zip(fused_model.named_parameters(), foreach_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    step = fused.state[next(fused_model.parameters())]["step"]
+    assert step.device.type == "cuda" and step.item() == 1
+
+
+def _cuda_state(seed: int) -> tuple[dict, nn.Module, Optimizers]:
+    model = full_model(tiny_args(), seed).to(CUDA)
+    optimizers = Optimizers([model], lambda m: build_optimizer(m, OPT, CUDA), OPT, 100)
+    model(torch.randint(0, 128, (2, 16), device=CUDA)).float().square().mean().backward()
+    optimizers.step()
+    return {"model": ModelState([model]), "optimizer": optimizers, "train": TrainState()}, model, optimizers
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checkpoint_manager_round_trips_cuda_state(tmp_path, async_save):
+    """CPU twins: tests/unit/test_checkpoint.py::test_save_then_load_restores_everything and (the staging flags)
+    tests/unit/test_device_branches.py::test_async_save_pins_and_copies_non_blocking_only_for_a_cuda_run."""
+    state, model, optimizers = _cuda_state(seed=0)
+    state["train"].step = 7
+    mgr = CheckpointManager(
+        CheckpointConfig(async_save=async_save),
+        str(tmp_path),
+        state,
+        rank=0,
+        world_size=1,
+        device_type="cuda",
+    )
+    mgr.save(7)
+    assert mgr.wait()
+    if async_save:
+        options = mgr.stager._config  # torch's DefaultStager keeps its StagingOptions here (pinned 2.13)
+        assert options.use_pinned_memory and options.use_non_blocking_copy
+    mgr.shutdown()
+    state2, model2, optimizers2 = _cuda_state(seed=1)
+    mgr2 = CheckpointManager(
+        CheckpointConfig(), str(tmp_path), state2, rank=0, world_size=1, device_type="cuda"
+    )
+    assert mgr2.load_latest() == 7 and state2["train"].step == 7
+    mgr2.shutdown()
+    for (name, p), q in zip(model.named_parameters(), model2.parameters(), strict=True):
+        assert q.device.type == "cuda" and torch.equal(p, q), name
+    m1, m2 = (o.optimizers[0].state_dict()["state"][0]["exp_avg"] for o in (optimizers, optimizers2))
+    assert m2.device.type == "cuda" and torch.equal(m1, m2)
+
+
+def test_an_async_save_holds_the_weights_of_kernels_still_queued(tmp_path):
+    """No CPU twin is possible: a CPU has no streams. The save of a step must hold that step's weights even while
+    the GPU is still computing them (the loop does not synchronise between the optimizer step and the save on
+    steps it does not log). Staging copies on a side stream in a thread; unless it waits for the work already
+    queued on the training stream, it copies the weights from before the update."""
+    lin = nn.Linear(2048, 2048, bias=False, device=CUDA)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    torch.cuda.synchronize()
+    mgr = CheckpointManager(
+        CheckpointConfig(async_save=True),
+        str(tmp_path),
+        {"model": ModelState([lin])},
+        rank=0,
+        world_size=1,
+        device_type="cuda",
+    )
+    with torch.no_grad():
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU clock cycles queued ahead of the "update"
+        lin.weight.fill_(2.0)  # the optimizer's update, still queued when the save starts
+    mgr.save(1)
+    assert mgr.wait()
+    mgr.shutdown()
+    fresh = nn.Linear(2048, 2048, bias=False, device=CUDA)
+    mgr = CheckpointManager(
+        CheckpointConfig(), str(tmp_path), {"model": ModelState([fresh])}, rank=0, world_size=1
+    )
+    assert mgr.load_latest() == 1
+    mgr.shutdown()
+    values = fresh.weight.unique().tolist()
+    assert values == [2.0], f"the checkpoint holds {values[:4]}: staged before the queued update ran"
+
+
+def test_peak_memory_is_the_cuda_allocators_peak():
+    """CPU twins: tests/unit/test_metrics.py::test_peak_memory_is_positive_on_cpu (the RSS branch) and
+    tests/unit/test_device_branches.py::test_peak_memory_on_cuda_reads_the_allocator_peak (the branch taken).
+    Here: a 256 MiB tensor raises the peak by 256 MiB and freeing it does not lower it (a process RSS, what the
+    CPU branch reads, would be far above it with a CUDA context loaded)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    base = torch.cuda.memory_allocated(CUDA) / 2**20
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device=CUDA)
+    del x
+    assert peak_memory_mib(CUDA) - base == pytest.approx(256, abs=2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_train_on_cuda_writes_finite_falling_losses(tmp_path, precision):
+    """CPU twin: tests/e2e/test_train_cli.py::test_single_process_run_writes_the_run_directory_contract. Here the
+    run is on the GPU (the start event and the log line say so), in both precisions, with a checkpoint mid-run."""
+    run = tmp_path / "run"
+    args = ["--config", DEBUG, *QUICK, "--run.dir", str(run), "--training.device", "cuda"]
+    proc = run_cli("train", *args, "--training.precision", precision, "--checkpoint.interval", "10")
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [5, 10, 15, 20]
+    assert all(m["loss"] is not None and math.isfinite(m["loss"]) for m in metrics), metrics
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    assert all(m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1 and 0 < m["mem_peak_mib"] < 4096 for m in metrics)
+    (start,) = events(run, "start")
+    assert start["device"] == "cuda" and start["precision"] == precision
+    assert f"precision {precision} on cuda" in proc.stderr
+    assert [e["step"] for e in events(run, "checkpoint_saved")] == [10, 20]
