@@ -38,6 +38,9 @@ class StepMeter:
         self.steps += 1
 
     def read(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            # The window ends when the queued kernels have run, not when they were launched.
+            torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         elapsed = max(now - self.t0 - self.excluded, 1e-9)
         steps = max(self.steps, 1)
