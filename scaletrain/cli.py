@@ -28,7 +28,7 @@ USAGE = """\
 scaletrain train        --config FILE [--nproc N] [--max-restarts R] [--section.key VALUE ...]
 scaletrain prepare-data --config FILE [--train-tokenizer --vocab-size N [--tokenizer-out PATH]] [--section.key VALUE ...]
 scaletrain convert      --to hf RUN_OR_CHECKPOINT OUT_DIR  |  --from hf HF_DIR [--out config.toml]
-scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" ... [--steps 10] [--rtol 1e-5] [--section.key VALUE ...]
+scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" ... [--steps 10] [--rtol 1e-5] [--atol 2e-5] [--section.key VALUE ...]
 """
 KEYS_HELP = "Any config key can be overridden as --section.key VALUE or --section.key=VALUE. Keys:\n"
 
@@ -81,7 +81,15 @@ def build_parser() -> _Parser:
     parity.add_argument("--config")
     parity.add_argument("--layouts", nargs="+", required=True, help='e.g. "tp=2" "pp=2,pp_schedule=gpipe"')
     parity.add_argument("--steps", type=int, default=10, help="steps of each run")
-    parity.add_argument("--rtol", type=float, default=1e-5, help="largest relative difference accepted")
+    parity.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-5,
+        help="largest relative difference of losses and grad norms accepted",
+    )
+    parity.add_argument(
+        "--atol", type=float, default=2e-5, help="largest absolute difference of final parameters accepted"
+    )
     parity.set_defaults(run=_parity)
 
     convert = commands.add_parser("convert", overrides=False, help="checkpoint to/from Hugging Face Llama")
@@ -174,7 +182,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _parity(args: argparse.Namespace, overrides: list[str]) -> int:
-    results = run_parity(args.config, args.layouts, args.steps, overrides, args.rtol)
+    results = run_parity(args.config, args.layouts, args.steps, overrides, args.rtol, args.atol)
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -1,5 +1,5 @@
 """`scaletrain parity`: train the same model on the same data in several parallel layouts and compare each
-with the single-process run, step by step (losses and gradient norms).
+with the single-process run: losses and gradient norms step by step, and every parameter at the end.
 
     scaletrain parity --config configs/debug.toml --layouts "dp_shard=2" "tp=2" "pp=2,pp_schedule=1f1b" --steps 10
 """
@@ -12,12 +12,29 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.errors import ConfigError
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from scaletrain.convert import load_run_model
+from scaletrain.errors import ConfigError, UserError
 from scaletrain.parallel.mesh import MESH_DIMS
+
+# Every run ends with one synchronous save into its own run directory, whatever the user's overrides say (they
+# come first, so these win): the final parameters are read back from it.
+FINAL_SAVE = [
+    "--checkpoint.enabled",
+    "true",
+    "--checkpoint.interval",
+    "0",
+    "--checkpoint.async_save",
+    "false",
+    "--checkpoint.storage=",
+]
 
 
 @dataclass
@@ -26,7 +43,12 @@ class ParityResult:
     nproc: int
     max_loss_rel: float
     max_grad_norm_rel: float
+    max_param_abs: float
+    worst_param: str
+    """The parameter with the largest absolute difference, or what is wrong with the names."""
     ok: bool
+    error: str = ""
+    """Why the layout's run (or reading its checkpoint) failed; empty when it ran."""
 
 
 def parse_layout(text: str) -> tuple[int, list[str]]:
@@ -71,8 +93,75 @@ def _run(args: list[str], nproc: int, run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The parameters of the run's newest checkpoint, by name, as whole CPU tensors (DCP reshards any layout)."""
+    try:
+        # Silenced: DCP's note that it loads without a process group, which is the intent here.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            model, *_ = load_run_model(run_dir)
+    except CheckpointException as e:  # e.g. a parameter the whole model has and the checkpoint lacks
+        causes = sorted({str(exc) for exc, _ in e.failures.values()})
+        raise UserError(
+            f"the final checkpoint of {run_dir} does not load into the whole model: {causes}"
+        ) from None
+    return {name: t.detach() for name, t in model.state_dict().items()}
+
+
+def param_diff(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest |got - ref| over every element of every parameter, and the name of the parameter it is in. A
+    name in only one of them, or a shape that differs, is an infinite difference, named by what is wrong."""
+    missing, extra = sorted(ref.keys() - got.keys()), sorted(got.keys() - ref.keys())
+    if missing or extra:
+
+        def listed(names: list[str]) -> str:
+            return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+
+        wrong = [
+            f"{what} {listed(names)}" for what, names in (("missing", missing), ("extra", extra)) if names
+        ]
+        return math.inf, "; ".join(wrong)
+    worst, worst_name = -1.0, ""
+    for name in sorted(ref):
+        a, b = got[name], ref[name]
+        if a.shape != b.shape:
+            return math.inf, f"{name} has shape {tuple(a.shape)}, the reference's {tuple(b.shape)}"
+        d = (a.double() - b.double()).abs().max().item() if b.numel() else 0.0
+        if not math.isnan(worst) and (math.isnan(d) or d > worst):  # a NaN stays the worst
+            worst, worst_name = d, name
+    return max(worst, 0.0), worst_name  # max() keeps a NaN
+
+
+def format_result(r: ParityResult, rtol: float, atol: float) -> str:
+    """One line per layout: its figures, and whether it passes."""
+    head = f"{r.layout:40s} nproc {r.nproc}  "
+    if r.error:
+        return head + f"FAILED: {r.error}"
+    return head + (
+        f"max rel diff: loss {r.max_loss_rel:.2e}  grad norm {r.max_grad_norm_rel:.2e}  "
+        f"max abs diff: params {r.max_param_abs:.2e} ({r.worst_param})  "
+        f"{'OK' if r.ok else 'MISMATCH'} (rtol {rtol:g}, atol {atol:g})"
+    )
+
+
 def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def compare_run(
+    layout: str,
+    nproc: int,
+    ref: tuple[list[dict], dict],
+    got: tuple[list[dict], dict],
+    rtol: float,
+    atol: float,
+) -> ParityResult:
+    """The verdict on one layout: `ref` and `got` are (per-step metrics records, final parameters by name)."""
+    (ref_metrics, ref_params), (metrics, params) = ref, got
+    dl = _max_rel([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics])
+    dg = _max_rel([m["grad_norm"] for m in metrics], [m["grad_norm"] for m in ref_metrics])
+    dp, worst = param_diff(ref_params, params)
+    return ParityResult(layout, nproc, dl, dg, dp, worst, dl <= rtol and dg <= rtol and dp <= atol)
 
 
 def run_parity(
@@ -81,28 +170,27 @@ def run_parity(
     steps: int,
     overrides: list[str],
     rtol: float,
+    atol: float,
     out: Callable[[str], None] = print,
 ) -> list[ParityResult]:
-    """fp32, deterministic kernels, metrics every step, no evaluation: only the parallel layout differs."""
+    """fp32, deterministic kernels, metrics every step, no evaluation: only the parallel layout differs. Each run
+    ends with a synchronous checkpoint in its own run directory (checkpoint.enabled/interval/async_save/storage
+    are forced, so `--checkpoint.enabled false` does not skip it), read back into a whole model on this process.
+
+    A layout passes when its losses and grad norms are within `rtol` of the reference's at every step and every
+    final parameter within `atol` of it. atol, not rtol: AdamW divides by sqrt(v), so a sum merely reordered moves
+    the update of a near-zero gradient by ~1e-5 over 10 steps (tests/distributed/reference.py PARAM_ATOL)."""
+    if steps < 1 or rtol < 0 or atol < 0:
+        raise ConfigError(
+            f"parity needs --steps >= 1, --rtol >= 0, --atol >= 0 (got {steps}, {rtol}, {atol})"
+        )
     base = (
         (["--config", config] if config else [])
         + overrides
-        + [
-            "--training.steps",
-            str(steps),
-            "--training.precision",
-            "fp32",
-            "--training.eval_interval",
-            "0",
-            "--metrics.log_interval",
-            "1",
-            "--metrics.progress",
-            "false",
-            "--metrics.tensorboard",
-            "false",
-            "--training.threads",
-            "1",
-        ]
+        + FINAL_SAVE
+        + ["--training.steps", str(steps), "--training.precision", "fp32", "--training.eval_interval", "0"]
+        + ["--metrics.log_interval", "1", "--metrics.progress", "false", "--metrics.tensorboard", "false"]
+        + ["--training.threads", "1"]
     )
     parsed = [(layout, *parse_layout(layout)) for layout in layouts]  # every layout checked before any run
     # The reference: every mesh dim of size 1 (dp_shard -1 is the one process), plain DDP.
@@ -111,21 +199,17 @@ def run_parity(
         single += [f"--parallel.{dim}", "-1" if dim == "dp_shard" else "1"]
     results = []
     with tempfile.TemporaryDirectory(prefix="scaletrain-parity-") as tmp:
-        ref = _run(base + single, 1, Path(tmp) / "reference")
-        ref_loss, ref_gn = [m["loss"] for m in ref], [m["grad_norm"] for m in ref]
-        out(f"reference (1 process): final loss {ref_loss[-1]:.6f}")
+        ref_dir = Path(tmp) / "reference"
+        ref = (_run(base + single, 1, ref_dir), final_params(ref_dir))
+        out(f"reference (1 process): final loss {ref[0][-1]['loss']:.6f}, {len(ref[1])} parameters")
         for i, (layout, nproc, layout_args) in enumerate(parsed):
+            run_dir = Path(tmp) / f"layout{i}"
             try:
-                got = _run(base + layout_args, nproc, Path(tmp) / f"layout{i}")
-            except ConfigError as e:
-                results.append(ParityResult(layout, nproc, math.inf, math.inf, False))
-                out(f"{layout:40s} nproc {nproc}  FAILED: {e.problems[0]}")
-                continue
-            dl = _max_rel([m["loss"] for m in got], ref_loss)
-            dg = _max_rel([m["grad_norm"] for m in got], ref_gn)
-            results.append(ParityResult(layout, nproc, dl, dg, dl <= rtol and dg <= rtol))
-            out(
-                f"{layout:40s} nproc {nproc}  max rel diff: loss {dl:.2e}  grad norm {dg:.2e}  "
-                f"{'OK' if results[-1].ok else 'MISMATCH'} (rtol {rtol:g})"
-            )
+                got = (_run(base + layout_args, nproc, run_dir), final_params(run_dir))
+            except UserError as e:
+                error = e.problems[0] if isinstance(e, ConfigError) else str(e)
+                results.append(ParityResult(layout, nproc, math.inf, math.inf, math.inf, "", False, error))
+            else:
+                results.append(compare_run(layout, nproc, ref, got, rtol, atol))
+            out(format_result(results[-1], rtol, atol))
     return results
