@@ -20,18 +20,28 @@ after the optimizer step of the SECOND step (AdamW state exists only after a fir
 The formulas are compared with `peak` for ddp, zero1 and zero2 — ZeRO-2's 4Ψ is exactly the whole parameters it
 keeps gathered from forward to backward (reshard_after_forward=False) — and with `resident` for fsdp, whose
 gathered units are the transient buffers the ZeRO paper counts apart; they are shown in `gathered`.
-Activations are not counted at all (the model's matrices dwarf a 2 x 16-token batch anyway).
+Activations are not counted there (the model's matrices dwarf a 2 x 16-token batch anyway).
+
+--activations measures them instead, on one process: the bytes a forward leaves for its backward under each
+memory.recompute policy (scaletrain.memory.measure: every storage an op made during forward that is still alive
+after it), beside the formula derived in docs/memory.md, the forward+backward time relative to no recompute in
+the same run, and the process's peak RSS; for the debug and a ~30M model at seq 256 and 1024.
 
     python benchmarks/memory.py [--layers 8 --dim 256 --ffn 768 --vocab 256]
+    python benchmarks/memory.py --activations [--seqs 256 1024 --repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
+import resource
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -44,7 +54,10 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaletrain.config import OptimizerConfig  # noqa: E402
-from scaletrain.models import ModelArgs, build_meta_model  # noqa: E402
+from scaletrain.memory import apply_recompute  # noqa: E402
+from scaletrain.memory.measure import saved_activation_bytes  # noqa: E402
+from scaletrain.models import ModelArgs, build_meta_model, build_model  # noqa: E402
+from scaletrain.models.loss import cross_entropy  # noqa: E402
 from scaletrain.optim import build_optimizer  # noqa: E402
 from scaletrain.parallel.data_parallel import apply_ddp, apply_fsdp, build_zero1_optimizer  # noqa: E402
 from scaletrain.step import StepRunner  # noqa: E402
@@ -164,6 +177,93 @@ def worker(rank: int, world_size: int, margs: dict, out: str) -> None:
         Path(out).write_text(json.dumps(rows))
 
 
+# -- Activations per recompute policy --------------------------------------------------------------------------
+
+POLICIES = ("none", "every_k", "selective", "full")
+ACT_MODELS = {  # debug: the preset with the byte tokenizer's 320 rows; 30M: 29.8M parameters
+    "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352, vocab_size=320),
+    "30M": dict(dim=512, n_layers=10, n_heads=8, n_kv_heads=4, ffn_hidden=1408, vocab_size=320),
+}
+
+
+def activation_formula(a: ModelArgs, b: int, s: int, policy: str, every: int = 2) -> int:
+    """Bytes (fp32) the forward saves for backward, derived in docs/memory.md. Per block, in units of sb:
+    none 8h + 2h_kv + 4f + a (+ 2 for the norms' rsqrt), selective 5h + 2h_kv + 2f + a, full h (its input);
+    plus the head: the last block's output, the final norm's two outputs and the log-softmax, 3h + V."""
+    h, f, hkv, heads = a.dim, a.ffn_hidden, a.n_kv_heads * a.head_dim, a.n_heads
+    per_block = {
+        "none": 8 * h + 2 * hkv + 4 * f + heads + 2,
+        "selective": 5 * h + 2 * hkv + 2 * f + heads,
+        "full": h,
+    }
+    if policy == "every_k":
+        k = a.n_layers // every
+        blocks = k * per_block["full"] + (a.n_layers - k) * per_block["none"]
+    else:
+        blocks = a.n_layers * per_block[policy]
+    return 4 * b * s * (blocks + 3 * h + a.vocab_size)
+
+
+def measure_activations(margs: dict, seq: int, repeats: int) -> dict[str, dict]:
+    """Measured saved bytes of each policy at batch 1, and its fastest forward+backward over `repeats` rounds
+    that take the policies in turn (so a busy machine slows them alike; the minimum is the least disturbed)."""
+    args = ModelArgs(**margs, max_seq_len=seq)
+    base = build_model(args, 0, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, args.vocab_size, (1, seq + 1), generator=g)
+    models = {policy: apply_recompute(copy.deepcopy(base), policy, 2) for policy in POLICIES}
+    rows = {}
+    for policy, model in models.items():
+        saved, loss = saved_activation_bytes(lambda m=model: cross_entropy(m(x[:, :-1]), x[:, 1:]))
+        loss.backward()
+        rows[policy] = {"saved": saved, "formula": activation_formula(args, 1, seq, policy), "time_s": 1e9}
+    for _ in range(repeats):
+        for policy, model in models.items():
+            t0 = time.perf_counter()
+            cross_entropy(model(x[:, :-1]), x[:, 1:]).backward()
+            rows[policy]["time_s"] = min(rows[policy]["time_s"], time.perf_counter() - t0)
+    return rows
+
+
+def cpu_features() -> str:
+    try:
+        flags = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no lscpu)"
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("Model name")), "?"
+    )
+    found = sorted({w for w in flags.split() if w.startswith(("avx512", "amx", "avx2"))})
+    return f"{model}; {', '.join(found) or 'no avx2/avx512/amx flags'}"
+
+
+def activations_main(seqs: list[int], repeats: int) -> int:
+    torch.manual_seed(0)
+    print(
+        f"CPU: {cpu_features()}; torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, batch 1"
+    )
+    print(f"{'model':<6}{'seq':>6}  {'policy':<10}{'saved MiB':>10}{'formula':>9}{'meas/form':>10}"
+          f"{'vs none':>8}{'time s':>8}{'t/none':>7}")  # fmt: skip
+    ok = True
+    for name, margs in ACT_MODELS.items():
+        for seq in seqs:
+            rows = measure_activations(margs, seq, repeats)
+            none = rows["none"]
+            for policy, r in rows.items():
+                ratio = r["saved"] / r["formula"]
+                ok &= abs(ratio - 1) <= 0.15
+                print(
+                    f"{name:<6}{seq:>6}  {policy:<10}{r['saved'] / 2**20:>10.2f}{r['formula'] / 2**20:>9.2f}"
+                    f"{ratio:>10.3f}{r['saved'] / none['saved']:>8.1%}{r['time_s']:>8.3f}"
+                    f"{r['time_s'] / none['time_s']:>7.2f}"
+                )
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        f"peak RSS of the process: {rss:.0f} MiB; every measured/formula within 15%: {'yes' if ok else 'NO'}"
+    )
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -171,7 +271,14 @@ def main() -> int:
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument(
+        "--activations", action="store_true", help="activation memory per recompute policy instead"
+    )
+    ap.add_argument("--seqs", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
+    if a.activations:
+        return activations_main(a.seqs, a.repeats)
     margs = dict(
         dim=a.dim,
         n_layers=a.layers,

@@ -42,6 +42,13 @@ class ModelConfig:
     """Std of the normal init; output projections of each block are scaled down by depth."""
     init_from: str = ""
     """Start from existing weights: "hf:DIR" reads a Hugging Face Llama directory (safetensors only)."""
+    attention: Literal["auto", "flash", "efficient", "cudnn", "math", "flex"] = "auto"
+    """Attention kernel. auto: SDPA's own pick, and for masks FlexAttention on CUDA, masked SDPA elsewhere;
+    flash/efficient/cudnn/math: force that SDPA backend; flex: FlexAttention throughout (CUDA only)."""
+    window: int = 0
+    """Sliding-window attention (Mistral style): query i sees keys i - window < j <= i. 0: off (full causal)."""
+    window_every: int = 1
+    """With model.window: the window on every k-th layer (layers 0, k, 2k, ...); 1: all, 2: every other."""
 
 
 @dataclass
@@ -70,6 +77,9 @@ class DataConfig:
     """Where prepared token shards are kept. Empty: $SCALETRAIN_CACHE or ~/.cache/scaletrain."""
     workers: int = 0
     """Processes used to tokenise. 0: one per CPU core, at most 8."""
+    document_mask: bool = False
+    """Attend only within each packed document (split at the end-of-document token), RoPE positions restarting
+    at each; off: a token sees every earlier token of its window."""
 
 
 @dataclass
@@ -98,6 +108,9 @@ class TrainingConfig:
     """Validation sequences per evaluation."""
     threads: int = 0
     """torch intra-op threads per process; 0: the CPU cores divided by the local processes."""
+    compile: bool = False
+    """torch.compile each transformer block (in place: parameter names unchanged); the first step's compile time is
+    reported apart from throughput."""
 
 
 @dataclass
@@ -153,6 +166,21 @@ class ParallelConfig:
     sharded gradient memory, m x the traffic). DDP always all-reduces once per step."""
     ddp_bucket_mb: int = 25
     """DDP gradient bucket size in MiB."""
+
+
+@dataclass
+class MemoryConfig:
+    recompute: Literal["none", "full", "every_k", "selective"] = "none"
+    """Activation recompute: full re-runs each block's forward in backward (keeps only block inputs); every_k does
+    so for every recompute_every-th block; selective keeps matmul and attention outputs and recomputes the
+    element-wise ops and norms (Korthikanti et al. 2022)."""
+    recompute_every: int = 2
+    """every_k only: recompute layers k-1, 2k-1, ... (every k-th block)."""
+    activation_offload: bool = False
+    """CUDA only: keep the activations saved for backward in pinned host memory (torch.autograd.graph.save_on_cpu)."""
+    optimizer_offload: bool = False
+    """CUDA with fsdp, zero2 or hsdp only: FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer state on
+    the host and runs the optimizer step on the CPU (ZeRO-Offload)."""
 
 
 @dataclass
@@ -260,6 +288,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

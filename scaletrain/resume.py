@@ -16,6 +16,9 @@ CANNOT_CHANGE = (
     "training.seed",
 )
 FREE = (
+    "model.attention",  # which kernel computes the same attention
+    "memory",  # recompute and offload change what is kept, not what is computed
+    "training.compile",
     "parallel",
     "checkpoint",
     "resilience",

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.config import ParallelConfig, TrainingConfig
+from scaletrain.models.attention import document_ids
 from scaletrain.models.loss import cross_entropy
 from scaletrain.parallel.context_parallel import cp_shard_batch
 from scaletrain.parallel.mesh import ParallelDims
@@ -36,6 +37,10 @@ class StepRunner:
     pipeline: object = None  # PipelineParts under pipeline parallel
     pp_mesh: object = None
     grad_sync: str = "step"  # parallel.grad_sync: when FSDP reduce-scatters under gradient accumulation
+    # data.document_mask: the end-of-document id, from which each micro-batch's document ids are derived here,
+    # from the input tokens, rather than handed over by the loader: the loader's (inputs, targets) interface,
+    # its checkpointed state and the fault wrappers stay as they are, and evaluation gets the same masks.
+    eod_id: int | None = None
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss over this rank's share of the global batch, gradients accumulated into .grad.
@@ -44,6 +49,7 @@ class StepRunner:
         the rank's sequences; data parallelism then averages over ranks: the mean over the global batch."""
         inputs, targets, positions = self._shard(inputs, targets)
         if self.pipeline is not None:
+            assert self.eod_id is None, "validate refuses data.document_mask with pp > 1"
             # The schedule calls the stage modules itself: autocast must wrap the whole step. Under context parallel
             # each stage gets its tokens' positions from apply_cp's hook.
             with self.autocast:
@@ -75,8 +81,13 @@ class StepRunner:
         return self.cp_shard(inputs, targets)
 
     def _logits(self, model: nn.Module, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        kwargs = {}
+        if positions is not None:
+            kwargs["positions"] = positions
+        if self.eod_id is not None:
+            kwargs["document_ids"] = document_ids(x, self.eod_id)
         with self.autocast:
-            return model(x, positions=positions) if positions is not None else model(x)
+            return model(x, **kwargs)
 
     def clip(self) -> torch.Tensor:
         """The global gradient norm (over every shard and stage), clipping to grad_clip when it is > 0."""
@@ -91,6 +102,7 @@ class StepRunner:
         """Summed validation loss and token count over a batch (forward only)."""
         inputs, targets, positions = self._shard(inputs, targets)
         if self.pipeline is not None:
+            assert self.eod_id is None, "validate refuses data.document_mask with pp > 1"
             with self.autocast:
                 return self.pipeline.eval_sum(inputs, targets)
         with self.loss_context():
@@ -107,9 +119,15 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 
 
 def build_step_runner(
-    pm: ParallelModel, dims: ParallelDims, pcfg: ParallelConfig, tcfg: TrainingConfig, device: torch.device
+    pm: ParallelModel,
+    dims: ParallelDims,
+    pcfg: ParallelConfig,
+    tcfg: TrainingConfig,
+    device: torch.device,
+    eod_id: int | None = None,
 ) -> StepRunner:
-    """The step for a parallelised model: what training, evaluation and the equivalence tests all run."""
+    """The step for a parallelised model: what training, evaluation and the equivalence tests all run. eod_id:
+    the tokenizer's end-of-document id when data.document_mask is on, else None."""
     cp_shard = None
     if dims.cp_enabled:
         cp_mesh = dims.submesh("cp")
@@ -127,6 +145,7 @@ def build_step_runner(
         pipeline=pm.pipeline,
         pp_mesh=dims.submesh("pp") if dims.pp_enabled else None,
         grad_sync=pcfg.grad_sync,
+        eod_id=eod_id,
     )
 
 

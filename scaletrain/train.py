@@ -122,9 +122,8 @@ class Job:
         self.evals[step] = val
         duration = time.perf_counter() - t0
         self.meter.exclude(duration)  # evaluation is not training time
-        self.writer.event(
-            "eval", step=step, val_loss=val, val_ppl=math.exp(min(val, 50)), duration_s=duration
-        )
+        ppl = math.exp(min(val, 50))
+        self.writer.event("eval", step=step, val_loss=val, val_ppl=ppl, duration_s=duration)
         return val
 
 
@@ -157,13 +156,15 @@ def build(cfg: Config) -> Job:
     n_micro = resolve_microbatches(
         cfg.parallel.pp_microbatches, global_batch // dims.dp_size, cfg.training.micro_batch
     )
-    pm = parallelize(model, dims, cfg.parallel, device=env.device, n_microbatches=n_micro)
+    pm = parallelize(model, dims, cfg.parallel, device=env.device, n_microbatches=n_micro, memory=cfg.memory,
+                     compile=cfg.training.compile)  # fmt: skip
     del model
     make_optimizer = optimizer_builder(
         cfg.optimizer, cfg.parallel.data_parallel, dims.submesh("dp_cp"), env.device
     )
     optimizers = Optimizers(pm.parts, make_optimizer, cfg.optimizer, cfg.training.steps)
-    runner = build_step_runner(pm, dims, cfg.parallel, cfg.training, env.device)
+    eod = tokenizer.eod_id if cfg.data.document_mask else None  # masks attention at document ends
+    runner = build_step_runner(pm, dims, cfg.parallel, cfg.training, env.device, eod_id=eod)
 
     # -- Everything that resumes, in one dict of Stateful objects: both checkpoint tiers and rollbacks save and
     # restore this.
@@ -195,7 +196,7 @@ def build(cfg: Config) -> Job:
     )
     tokens_per_step = global_batch * cfg.data.seq_len
     flops_tok = metrics.flops_per_token(n_params["non_embedding"], args.n_layers, args.dim, cfg.data.seq_len)
-    meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device)
+    meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device, cfg.training.compile)
     _announce(cfg, env, n_params, layout, global_batch, tokens_per_step, peak_source)
     info = dict(world_size=env.world_size, precision=cfg.training.precision, device=env.device.type, layout=layout,
                 parameters=n_params["total"], peak_flops_source=peak_source)  # fmt: skip

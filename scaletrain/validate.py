@@ -29,9 +29,11 @@ from scaletrain.config import (
 from scaletrain.data.sources import list_files
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.memory.offload import offload_problems
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.presets import PRESETS, resolve_model_args
 from scaletrain.parallel.mesh import ParallelDims, validate_parallel
+from scaletrain.parallel.parallelize import fsdp_applies
 from scaletrain.parallel.pipeline import pipeline_problems, resolve_microbatches
 from scaletrain.planner.memory import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, memory_problem
 from scaletrain.resilience.faults import validate_specs
@@ -60,12 +62,73 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += _checkpoint(cfg.checkpoint)
     problems += _run(cfg.run, cfg.checkpoint) if check_run_dir else []
     problems += _resilience(cfg.resilience, world_size)
+    problems += _memory(cfg, world_size)
+    problems += _attention(cfg)
     # The layout and memory checks assume every field above is sound (and args resolved).
     if not problems and args is not None:
         problems += _parallel(cfg, world_size, dp_size, args)
     if not problems and args is not None:
         problems += _fits_in_memory(cfg, world_size, args)
     return problems
+
+
+def _attention(cfg: Config) -> list[str]:
+    """model.attention, model.window and data.document_mask against the device and the parallel layout."""
+    m, p = cfg.model, cfg.parallel
+    problems = []
+    if m.window < 0 or m.window_every < 1:
+        problems.append(
+            f"model.window must be >= 0 (0: off) and model.window_every >= 1, got {m.window} and {m.window_every}"
+        )
+    masked = cfg.data.document_mask or m.window > 0
+    t = cfg.training
+    cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    if m.attention in ("efficient", "cudnn", "flex") and not cuda:
+        why = "FlexAttention has no backward on CPU" if m.attention == "flex" else "a CUDA-only SDPA kernel"
+        problems.append(
+            f"model.attention '{m.attention}' needs a CUDA device ({why}); on CPU use auto (masked SDPA when "
+            "a mask is needed), flash (the CPU flash kernel) or math"
+        )
+    if m.attention == "flash" and cuda and masked:
+        problems.append(
+            "model.attention 'flash' takes no mask on CUDA, and data.document_mask or model.window needs one; "
+            "use auto (FlexAttention) or efficient"
+        )
+    if p.cp > 1:
+        # Ring attention masks blocks by position only; skipping fully masked blocks is future work.
+        if masked:
+            problems.append(
+                "data.document_mask and model.window are not supported with parallel.cp > 1: ring attention is "
+                "causal-only; turn them off or set parallel.cp = 1"
+            )
+        if m.attention != "auto":
+            problems.append(
+                f"model.attention '{m.attention}' has no effect with parallel.cp > 1 (ring attention runs its "
+                "own kernel); leave it auto"
+            )
+    if p.pp > 1 and cfg.data.document_mask:
+        problems.append(
+            "data.document_mask is not supported with parallel.pp > 1: the schedule calls later stages with "
+            "hidden states only, so the document ids cannot reach them; set parallel.pp = 1 or turn it off "
+            "(model.window works under pp)"
+        )
+    return problems
+
+
+def _memory(cfg: Config, world_size: int) -> list[str]:
+    """memory.*: recompute's k, and offload only where there is a separate device memory and (for the optimizer)
+    FSDP to carry it."""
+    m, problems = cfg.memory, []
+    if m.recompute == "every_k" and m.recompute_every < 1:
+        problems.append(
+            f"memory.recompute_every must be >= 1 with recompute every_k, got {m.recompute_every}"
+        )
+    cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    try:
+        applied = fsdp_applies(ParallelDims.from_config(cfg.parallel, world_size), cfg.parallel.data_parallel)
+    except ConfigError:
+        applied = True  # the layout check reports sizes that do not tile the world
+    return problems + offload_problems(m, "cuda" if cuda else "cpu", cfg.parallel.data_parallel, applied)
 
 
 def _resilience(r: ResilienceConfig, world_size: int) -> list[str]:

@@ -3,6 +3,7 @@ training time (they are reported on their own, and goodput counts them), everyth
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -10,18 +11,27 @@ import torch
 from scaletrain.metrics.memory import peak_memory_mib
 from scaletrain.metrics.mfu import mfu
 
+log = logging.getLogger("scaletrain")
+
 
 class StepMeter:
     """Counts steps since the last `read()`; `read()` turns the window into tokens/s, MFU, step time and peak memory,
     then starts the next window. Logging itself costs in the next window: tokens/s stays wall-clock honest."""
 
     def __init__(
-        self, tokens_per_step: int, flops_per_token: float, peak_flops_total: float, device: torch.device
+        self,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops_total: float,
+        device: torch.device,
+        warmup_steps: int = 0,
     ) -> None:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak_flops_total = peak_flops_total
         self.device = device
+        self.warmup_left = warmup_steps
+        self.compile_s: float | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -36,6 +46,13 @@ class StepMeter:
 
     def step_done(self) -> None:
         self.steps += 1
+        if self.warmup_left:
+            # torch.compile compiles during the first step: its time is reported as compile_s, not throughput.
+            self.warmup_left -= 1
+            now = time.perf_counter()
+            self.compile_s = now - self.t0 - self.excluded
+            log.info("torch.compile: the first step took %.1f s, not counted in tokens/s", self.compile_s)
+            self.t0, self.steps, self.excluded = now, 0, 0.0
 
     def read(self) -> dict[str, float]:
         if self.device.type == "cuda":
@@ -45,11 +62,17 @@ class StepMeter:
         elapsed = max(now - self.t0 - self.excluded, 1e-9)
         steps = max(self.steps, 1)
         tps = self.steps * self.tokens_per_step / elapsed
+        extra = {} if self.compile_s is None else {"compile_s": self.compile_s}
+        if self.steps == 0 and self.compile_s is not None:
+            # A window of the compile step alone: its own figures, marked by compile_s.
+            elapsed, tps = self.compile_s, self.tokens_per_step / self.compile_s
+        self.compile_s = None
         out = {
             "tokens_per_s": tps,
             "mfu": mfu(tps, self.flops_per_token, self.peak_flops_total),
             "mem_peak_mib": peak_memory_mib(self.device),
             "step_time_s": elapsed / steps,
+            **extra,
         }
         self.t0, self.steps, self.excluded = now, 0, 0.0
         return out

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.attention import causal_sdpa
+from scaletrain.models.attention import AttentionKernel, attention_masks, document_positions
 
 
 @dataclass
@@ -33,6 +33,9 @@ class ModelArgs:
     max_seq_len: int = 256
     tie_embeddings: bool = False
     init_std: float = 0.02
+    attention: str = "auto"  # models.attention.AttentionBackend
+    window: int = 0  # sliding-window attention: query i sees keys i - window < j <= i; 0 = off
+    window_every: int = 1  # the window on layers 0, k, 2k, ... (1: every layer)
 
     @property
     def head_dim(self) -> int:
@@ -89,18 +92,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)).type_as(x)
 
 
+def layer_window(args: ModelArgs, layer_id: int) -> int:
+    """The sliding window of layer `layer_id`: model.window on layers 0, k, 2k, ... for k = window_every (so
+    k = 2 alternates local and global layers, as Gemma 2 and GPT-3's banded layers), else 0 (full causal)."""
+    return args.window if args.window > 0 and layer_id % max(args.window_every, 1) == 0 else 0
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, window: int = 0):
         super().__init__()
+        self.window = window  # 0: full causal; else this layer's sliding window (selects its mask)
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        # The attention kernel, a plain callable (not a module): context parallel swaps in ring attention.
-        self.sdpa = causal_sdpa
+        # The attention kernel, a plain callable (not a module): context parallel swaps in ring attention, which
+        # takes no mask (validate refuses document masking and the window under cp).
+        self.sdpa = AttentionKernel(args.attention)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: dict | None = None
+    ) -> torch.Tensor:
+        """masks: window -> mask, from `attention_masks` (None: plain causal)."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the tensors (-1), so a tensor-parallel shard with fewer heads runs unchanged.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -108,7 +122,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.sdpa(q, k, v)
+        mask = masks[self.window] if masks is not None else None
+        out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -126,15 +141,19 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        # Fixed at construction, so a pipeline stage keeps each layer's own window.
+        self.attention = Attention(args, layer_window(args, layer_id))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: dict | None = None
+    ) -> torch.Tensor:
+        # masks by keyword: the tensor-parallel plan's PrepareModuleInput lays out the positional inputs only.
+        x = x + self.attention(self.attention_norm(x), cos, sin, masks=masks)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -143,7 +162,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Not persistent: recomputed by init_weights, so checkpoints hold only learned state.
@@ -151,14 +170,27 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens: [batch, seq] ids (or hidden states on a later pipeline stage). positions: token positions,
-        for when a sequence is split (context parallel); default 0..seq-1."""
+        [seq] or [batch, seq], for when a sequence is split (context parallel); default 0..seq-1. document_ids:
+        [batch, seq] (`attention.document_ids`) for document masking: a token attends only within its document,
+        and its RoPE position counts from the document's first token."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if document_ids is not None:
+            assert positions is None, "document masking with split sequences (cp) is refused by validate"
+            positions = document_positions(document_ids)
         rope = self.rope[: h.shape[1]] if positions is None else self.rope[positions]
         cos, sin = rope.unbind(-2)
+        # Layer keys are the global layer ids, also on a pipeline stage and under block wrappers.
+        windows = {layer_window(self.args, int(i)) for i in self.layers}
+        masks = attention_masks(self.args.attention, windows, document_ids, h.shape[1], h.device)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, masks=masks)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

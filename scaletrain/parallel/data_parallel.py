@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -83,6 +83,7 @@ def apply_fsdp(
     *,
     reshard_after_forward: bool,
     mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
     """FSDP2 `fully_shard`: one unit per transformer block plus the root (embedding, final norm, output), so one
     block's parameters are gathered at a time. Parameters, gradients and optimizer state are sharded (ZeRO-3).
@@ -90,7 +91,12 @@ def apply_fsdp(
     reshard_after_forward=False keeps each block's gathered parameters from its forward until its backward: no
     second all-gather, at the memory cost of a whole unsharded model — ZeRO-2. A 2-D mesh (replicate, shard)
     gives HSDP: sharded inside a group, gradients all-reduced across groups."""
-    kw = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    # CPUOffloadPolicy (memory.optimizer_offload) keeps parameters, gradients and AdamW state on the host.
+    kw = {
+        "mesh": mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload_policy or OffloadPolicy(),
+    }
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's backward runs right after the forward: resharding it would only re-gather it.

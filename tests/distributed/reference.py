@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scaletrain.config import OptimizerConfig, ParallelConfig, TrainingConfig
+from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.models import ModelArgs, Transformer, build_model
 from scaletrain.optim import Optimizers
 from scaletrain.parallel.data_parallel import full_state_dict, optimizer_builder
@@ -82,15 +82,17 @@ def train_steps(
     opt_cfg: OptimizerConfig = OPT,
     n_microbatches: int = 1,
     after_backward: Callable[[int, ParallelModel], None] | None = None,
+    memory: MemoryConfig | None = None,
 ) -> Run:
     """Train `model` (consumed) on the global `batches` in the layout `pcfg`, as train.py does.
 
     Each data-parallel rank takes its contiguous slice of every global batch; its tp, cp and pp peers take the same
     slice (StepRunner shards it over cp; only the pipeline's first stage reads inputs and its last the targets).
-    `after_backward(step, pm)` runs after each step's backward, before clipping (step counts from 0)."""
+    `after_backward(step, pm)` runs after each step's backward, before clipping (step counts from 0). `memory`
+    (recompute, offload) is handed to parallelize() as train.py does; default off."""
     if dims.mesh is None and dims.world_size > 1:
         dims.build_mesh("cpu")
-    pm = parallelize(model, dims, pcfg, device=CPU, n_microbatches=n_microbatches)
+    pm = parallelize(model, dims, pcfg, device=CPU, n_microbatches=n_microbatches, memory=memory)
     build = optimizer_builder(opt_cfg, pcfg.data_parallel, dims.submesh("dp_cp"), CPU)
     optimizers = Optimizers(pm.parts, build, opt_cfg, len(batches))
     runner = build_step_runner(pm, dims, pcfg, tcfg, CPU)
