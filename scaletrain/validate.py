@@ -424,6 +424,7 @@ def _fits_in_memory(cfg: Config, world_size: int, args: ModelArgs) -> list[str]:
         where=where,
         local_batch=local,
         overhead_bytes=overhead,
+        memory=cfg.memory,
     )
     return [f"model.preset '{cfg.model.preset}': {problem}"] if problem else []
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from scaletrain.config import ParallelConfig, TrainingConfig
+from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.errors import ConfigError
 from scaletrain.models.llama import ModelArgs
 from scaletrain.parallel.mesh import ParallelDims
@@ -61,19 +61,42 @@ def _in_flight(p: ParallelConfig, pp_rank: int, n_micro: int, v: int) -> float:
     return min(n_micro, (pp - pp_rank) * (1 + (pp - 1) / (pp * v)))
 
 
-def layer_activation_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int) -> float:
-    """Bytes one block keeps for backward per micro-batch, without recompute. Korthikanti et al. 2022 (§4.1) count
-    34·s·b·h + 5·a·s²·b bytes in 16-bit for a GPT block; the same count over the tensors the Llama block saves:
-    replicated without sequence parallel: the two norm inputs and the inputs of wq/wk/wv and w1/w3, 8·s·b·h;
-    split by tp: q and k before and after RoPE, v, the attention output, and SwiGLU's w1, w3, silu and product
-    outputs, s·b·(6h + 6·kv + 8·ffn). No 5·a·s²·b term: fused SDPA (FlashAttention, Dao 2022) never stores the
-    attention scores. No dropout masks: Llama has none. `elt` is bytes per element (2 for bf16, 4 for fp32)."""
-    s = seq_len / p.cp  # context parallel splits each sequence
-    h, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden
-    replicated = 8 * s * micro * h
-    split = s * micro * (6 * h + 6 * kv + 8 * f)
-    replicated = replicated / p.tp if p.sequence_parallel else replicated
-    return (replicated + split / p.tp) * elt / 2
+def layer_activation_bytes(
+    args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int, recompute: str = "none"
+) -> float:
+    """Bytes one block keeps for backward per micro-batch under a recompute policy: the tensors autograd saves in
+    our Llama block, derived in docs/memory.md and measured there within 0.1% (s·b elements of each, s = seq_len /
+    cp; h dim, kv = n_kv_heads·head_dim, f ffn_hidden, a heads; `elt` bytes per element).
+    - none: 8h + 2kv + 4f + a + 2. The norms' inputs and x̂ (4h) and their rsqrt (2) are split by tp only under
+      sequence parallel; the matmul inputs wq/wk/wv and w1/w3 see (2h) are whole under tp, gathered under SP; q, k,
+      v, the attention output and its logsumexp, and SwiGLU's four f-sized tensors are split by tp. No a·s² term:
+      fused SDPA never stores the scores (Korthikanti et al. 2022 count 34·sbh + 5·a·s²·b for GPT with dropout).
+    - selective: 5h + 2kv + 2f + a (the matmul and SDPA outputs, and the block input).
+    - full: h (the block input). every_k: the mean of full and none over the layers it recomputes (1 in k)."""
+    s = seq_len / p.cp * micro  # tokens of one micro-batch on this rank
+    h, kv, f, a, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads, p.tp
+    sp = tp if p.sequence_parallel else 1  # what sequence parallel splits
+    if recompute == "full":
+        per_token = h / sp
+    elif recompute == "selective":
+        per_token = 3 * h / sp + (2 * h + 2 * kv + 2 * f + a) / tp
+    else:
+        per_token = (4 * h + 2) / sp + 2 * h + (2 * h + 2 * kv + a + 4 * f) / tp
+    return s * per_token * elt
+
+
+def activation_bytes(
+    args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int, recompute: str, every: int
+) -> tuple[float, float]:
+    """(bytes per layer and micro-batch in flight, averaged over the layers; the transient of the one block being
+    recomputed in backward: its whole activations, once per rank)."""
+    none = layer_activation_bytes(args, p, micro, seq_len, elt)
+    if recompute == "none":
+        return none, 0.0
+    if recompute == "every_k":
+        full = layer_activation_bytes(args, p, micro, seq_len, elt, "full")
+        return full / every + none * (1 - 1 / every), none
+    return layer_activation_bytes(args, p, micro, seq_len, elt, recompute), none
 
 
 def per_rank_bytes(
@@ -85,11 +108,12 @@ def per_rank_bytes(
     *,
     local_batch: int | None = None,
     overhead_bytes: int = GPU_OVERHEAD_BYTES,
+    memory: MemoryConfig | None = None,
 ) -> dict[str, float]:
     """Bytes on the fullest rank, by part (PARTS) and "total". `local_batch`: sequences per data-parallel rank per
     step (sets the pipeline micro-batches; None: pp of training.micro_batch each). Raises ConfigError if the
     sizes do not tile `world_size`, ValueError if the layers cannot fill the pipeline stages."""
-    p, dims = parallel, ParallelDims.from_config(parallel, world_size)
+    p, dims, mem = parallel, ParallelDims.from_config(parallel, world_size), memory or MemoryConfig()
     v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
     n_micro = resolve_microbatches(
         p.pp_microbatches, local_batch or p.pp * training.micro_batch, training.micro_batch
@@ -116,8 +140,10 @@ def per_rank_bytes(
         if p.data_parallel in ("zero2", "fsdp", "hsdp") and p.pp == 1 and p.grad_sync == "step":
             if (local_batch or training.micro_batch) > training.micro_batch:  # accumulating: unsharded grads
                 part["gradients"] += n * GRAD_BYTES
-        act = layer_activation_bytes(args, p, micro, seq_len, elt) * layers * _in_flight(p, r, n_micro, v)
-        part["activations"] = act
+        per_layer, transient = activation_bytes(
+            args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every
+        )
+        part["activations"] = per_layer * layers * _in_flight(p, r, n_micro, v) + transient
         # fp32 logits and the log-softmax saved for backward, split by vocabulary under tp (loss parallel).
         part["logits"] = last * 2 * micro * (seq_len / p.cp) * args.vocab_size * 4 / p.tp
         part["overhead"] = overhead_bytes
@@ -158,26 +184,30 @@ def memory_problem(
     where: str = "GPU",
     local_batch: int | None = None,
     overhead_bytes: int = GPU_OVERHEAD_BYTES,
+    memory: MemoryConfig | None = None,
 ) -> str | None:
     """None if the fullest rank fits in `device_bytes`; else what it needs, by how much that is over, and the
     single knobs (checked with the same estimate) that would make it fit."""
+    memory = memory or MemoryConfig()
 
-    def estimate(p: ParallelConfig, t: TrainingConfig, world: int = world_size) -> dict[str, float] | None:
+    def estimate(
+        p: ParallelConfig, t: TrainingConfig, world: int = world_size, m: MemoryConfig = memory
+    ) -> dict[str, float] | None:
         try:
             return per_rank_bytes(
-                args, p, t, seq_len, world, local_batch=local_batch, overhead_bytes=overhead_bytes
+                args, p, t, seq_len, world, local_batch=local_batch, overhead_bytes=overhead_bytes, memory=m
             )
         except (ConfigError, ValueError):  # a layout that does not tile or split: not a fix
             return None
 
-    need = per_rank_bytes(
-        args, parallel, training, seq_len, world_size, local_batch=local_batch, overhead_bytes=overhead_bytes
-    )
+    need = estimate(parallel, training)
+    if need is None:  # the layout itself does not tile: the layout check says why
+        return None
     if need["total"] <= device_bytes:
         return None
     fixes: dict[str, str] = {}
-    for knob, p, t in _candidates(args, parallel, training, world_size):
-        e = estimate(p, t)
+    for knob, p, t, m in _candidates(args, parallel, training, world_size, memory):
+        e = estimate(p, t, world_size, m)
         # The first that fits of each knob: candidates come in the order least change first.
         if e is not None and e["total"] <= device_bytes and knob.split()[0] not in fixes:
             fixes[knob.split()[0]] = f"{knob} ({e['total'] / GiB:.1f} GiB)"
@@ -191,28 +221,30 @@ def memory_problem(
 
 
 def _candidates(
-    args: ModelArgs, p: ParallelConfig, t: TrainingConfig, world_size: int
-) -> list[tuple[str, ParallelConfig, TrainingConfig]]:
-    """One-knob changes to try: shard more state, split the model more, or a smaller micro-batch. DDP and zero1
-    cannot hold tensor-parallel DTensors or run in pipeline stages, so tp/pp are tried under fsdp there."""
+    args: ModelArgs, p: ParallelConfig, t: TrainingConfig, world_size: int, m: MemoryConfig
+) -> list[tuple[str, ParallelConfig, TrainingConfig, MemoryConfig]]:
+    """One-knob changes to try: shard more state, split the model more, recompute, or a smaller micro-batch. DDP
+    and zero1 cannot hold tensor-parallel DTensors or run in pipeline stages, so tp/pp are tried under fsdp there."""
     out = []
     mode = p.data_parallel if p.data_parallel in ("zero2", "fsdp", "hsdp") else "fsdp"
     if p.data_parallel != mode:
-        out.append(("--parallel.data_parallel fsdp", dataclasses.replace(p, data_parallel="fsdp"), t))
+        out.append(("--parallel.data_parallel fsdp", dataclasses.replace(p, data_parallel="fsdp"), t, m))
     note = "" if mode == p.data_parallel else " with --parallel.data_parallel fsdp"
     tp = p.tp * 2
     if args.n_kv_heads % tp == 0 and world_size % (tp * p.pp * p.cp * p.dp_replicate) == 0:
-        out.append(
-            (f"--parallel.tp {tp}{note}", dataclasses.replace(p, tp=tp, dp_shard=-1, data_parallel=mode), t)
-        )
+        tp_layout = dataclasses.replace(p, tp=tp, dp_shard=-1, data_parallel=mode)
+        out.append((f"--parallel.tp {tp}{note}", tp_layout, t, m))
     pp = p.pp * 2
     if pp <= args.n_layers and world_size % (p.tp * pp * p.cp * p.dp_replicate) == 0:
-        out.append(
-            (f"--parallel.pp {pp}{note}", dataclasses.replace(p, pp=pp, dp_shard=-1, data_parallel=mode), t)
-        )
+        pp_layout = dataclasses.replace(p, pp=pp, dp_shard=-1, data_parallel=mode)
+        out.append((f"--parallel.pp {pp}{note}", pp_layout, t, m))
+    # Least recompute first: selective keeps the matmul outputs, full only each block's input.
+    stronger = {"none": ("selective", "full"), "every_k": ("selective", "full"), "selective": ("full",)}
+    for policy in stronger.get(m.recompute, ()):
+        out.append((f"--memory.recompute {policy}", p, t, dataclasses.replace(m, recompute=policy)))
     # Divisors only, so that the global batch stays divisible by micro_batch x data-parallel ranks.
     for mb in (d for d in range(t.micro_batch - 1, 0, -1) if t.micro_batch % d == 0):
-        out.append((f"--training.micro_batch {mb}", p, dataclasses.replace(t, micro_batch=mb)))
+        out.append((f"--training.micro_batch {mb}", p, dataclasses.replace(t, micro_batch=mb), m))
     return out
 
 
