@@ -12,32 +12,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import torch
 
 from scaletrain.config import ModelConfig
+from scaletrain.metrics import cpu_features
 from scaletrain.models import resolve_model_args
 from scaletrain.models.attention import AttentionKernel, attention_masks, document_ids
 from scaletrain.models.llama import Transformer
 from scaletrain.models.loss import cross_entropy
 
 EOD = 256  # the byte tokenizer's end-of-document id
-
-
-def cpu_features() -> str:
-    try:
-        flags = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "lscpu unavailable"
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("Model name")), "?"
-    )
-    words = set(flags.split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    have = [w for w in wanted if w in words]
-    return f"{model}; flags: {', '.join(have) or 'none of avx2/avx512/amx'}; torch: {torch.__version__}"
 
 
 def packed_tokens(batch: int, seq: int, mean_doc: int, seed: int = 0) -> torch.Tensor:

@@ -38,7 +38,6 @@ import contextlib
 import copy
 import json
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scaletrain.config import OptimizerConfig  # noqa: E402
 from scaletrain.memory import apply_recompute  # noqa: E402
 from scaletrain.memory.measure import saved_activation_bytes  # noqa: E402
+from scaletrain.metrics import cpu_features  # noqa: E402
 from scaletrain.models import ModelArgs, build_meta_model, build_model  # noqa: E402
 from scaletrain.models.loss import cross_entropy  # noqa: E402
 from scaletrain.optim import build_optimizer  # noqa: E402
@@ -223,18 +223,6 @@ def measure_activations(margs: dict, seq: int, repeats: int) -> dict[str, dict]:
             cross_entropy(model(x[:, :-1]), x[:, 1:]).backward()
             rows[policy]["time_s"] = min(rows[policy]["time_s"], time.perf_counter() - t0)
     return rows
-
-
-def cpu_features() -> str:
-    try:
-        flags = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no lscpu)"
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("Model name")), "?"
-    )
-    found = sorted({w for w in flags.split() if w.startswith(("avx512", "amx", "avx2"))})
-    return f"{model}; {', '.join(found) or 'no avx2/avx512/amx flags'}"
 
 
 def activations_main(seqs: list[int], repeats: int) -> int:

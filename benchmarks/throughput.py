@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain.config_io import load_config
-from scaletrain.metrics import cpu_model_name
+from scaletrain.metrics import cpu_features
 from scaletrain.models import build_meta_model, resolve_model_args
 from scaletrain.train import train
 
@@ -92,20 +92,6 @@ def bare_step_times(args) -> list[float]:
         loss.item()
         times.append(time.perf_counter() - t0)
     return times[args.warmup :]
-
-
-def cpu_features() -> str:
-    """The CPU and the matrix features that decide bf16 speed (AMX, AVX512-BF16), as /proc/cpuinfo lists them."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"{cpu_model_name()} ({', '.join(have) or 'none of avx2/avx512/amx'})"
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from scaletrain.metrics.memory import peak_memory_mib
 from scaletrain.metrics.meter import StepMeter
 from scaletrain.metrics.mfu import (
     GPU_PEAK_TFLOPS,
+    cpu_features,
     cpu_model_name,
     device_peak_flops,
     flops_per_token,
@@ -22,6 +23,7 @@ __all__ = [
     "MetricsWriter",
     "Progress",
     "StepMeter",
+    "cpu_features",
     "cpu_model_name",
     "device_peak_flops",
     "flops_per_token",

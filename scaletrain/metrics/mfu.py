@@ -126,6 +126,21 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "unknown-cpu"
 
 
+def cpu_features() -> str:
+    """The CPU and the vector/matrix features that decide its fp32 and bf16 speed (AVX2, AVX-512, AVX512-BF16, AMX),
+    as /proc/cpuinfo lists them: what every benchmark prints beside its figures."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{cpu_model_name()} ({', '.join(have) or 'none of avx2/avx512/amx'})"
+
+
 def _read_cache(path: Path) -> dict[str, dict]:
     try:
         data = json.loads(path.read_text())
