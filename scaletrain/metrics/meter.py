@@ -32,6 +32,7 @@ class StepMeter:
         self.device = device
         self.warmup_left = warmup_steps
         self.compile_s: float | None = None
+        self.peak_warned = False
         self.reset()
 
     def reset(self) -> None:
@@ -54,6 +55,17 @@ class StepMeter:
             log.info("torch.compile: the first step took %.1f s, not counted in tokens/s", self.compile_s)
             self.t0, self.steps, self.excluded = now, 0, 0.0
 
+    def _check_peak(self, value: float) -> None:
+        """An MFU above 100% means the peak it divides by is too low: say so once, with what to do."""
+        if value > 1 and not self.peak_warned:
+            self.peak_warned = True
+            log.warning(
+                "MFU %.0f%% is above 100%%: the peak FLOP/s it divides by is too low. On a CPU the peak is "
+                "measured once and cached (cpu_peak.json in the data cache), perhaps while the machine was busy: "
+                "delete that file to measure again, or set metrics.peak_tflops",
+                100 * value,
+            )
+
     def read(self) -> dict[str, float]:
         if self.device.type == "cuda":
             # The window ends when the queued kernels have run, not when they were launched.
@@ -67,6 +79,7 @@ class StepMeter:
             # A window of the compile step alone: its own figures, marked by compile_s.
             elapsed, tps = self.compile_s, self.tokens_per_step / self.compile_s
         self.compile_s = None
+        self._check_peak(mfu(tps, self.flops_per_token, self.peak_flops_total))
         out = {
             "tokens_per_s": tps,
             "mfu": mfu(tps, self.flops_per_token, self.peak_flops_total),

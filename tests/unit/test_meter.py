@@ -57,3 +57,14 @@ def test_a_window_of_the_compile_step_alone_reports_that_step(clock):
     m.step_done()
     out = m.read()
     assert out["compile_s"] == pytest.approx(10.0) and out["tokens_per_s"] == pytest.approx(100.0)
+
+
+def test_an_mfu_above_100_percent_is_flagged_once(clock, caplog):
+    # 1000 tokens/s at 1 FLOP per token against a peak of 500 FLOP/s: 200%.
+    m = StepMeter(1000, 1.0, 500.0, torch.device("cpu"))
+    for _ in range(2):
+        clock.now += 1.0
+        m.step_done()
+        assert m.read()["mfu"] == pytest.approx(2.0)
+    warned = [r.message for r in caplog.records if "above 100%" in r.message]
+    assert len(warned) == 1 and "cpu_peak.json" in warned[0] and "metrics.peak_tflops" in warned[0]
