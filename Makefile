@@ -19,7 +19,7 @@ train: $(STAMP)
 
 # Lint first: it takes a second and a style error should not wait 15 minutes of tests to show.
 test: lint
-	$(BIN)/python -m pytest -q tests $(ARGS)
+	$(BIN)/python -m pytest -q --durations=20 tests $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check scaletrain tests benchmarks
