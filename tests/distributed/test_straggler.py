@@ -12,11 +12,19 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import FaultConfig
-from scaletrain.resilience.faults import FaultInjector, _spin
+from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.straggler import StragglerMonitor
 from tests.distributed.spawn import spawn
 
 WORK_S = 0.02
+
+
+def _busy(seconds: float) -> None:
+    """Burn `seconds` of this process's CPU time. Each rank's own work is measured on the busy clock, so three ranks
+    sharing two cores (or a loaded CI machine) do not shrink the fast ranks' busy time and inflate the ratio."""
+    deadline = time.process_time() + seconds
+    while time.process_time() < deadline:
+        pass
 
 
 def _ranks(rank: int, world_size: int, out: str) -> None:
@@ -31,7 +39,7 @@ def _ranks(rank: int, world_size: int, out: str) -> None:
     reports, walls = {}, []
     for step in range(1, 9):
         w0, c0 = time.perf_counter(), time.process_time()  # the Guard's busy clock on CPU
-        _spin(WORK_S)  # each rank's own work
+        _busy(WORK_S)  # each rank's own work
         injector.at_step_end(step, time.process_time() - c0)
         dist.all_reduce(torch.ones(1))  # lock step, as the gradient all-reduce makes it
         monitor.record(time.process_time() - c0)
@@ -53,7 +61,8 @@ def test_the_slow_rank_is_named_on_every_rank_although_wall_times_are_equal(tmp_
         assert reports["4"] == []  # steps 1-4: nobody is slow yet
         (slow,) = reports["8"]  # steps 5-8: rank 2 works 4x as long
         assert slow["rank"] == 2
-        assert 2.5 < slow["ratio"] < 6 and abs(slow["busy_s"] - slow["ratio"] * slow["median_s"]) < 1e-9
+        # At most 4x: the fault's extra 3x work spins on wall time, so a contended core gives it less, never more.
+        assert 2.0 < slow["ratio"] < 4.5 and abs(slow["busy_s"] - slow["ratio"] * slow["median_s"]) < 1e-9
     # Wall-clock time of the slowed steps is (nearly) the same on every rank: it could not have named the straggler.
     assert max(walls) < 1.5 * min(walls), walls
 
