@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/scaletrain train --config configs/default.toml $(ARGS)
+	$(BIN)/scaletrain train --config configs/default.toml --metrics.sample_prompt "def " --metrics.report true $(ARGS)
 
 # Lint first: it takes a second and a style error should not wait 15 minutes of tests to show.
 test: lint

@@ -1,5 +1,6 @@
-"""`scaletrain train | prepare-data | parity | convert`: parse the command, load and validate the config, then run
-it here or hand it to the launcher (scaletrain.launch), which this module calls and which never calls back.
+"""`scaletrain train | prepare-data | parity | convert | generate | eval`: parse the command, load and validate
+the config, then run it here or hand it to the launcher (scaletrain.launch), which this module calls and which
+never calls back.
 
 Bad input ends here as one plain message and a non-zero exit, never a traceback.
 """
@@ -15,20 +16,29 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import Config
-from scaletrain.config_io import all_keys, help_text, load_config
-from scaletrain.convert import from_hf, to_hf
+from scaletrain.config_io import all_keys, default_run_dir, help_text, load_config
+from scaletrain.convert import from_hf, to_hf, to_quantized
 from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.data.sources import Skipped, embedded_corpus_files, list_files, read_documents
 from scaletrain.data.tokenizer import train_bpe
 from scaletrain.errors import CONFIG_EXIT_CODE, ConfigError, report_errors
+from scaletrain.inference import evaluate_text, load_model, sample_line
+from scaletrain.inference.generate import check_sampling, generate_text, generation_report
 from scaletrain.launch import install_stack_dump, launch_local, run_training, under_torchrun
 from scaletrain.parity import run_parity
+from scaletrain.planner.commands import auto_overrides, dry_run, run_plan
+from scaletrain.precision.qat import WEIGHT_DTYPES
+from scaletrain.report import write_report
 
 USAGE = """\
 scaletrain train        --config FILE [--nproc N] [--max-restarts R] [--section.key VALUE ...]
 scaletrain prepare-data --config FILE [--train-tokenizer --vocab-size N [--tokenizer-out PATH]] [--section.key VALUE ...]
-scaletrain convert      --to hf RUN_OR_CHECKPOINT OUT_DIR  |  --from hf HF_DIR [--out config.toml]
+scaletrain convert      --to hf RUN_OR_CHECKPOINT OUT_DIR  |  --from hf HF_DIR [--out config.toml]  |  --quantize int8_int4|int8_int8 RUN_OR_CHECKPOINT OUT_DIR
 scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" ... [--steps 10] [--rtol 1e-5] [--atol 2e-5] [--section.key VALUE ...]
+scaletrain generate     RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S] [--tokenizer T] [--device D] [--json]
+scaletrain eval         RUN_DIR|HF_DIR --data FILE_OR_GLOB [--seq-len S] [--tokenizer T] [--batch B] [--max-windows N] [--device D] [--json]
+scaletrain report       RUN_DIR [RUN_DIR ...] [--out DIR]
+scaletrain plan         --model PRESET --devices N --device h100|h200|a100|b200|cpu [--gpus-per-node 8] --seq-len S --global-batch-tokens T [--top K] [--json]  |  --config FILE --nproc N [--device KIND] [--json] [--section.key VALUE ...]  |  --calibrate [--nproc N]
 """
 KEYS_HELP = "Any config key can be overridden as --section.key VALUE or --section.key=VALUE. Keys:\n"
 
@@ -66,6 +76,9 @@ def build_parser() -> _Parser:
         "--nproc", type=int, default=1, help="local worker processes (torchrun's elastic agent)"
     )
     train.add_argument("--max-restarts", type=int, help="same as --resilience.max_restarts")
+    train.add_argument(
+        "--dry-run", action="store_true", help="validate, print the mesh, batch and estimate; start nothing"
+    )
     train.set_defaults(run=_train)
 
     prep = commands.add_parser("prepare-data", help="tokenise the data into cached shards; train a tokenizer")
@@ -92,16 +105,24 @@ def build_parser() -> _Parser:
     )
     parity.set_defaults(run=_parity)
 
-    convert = commands.add_parser("convert", overrides=False, help="checkpoint to/from Hugging Face Llama")
+    convert = commands.add_parser(
+        "convert", overrides=False, help="checkpoint to/from Hugging Face Llama, or quantised"
+    )
     direction = convert.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to", choices=["hf"], help="--to hf RUN_OR_CHECKPOINT OUT_DIR")
     direction.add_argument(
         "--from", dest="from_", choices=["hf"], help="--from hf HF_DIR [--out config.toml]"
     )
+    direction.add_argument(
+        "--quantize", choices=list(WEIGHT_DTYPES), help="--quantize SCHEME RUN_OR_CHECKPOINT OUT_DIR"
+    )
     convert.add_argument("--out", default="hf_init.toml", help="--from hf: the config file to write")
     convert.add_argument("paths", nargs="*", metavar="PATH")
     convert.set_defaults(run=_convert)
     root.commands = {"train": train, "prepare-data": prep, "parity": parity, "convert": convert}
+    root.commands.update(_add_inference_commands(commands))
+    root.commands["report"] = _add_report_command(commands)
+    root.commands["plan"] = _add_plan_command(commands)
     return root
 
 
@@ -174,11 +195,69 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     # their config in launch.worker_main.)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     first = os.environ.get("RANK", "0") == "0" and not restarted
+    overrides = auto_overrides(args.config, overrides, world)  # parallel.auto: the planner's layout
     cfg = load_config(args.config, overrides, world_size=world, check_run_dir=first)
+    if args.dry_run:
+        print(dry_run(cfg, world))
+        return 0
     if not under and (args.nproc > 1 or cfg.resilience.max_restarts > 0):
-        return launch_local(cfg, args.config, overrides, args.nproc, cfg.resilience.max_restarts)
-    run_training(cfg)
+        cfg.run.dir = cfg.run.dir or default_run_dir(cfg.run.name)  # fixed here, so the sample finds the run
+        code = launch_local(cfg, args.config, overrides, args.nproc, cfg.resilience.max_restarts)
+    else:
+        code = run_training(cfg)  # fills in cfg.run.dir; STOPPED_EXIT_CODE when stopped early
+    if code == 0 and cfg.metrics.sample_prompt and os.environ.get("RANK", "0") == "0":
+        print(sample_line(Path(cfg.run.dir), cfg.metrics.sample_prompt))
+    if code == 0 and cfg.metrics.report and os.environ.get("RANK", "0") == "0":
+        _report_after_training(Path(cfg.run.dir))
+    return code
+
+
+def _add_report_command(commands: argparse._SubParsersAction) -> _Parser:
+    report = commands.add_parser("report", overrides=False, help="plots and an HTML page of runs")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (several: overlaid)")
+    report.add_argument("--out", help="where index.html and the PNGs go (default: <first RUN_DIR>/report)")
+    report.set_defaults(run=_report)
+    return report
+
+
+def _add_plan_command(commands: argparse._SubParsersAction) -> _Parser:
+    plan = commands.add_parser("plan", help="predict memory and step time; search the best layout")
+    plan.add_argument("--model", help="search the layouts of this preset (else: --config's own layout)")
+    plan.add_argument("--devices", type=int, help="devices to plan for (the search)")
+    plan.add_argument("--device", help="h100, h200, a100, b200 or cpu (the calibrated profile if any)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (tp stays inside one)")
+    plan.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (the search)")
+    plan.add_argument("--global-batch-tokens", type=int, default=0, help="tokens per step (0: seq-len x devices)")
+    plan.add_argument("--top", type=int, default=10, help="plans to show")
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("--config", help="--config FILE: estimate that config's layout")
+    plan.add_argument("--nproc", type=int, default=1, help="world size of --config; ranks of --calibrate")
+    plan.add_argument("--calibrate", action="store_true", help="measure this machine and save its profile")
+    plan.set_defaults(run=_plan)
+    return plan
+
+
+def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    return run_plan(
+        config=args.config, overrides=overrides, model=args.model, devices=args.devices, device=args.device,
+        gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens,
+        top=args.top, as_json=args.json, nproc=args.nproc, calibrate=args.calibrate,
+    )  # fmt: skip
+
+
+def _report(args: argparse.Namespace, overrides: list[str]) -> int:
+    page = write_report([Path(p) for p in args.runs], Path(args.out) if args.out else None)
+    print(f"report: {page}")
     return 0
+
+
+def _report_after_training(run_dir: Path) -> None:
+    """metrics.report: the run's report, printed last. A report that cannot be drawn is a warning: the trained
+    run and its checkpoint stand, and its exit status stays the training's."""
+    try:
+        print(f"report: {write_report([run_dir])}")
+    except Exception as e:
+        print(f"warning: no report ({e}); try again with: scaletrain report {run_dir}", file=sys.stderr)
 
 
 def _parity(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -193,10 +272,57 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.from_ == "hf" and len(args.paths) == 1:
         print(from_hf(Path(args.paths[0]), Path(args.out)))
         return 0
+    if args.quantize and len(args.paths) == 2:
+        print(to_quantized(Path(args.paths[0]), Path(args.paths[1]), args.quantize))
+        return 0
     raise ConfigError(
         "usage: scaletrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR, or "
-        "scaletrain convert --from hf HF_DIR [--out config.toml]"
+        "scaletrain convert --from hf HF_DIR [--out config.toml], or "
+        f"scaletrain convert --quantize {{{','.join(WEIGHT_DTYPES)}}} RUN_OR_CHECKPOINT OUT_DIR"
     )
+
+
+def _add_inference_commands(commands: argparse._SubParsersAction) -> dict[str, _Parser]:
+    """`generate` and `eval`: one process, on a run's newest checkpoint or a Hugging Face Llama directory."""
+    gen = commands.add_parser("generate", overrides=False, help="sample from a run's checkpoint or an HF dir")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens")
+    gen.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0: greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0: all")
+    gen.add_argument("--seed", type=int, default=0, help="the same seed gives the same tokens")
+    gen.set_defaults(run=_generate)
+    ev = commands.add_parser("eval", overrides=False, help="loss and perplexity over text")
+    ev.add_argument("--data", required=True, help="a text, jsonl or parquet file, a directory or a glob")
+    ev.add_argument("--seq-len", type=int, default=0, help="tokens per window; 0: the model's context")
+    ev.add_argument("--field", default="text", help="the jsonl key or parquet column that holds the text")
+    ev.add_argument("--batch", type=int, default=8, help="windows per forward")
+    ev.add_argument("--max-windows", type=int, default=0, help="only the first N windows; 0: all")
+    ev.set_defaults(run=_eval)
+    for p in (gen, ev):
+        p.add_argument("path", metavar="RUN_DIR|HF_DIR", help="a run (its newest checkpoint) or an HF dir")
+        p.add_argument("--tokenizer", help="'byte' or a tokenizer.json; default: the run's or HF_DIR's")
+        p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="auto: CUDA if any")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+    return {"generate": gen, "eval": ev}
+
+
+def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the model is loaded
+    loaded = load_model(args.path, args.tokenizer, args.device)
+    ids, result, text = generate_text(
+        loaded, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed
+    )
+    print(generation_report(args.prompt, ids, result, text, args.json))
+    if result.stop == "context":
+        print(f"note: stopped at the model's context of {loaded.args.max_seq_len} tokens", file=sys.stderr)
+    return 0
+
+
+def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    loaded = load_model(args.path, args.tokenizer, args.device)
+    result = evaluate_text(loaded, args.data, args.seq_len, args.batch, args.max_windows, args.field)
+    print(result.render(args.json))
+    return 0
 
 
 def _prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:

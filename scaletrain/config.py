@@ -55,10 +55,16 @@ class ModelConfig:
 class SourceConfig:
     path: str = ""
     """A file, a directory (all files below it) or a glob."""
-    format: Literal["auto", "text", "jsonl", "parquet"] = "auto"
-    """How to read documents: a whole text file each, a jsonl line each, a parquet row each. auto: by suffix."""
+    format: Literal["auto", "text", "jsonl", "parquet", "hf_disk", "tokens"] = "auto"
+    """How to read documents: a whole text file each, a jsonl line each, a parquet row each, a row of a Hugging
+    Face datasets directory written by save_to_disk (hf_disk), or token ids tokenised already (tokens: .npy, or
+    raw .bin with data.sources[i].dtype), used as they are. auto: by suffix (.npy: tokens), and hf_disk for a
+    directory holding state.json and dataset_info.json."""
     field: str = "text"
-    """The jsonl key or parquet column that holds the text."""
+    """The jsonl key, parquet or hf_disk column that holds the text."""
+    dtype: Literal["", "uint16", "uint32", "int32", "int64"] = ""
+    """format = "tokens", raw .bin files: the dtype of their token ids (nanoGPT writes uint16, Megatron uint16 or
+    int32); a .npy carries its own."""
     weight: float = 1.0
     """Relative share of training samples drawn from this source (data mixture)."""
 
@@ -98,8 +104,22 @@ class TrainingConfig:
     """Bit-reproducible CPU runs: deterministic kernels, fixed thread count."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Compute precision. bf16 runs matmuls under autocast; parameters and optimizer state stay fp32."""
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    """Compute precision; parameters (master weights) and optimizer state stay fp32. fp16 adds dynamic loss
+    scaling; fp8 (CUDA, compute capability >= 8.9, torchao) runs the blocks' Linear layers in float8 on top of bf16.
+    See docs/performance.md (Precision)."""
+    mixed_precision: Literal["auto", "autocast", "fsdp"] = "auto"
+    """How bf16/fp16 are applied: autocast casts per op; fsdp uses FSDP2's MixedPrecisionPolicy (parameters cast
+    at the all-gather, gradients reduced in training.reduce_dtype). auto: fsdp where FSDP2 wraps the model
+    (fsdp, zero2, hsdp over > 1 rank), autocast elsewhere."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of FSDP2's gradient reduce-scatter/all-reduce (fsdp, zero2, hsdp only); bf16 halves the traffic."""
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """With precision fp8: torchao's scaling granularity; tensorwise also all-gathers fp8 weights under FSDP2."""
+    loss_scale_init: float = 65536.0
+    """fp16 only: the initial loss scale (a power of two keeps scaling exact)."""
+    loss_scale_growth_interval: int = 2000
+    """fp16 only: double the loss scale after this many steps in a row without an overflow."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available, else CPU."""
     eval_interval: int = 50
@@ -166,6 +186,28 @@ class ParallelConfig:
     sharded gradient memory, m x the traffic). DDP always all-reduces once per step."""
     ddp_bucket_mb: int = 25
     """DDP gradient bucket size in MiB."""
+    auto: bool = False
+    """`train` only: let the planner pick the layout for the launched world size (the sizes, data-parallel mode,
+    schedule, micro-batches, recompute and micro-batch it predicts fastest among those that fit); the choice is
+    logged and replaces the configured ones."""
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    """DDP communication hook (ddp and zero1 only): bf16/fp16 all-reduce gradients in half precision (half the
+    bytes); powersgd sends a rank-r approximation of each gradient matrix with error feedback (Vogels et al.
+    2019). See docs/performance.md (Communication)."""
+    powersgd_rank: int = 1
+    """PowerSGD: rank of the approximation of each gradient matrix (more: closer to the exact gradient)."""
+    powersgd_warm_start: bool = True
+    """PowerSGD: start each step's power iteration from the previous step's Q (checkpointed), not a random one."""
+    powersgd_start_iter: int = 10
+    """PowerSGD: plain all-reduce for the first N steps (>= 2: DDP settles its buckets in the first step)."""
+    fsdp_prefetch: int = 0
+    """FSDP2: all-gather the next k blocks' parameters ahead (forward and backward). 0: FSDP2's default (the next
+    block, issued when it is needed); more overlaps more, at the memory of k gathered blocks."""
+    reshard_after_forward: int | bool | Literal["auto"] = "auto"
+    """FSDP2: free each block's gathered parameters after its forward (true; all-gather again in backward) or keep
+    them (false: ZeRO-2's memory, one all-gather fewer), or an int N: keep them sharded over N ranks between
+    forward and backward (N divides the shard size; the backward all-gather then stays within groups of N). auto:
+    fsdp and hsdp reshard, zero2 does not, nor does any mode under a zero-bubble pipeline schedule."""
 
 
 @dataclass
@@ -181,6 +223,16 @@ class MemoryConfig:
     optimizer_offload: bool = False
     """CUDA with fsdp, zero2 or hsdp only: FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer state on
     the host and runs the optimizer step on the CPU (ZeRO-Offload)."""
+
+
+@dataclass
+class PrecisionConfig:
+    qat: Literal["none", "int8_int4", "int8_int8"] = "none"
+    """Quantization-aware training (torchao): the transformer blocks' Linear layers train with fake int8 dynamic
+    per-token activations and int4 (int8_int4) or int8 (int8_int8) grouped symmetric weights; `scaletrain convert
+    --quantize` then writes the real quantised model. The embedding and output head stay in full precision."""
+    qat_group_size: int = 32
+    """With precision.qat: input channels per weight scale; must divide every block Linear's input size."""
 
 
 @dataclass
@@ -268,6 +320,27 @@ class MetricsConfig:
     """Show a progress bar on rank 0."""
     peak_tflops: float = 0.0
     """Device peak for MFU in TFLOP/s per process; 0: look up the GPU, or measure the CPU once and cache it."""
+    sample_prompt: str = ""
+    """When set, `scaletrain train` ends by printing a greedy continuation of this prompt by the final checkpoint
+    (`sample: PROMPT → TEXT`); empty: no sample."""
+    report: bool = False
+    """When true, `scaletrain train` ends by writing the run's report (plots and one HTML page, as `scaletrain
+    report`) to <run.dir>/report and printing `report: <run.dir>/report/index.html`."""
+    wandb_project: str = ""
+    """Also log metrics and events to this Weights & Biases project (needs `pip install wandb`; WANDB_MODE=offline
+    keeps them on disk). Empty: off."""
+
+
+@dataclass
+class ProfileConfig:
+    steps: str = ""
+    """torch.profiler over these steps, "A-B" (inclusive) or "N": a Chrome/Perfetto trace and a summary (top ops,
+    communication vs compute, overlap) in <run.dir>/profile/. Empty: off."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """The ranks that profile (each writes its own rank{r}.trace.json)."""
+    memory: bool = False
+    """CUDA only: record the allocator's history on the profiled ranks from the start, dump a memory snapshot
+    (rank{r}.memory.pickle, for pytorch.org/memory_viz) after the profiled steps and on out-of-memory."""
 
 
 @dataclass
@@ -279,6 +352,13 @@ class RunConfig:
     accept_changes: list[str] = field(default_factory=list)
     """On resume, config keys (or sections) whose change from the saved run is accepted, e.g. ["optimizer.lr",
     "training.steps"]. The model, tokenizer, data, seed and seq_len can never change within a run."""
+    time_limit: str = ""
+    """Wall time of this job, e.g. "3h50m", "90s", "2h" (from the job start: $SCALETRAIN_JOB_START, else the
+    process start): stop with a committed checkpoint while one more step and the save still fit, and exit 75.
+    Empty: no limit."""
+    stop_at_step: int = 0
+    """Stop at this step of the configured schedule (training.steps and the LR schedule unchanged) with a
+    committed checkpoint, and exit 75; the same command without it continues the run. 0: off."""
 
 
 @dataclass
@@ -289,7 +369,9 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -1,8 +1,11 @@
-"""`scaletrain convert`: a run's newest checkpoint to a Hugging Face Llama directory, and an HF Llama directory
-to a config that starts training from its weights (`model.init_from = "hf:DIR"`)."""
+"""`scaletrain convert`: a run's newest checkpoint to a Hugging Face Llama directory or (`--quantize`) to a real
+int8/int4 quantised model, and an HF Llama directory to a config that starts training from its weights
+(`model.init_from = "hf:DIR"`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -22,10 +25,19 @@ from scaletrain.checkpoint.manager import checkpoint_root, read_run_id
 from scaletrain.checkpoint.safe_load import make_reader
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import Config
-from scaletrain.config_io import read_toml, to_dataclass
-from scaletrain.data import Tokenizer, load_tokenizer
+from scaletrain.config_io import read_toml, to_dataclass, to_dict
+from scaletrain.data import Tokenizer, build_loader, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models import Transformer, build_meta_model, resolve_model_args
+from scaletrain.precision.qat import (
+    WEIGHTS_FILE,
+    apply_qat,
+    convert_qat,
+    load_quantized_state,
+    mean_loss,
+    qat_problems,
+    save_quantized,
+)
 
 log = logging.getLogger("scaletrain")
 
@@ -95,3 +107,60 @@ def from_hf(hf_dir: Path, out_toml: Path) -> str:
     )
     out_toml.write_text(header + tomli_w.dumps({"model": model, **({"data": data} if data else {})}))
     return f"wrote {out_toml}; train with: scaletrain train --config {out_toml}"
+
+
+def to_quantized(src: Path, out: Path, scheme: str) -> str:
+    """A run's newest checkpoint as the real quantised model (torchao's QAT convert step) in `out`:
+    model.safetensors (see save_quantized), config.toml (the run's, precision.qat = scheme) and
+    quantization.json: the float, fake-quant and converted models' mean loss on the run's validation split."""
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} exists and is not empty; choose another OUT_DIR (nothing is overwritten)")
+    model, cfg, tokenizer, ckpt = load_run_model(src)
+    if cfg.data.val_fraction == 0:
+        raise UserError(
+            f"the run in {src} holds out no validation data (data.val_fraction = 0) to compare on"
+        )
+    p = dataclasses.replace(cfg.precision, qat=scheme)
+    problems = qat_problems(p, model.args, tp=1)
+    if problems:
+        raise ConfigError(problems)
+    loader = build_loader(cfg.data, tokenizer, cfg.training.global_batch, 0, 1, cfg.training.seed, log.info)
+    batches = list(loader.val_batches(cfg.training.eval_sequences, cfg.training.micro_batch))
+    eod = tokenizer.eod_id if cfg.data.document_mask else None
+    losses = {"float": mean_loss(model, batches, eod)}
+    losses["fake_quant"] = mean_loss(apply_qat(model, p), batches, eod)
+    losses["converted"] = mean_loss(convert_qat(model, p), batches, eod)
+    report = dict(
+        scheme=scheme, group_size=p.qat_group_size, trained_with_qat=cfg.precision.qat, checkpoint=str(ckpt),
+        val_sequences=sum(len(x) for x, _ in batches), loss=losses,
+        converted_vs_fake_quant_rel=abs(losses["converted"] - losses["fake_quant"]) / losses["fake_quant"],
+    )  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    save_quantized(model, out, {"scheme": scheme, "group_size": p.qat_group_size})
+    cfg.precision = p
+    (out / "config.toml").write_text(tomli_w.dumps(to_dict(cfg)))
+    (out / "quantization.json").write_text(json.dumps(report, indent=2) + "\n")
+    trained = report["trained_with_qat"]
+    note = "" if trained == scheme else f" (post-training quantisation: the run trained with qat = {trained})"
+    return (
+        f"quantised {ckpt} as {scheme}{note} into {out}; validation loss over {report['val_sequences']} "
+        f"sequences: float {losses['float']:.4f}, fake-quant {losses['fake_quant']:.4f}, "
+        f"converted {losses['converted']:.4f}"
+    )
+
+
+def load_quantized(out: Path) -> Transformer:
+    """The model `to_quantized` wrote, rebuilt on CPU: its architecture converted, then its tensors assigned."""
+    cfg = _run_config(out)
+    state, meta = load_quantized_state(out / WEIGHTS_FILE)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = build_meta_model(resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len))
+    model.to_empty(device="cpu")
+    model.init_weights()  # the RoPE buffer; every parameter is replaced below
+    convert_qat(
+        model, dataclasses.replace(cfg.precision, qat=meta["scheme"], qat_group_size=meta["group_size"])
+    )
+    model.load_state_dict(state, assign=True)
+    if model.args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight  # assign=True unties them
+    return model.eval()

@@ -31,7 +31,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 from scaletrain.config import Config
 from scaletrain.config_io import default_run_dir, load_config
 from scaletrain.data import load_tokenizer, prepare_data
-from scaletrain.errors import UserError, report_errors
+from scaletrain.errors import STOPPED_EXIT_CODE, UserError, report_errors, run_exit_code
 from scaletrain.metrics.writer import append_event
 from scaletrain.resilience.diagnose import (
     Diagnosis,
@@ -41,6 +41,7 @@ from scaletrain.resilience.diagnose import (
     root_cause,
     tail,
 )
+from scaletrain.resilience.timelimit import JOB_START_ENV
 from scaletrain.train import train
 
 log = logging.getLogger("scaletrain")
@@ -60,12 +61,16 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def run_training(cfg: Config) -> None:
+def run_training(cfg: Config) -> int:
     """Train in this process. A UserError or Ctrl-C propagates (the caller prints it); any other failure prints
     its traceback and ends the process at once with status 1: a background checkpoint upload blocked on a dead
-    peer would otherwise hold the process (and its agent's restart) until the collective timeout."""
+    peer would otherwise hold the process (and its agent's restart) until the collective timeout.
+
+    Returns the exit status: STOPPED_EXIT_CODE when run.time_limit or run.stop_at_step ended the job early, but 0
+    under an elastic agent, which takes any other status for a failure (it stops the peers and restarts them): its
+    launcher reads the stop back from events.jsonl (run_exit_code)."""
     try:
-        train(cfg)
+        stopped = train(cfg)["stopped"]
     except (UserError, KeyboardInterrupt):
         raise
     except BaseException:
@@ -74,6 +79,7 @@ def run_training(cfg: Config) -> None:
         sys.stderr.flush()
         _linger_if_a_peer_failed(text)
         os._exit(1)
+    return STOPPED_EXIT_CODE if stopped and not under_torchrun() else 0
 
 
 def _linger_if_a_peer_failed(error: str) -> None:
@@ -116,6 +122,8 @@ def launch_local(
         worker_args += ["--run.name", cfg.run.name]
     # Each worker sets its own thread count (training.threads); this only silences torchrun's OMP warning.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # run.time_limit counts from here for every attempt: the fork server, started below, hands it to the workers.
+    os.environ.setdefault(JOB_START_ENV, f"{time.time():.3f}")
     run_dir.mkdir(parents=True, exist_ok=True)
     append_event(run_dir, "job_start", None, nproc=nproc, max_restarts=max_restarts)
     policy = RestartPolicy(max_restarts)
@@ -125,7 +133,7 @@ def launch_local(
         log.info("launching %d worker(s) (attempt %d); run directory %s", nproc, attempt, run_dir)
         try:
             _run_workers(nproc, log_dir, [config_path or "", *worker_args])
-            return 0
+            return run_exit_code(run_dir)  # 0, or STOPPED_EXIT_CODE when the workers stopped early
         except ChildFailedError as e:
             diag, rank = _diagnose(e, log_dir)
         append_event(

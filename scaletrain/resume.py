@@ -14,6 +14,8 @@ CANNOT_CHANGE = (
     "data.seq_len",
     "data.val_fraction",
     "training.seed",
+    "precision.qat",  # fake quantisation changes the function the weights were trained for
+    "precision.qat_group_size",
 )
 FREE = (
     "model.attention",  # which kernel computes the same attention
@@ -23,6 +25,7 @@ FREE = (
     "checkpoint",
     "resilience",
     "metrics",
+    "profile",
     "run",
     "data.cache_dir",
     "data.workers",
@@ -32,6 +35,9 @@ FREE = (
     "training.micro_batch",
     "training.eval_interval",
     "training.eval_sequences",
+    "training.mixed_precision",  # how the same dtype is applied, like the layout
+    "training.reduce_dtype",
+    "training.loss_scale_init",  # a resumed fp16 run continues from its checkpointed scale
 )
 
 
@@ -69,4 +75,29 @@ def resume_problems(saved: dict, new: dict, accepted: list[str]) -> list[str]:
                 f"{change}: to continue the run with the new value, add --run.accept_changes {key} "
                 f"(or keep {key} = {was!r})"
             )
-    return problems
+    return problems + _powersgd_problems(old, now) + _loss_scaler_problems(old, now)
+
+
+def _loss_scaler_problems(old: dict, now: dict) -> list[str]:
+    """fp16 resumes its loss scale from the checkpoint (precision/scaler.py): a run switched to fp16 mid-way finds
+    none to load. Switching away from fp16 is a precision change like any other (run.accept_changes)."""
+    was, is_ = old.get("training.precision", "fp32"), now.get("training.precision", "fp32")
+    if is_ == "fp16" and was != "fp16":
+        return [
+            f"training.precision was {was!r} in the saved run, now 'fp16': its checkpoints hold no loss-scaler "
+            "state to resume; keep training.precision, or start fp16 in a new --run.dir"
+        ]
+    return []
+
+
+def _powersgd_problems(old: dict, now: dict) -> list[str]:
+    """parallel.* is free, but PowerSGD resumes from its checkpointed error feedback and rank-r Q factors
+    (parallel/comm.py): switching it on mid-run, or changing its rank, finds none to load. Switching it off is free."""
+    key, rank = "parallel.grad_compression", "parallel.powersgd_rank"
+    if now.get(key) != "powersgd" or (old.get(key) == "powersgd" and old.get(rank) == now.get(rank)):
+        return []
+    held = f"rank {old.get(rank)}" if old.get(key) == "powersgd" else "no"
+    return [
+        f"{key} = 'powersgd' with {rank} {now.get(rank)}, but this run's checkpoints hold {held} PowerSGD state "
+        f"to continue from; keep {key} = {old.get(key, 'none')!r} (and {rank}), or start a new --run.dir"
+    ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,11 +19,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from scaletrain.config import ParallelConfig, TrainingConfig
 from scaletrain.models.attention import document_ids
 from scaletrain.models.loss import cross_entropy
+from scaletrain.parallel.comm import CommMeter
 from scaletrain.parallel.context_parallel import cp_shard_batch
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import ParallelModel
 from scaletrain.parallel.pipeline import clip_grad_norm_pp
 from scaletrain.parallel.tensor_parallel import loss_context
+from scaletrain.precision.policy import Precision, resolve_precision
+from scaletrain.precision.scaler import LossScaler
 
 
 @dataclass
@@ -41,19 +44,23 @@ class StepRunner:
     # from the input tokens, rather than handed over by the loader: the loader's (inputs, targets) interface,
     # its checkpointed state and the fault wrappers stay as they are, and evaluation gets the same masks.
     eod_id: int | None = None
+    scaler: LossScaler | None = None  # fp16: the loss scaled before backward, the gradients unscaled in clip
+    comm: CommMeter = field(default_factory=CommMeter)  # data-parallel bytes sent per step (comm_bytes)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss over this rank's share of the global batch, gradients accumulated into .grad.
 
         Each micro-batch loss is divided by the number of micro-batches, so the summed gradient is the mean over
         the rank's sequences; data parallelism then averages over ranks: the mean over the global batch."""
+        self.comm.step_started()
         inputs, targets, positions = self._shard(inputs, targets)
         if self.pipeline is not None:
             assert self.eod_id is None, "validate refuses data.document_mask with pp > 1"
             # The schedule calls the stage modules itself: autocast must wrap the whole step. Under context parallel
             # each stage gets its tokens' positions from apply_cp's hook.
             with self.autocast:
-                return self.pipeline.step(inputs, targets)
+                loss = self.pipeline.step(inputs, targets)  # under fp16 the schedule's loss_fn scaled it
+            return loss / self.scaler.scale if self.scaler is not None else loss
         model = self.parts[0]
         xs, ys = inputs.split(self.micro_batch), targets.split(self.micro_batch)
         n = len(xs)
@@ -61,7 +68,8 @@ class StepRunner:
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             with self._grad_sync(model, last=i == n - 1), self.loss_context():
                 loss = cross_entropy(self._logits(model, x, positions), y)
-                (loss / n).backward()
+                share = loss / n
+                (self.scaler.scale_loss(share) if self.scaler is not None else share).backward()
             loss_sum += _local(loss.detach())
         return loss_sum / n
 
@@ -90,12 +98,25 @@ class StepRunner:
             return model(x, **kwargs)
 
     def clip(self) -> torch.Tensor:
-        """The global gradient norm (over every shard and stage), clipping to grad_clip when it is > 0."""
+        """The global gradient norm (over every shard and stage), clipping to grad_clip when it is > 0. Under fp16
+        the gradients are unscaled first, so the norm and the clipping see their true values."""
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_([p.grad for p in params])
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         if self.pp_mesh is not None:
             return clip_grad_norm_pp(params, max_norm, self.pp_mesh)
         return _local(nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+
+    def loss_scale_overflow(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """fp16: advance the loss scale after `clip`; True when this step's scaled gradients overflowed, so it must
+        be skipped (the scale is lowered). Every rank decides alike: the gradient norm is global. Such a step is
+        the scaler's business, not a training anomaly: the caller skips it without consulting the guard."""
+        return self.scaler is not None and self.scaler.update_from(loss, grad_norm)
+
+    def scale_metrics(self) -> dict[str, float]:
+        """fp16: the loss scale and the steps skipped on overflow, for metrics.jsonl; {} otherwise."""
+        return self.scaler.metrics() if self.scaler is not None else {}
 
     @torch.no_grad()
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -112,10 +133,9 @@ class StepRunner:
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """The compute precision of the forward: bf16 autocast (fp32 weights and optimizer), or fp32 as asked."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """The forward's context when training.precision is applied by autocast (fp32 weights and optimizer): bf16 or
+    fp16 autocast, none for fp32."""
+    return Precision(precision, "none" if precision == "fp32" else "autocast", device.type).autocast()
 
 
 def build_step_runner(
@@ -125,9 +145,13 @@ def build_step_runner(
     tcfg: TrainingConfig,
     device: torch.device,
     eod_id: int | None = None,
+    precision: Precision | None = None,
 ) -> StepRunner:
     """The step for a parallelised model: what training, evaluation and the equivalence tests all run. eod_id:
-    the tokenizer's end-of-document id when data.document_mask is on, else None."""
+    the tokenizer's end-of-document id when data.document_mask is on, else None. precision: the one `parallelize`
+    got as precision_policy; without one, parallelize applied no FSDP policy, so tcfg's precision runs by autocast."""
+    if precision is None:
+        precision = resolve_precision(tcfg, False, device.type)
     cp_shard = None
     if dims.cp_enabled:
         cp_mesh = dims.submesh("cp")
@@ -138,7 +162,7 @@ def build_step_runner(
     return StepRunner(
         pm.parts,
         tcfg.micro_batch,
-        autocast(tcfg.precision, device),
+        precision.autocast(),
         tcfg.grad_clip,
         loss_context=lambda: loss_context(pm.loss_parallel),
         cp_shard=cp_shard,
@@ -146,6 +170,8 @@ def build_step_runner(
         pp_mesh=dims.submesh("pp") if dims.pp_enabled else None,
         grad_sync=pcfg.grad_sync,
         eod_id=eod_id,
+        scaler=precision.scaler,
+        comm=pm.comm,
     )
 
 

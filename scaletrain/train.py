@@ -26,12 +26,14 @@ from scaletrain.optim import Optimizers
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.mesh import all_reduce_mean, main_first, setup_process
-from scaletrain.parallel.parallelize import parallelize
+from scaletrain.parallel.parallelize import fsdp_applies, parallelize
 from scaletrain.parallel.pipeline import resolve_microbatches
+from scaletrain.precision import Precision, cpu_precision_warning, mfu_precision, resolve_precision
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.goodput import final_goodput
 from scaletrain.resilience.guard import Guard
 from scaletrain.resilience.preemption import Preemption
+from scaletrain.resilience.timelimit import JobLimits
 from scaletrain.rundir import open_run_dir
 from scaletrain.step import StepRunner, build_step_runner, evaluate
 from scaletrain.validate import global_batch_sequences
@@ -48,18 +50,23 @@ def train(cfg: Config) -> dict:
     if t.eval_interval and start == 0:
         job.evaluate(0)
     last: dict = {}
+    end = job.limits.begin(start)  # run.stop_at_step, else training.steps
+    profiler = metrics.Profiler(cfg.profile, job.run_dir, job.env.rank, device)  # profile.steps, if any
     try:
         with metrics.Progress(t.steps, start, enabled=job.env.is_main and cfg.metrics.progress) as progress:
-            while step < t.steps:
+            while step < end:
                 step += 1
                 job.guard.step_start(step)
+                profiler.step_start(step)
                 inputs, targets = job.loader.next_batch()
                 lr = job.optimizers.lr
                 loss = job.runner.forward_backward(inputs.to(device), targets.to(device))
                 grad_norm = job.runner.clip()
                 # A save in flight must have copied the weights before the optimizer changes them.
                 job.meter.exclude(job.ckpt.before_update())
-                decision = job.guard.check(step, loss, grad_norm)
+                # fp16: a step whose scaled gradients overflowed is the loss scaler's to skip, not an anomaly.
+                overflow = job.runner.loss_scale_overflow(loss, grad_norm)
+                decision = "skip" if overflow else job.guard.check(step, loss, grad_norm)
                 job.optimizers.step(skip=decision != "ok")
                 back = job.guard.rollback(step, job.ckpt, job.loader) if decision == "rollback" else None
                 if back is not None:
@@ -70,13 +77,18 @@ def train(cfg: Config) -> dict:
                 job.meter.step_done()
                 if step % cfg.metrics.log_interval == 0 or step == t.steps or _is_eval_step(step, t):
                     last = _log(job, step, loss, grad_norm, lr)
-                progress.update(step, last.get("loss", math.nan), last.get("tokens_per_s", 0.0), lr)
+                progress.update(step, last.get("loss", math.nan), last.get("tokens_per_s", 0.0), lr,
+                                last.get("mfu"), job.writer.last_event)  # fmt: skip
                 if job.preemption.requested():
                     job.writer.event("preempted", step=step, signal="SIGTERM")
                     log.warning("SIGTERM: stopping after step %d (%s)", step, job.ckpt.final_save_note())
                     break
+                if job.limits.time_up(step, job.ckpt.save_seconds):  # run.time_limit, agreed by every rank
+                    break
                 job.meter.exclude(job.ckpt.maybe_save(step))
                 job.guard.step_end(step)
+                job.meter.exclude(profiler.step_end(step))  # writing the trace is not training time
+        stopped = job.limits.stopped(step)  # ended early to be continued (exit 75): time_limit, stop_at_step
         job.ckpt.close(step, finished=step == t.steps)  # the final save, protected by the memory tier
     except KeyboardInterrupt:
         job.writer.event("interrupted", step=step)
@@ -85,7 +97,7 @@ def train(cfg: Config) -> dict:
     finally:
         job.guard.close()
         job.preemption.close()
-    return _finish(job, step, last, time.perf_counter() - t_start)
+    return _finish(job, step, last, time.perf_counter() - t_start, stopped)
 
 
 @dataclass
@@ -104,6 +116,7 @@ class Job:
     ckpt: CheckpointManager
     guard: Guard
     preemption: Preemption
+    limits: JobLimits
     meter: StepMeter
     tokens_per_step: int
     info: dict  # what the start event says of the setup
@@ -136,7 +149,7 @@ def build(cfg: Config) -> Job:
     dims.build_mesh(env.device.type)
     first = partial(main_first, env.is_main, dims.control)  # rank 0 first, then the others
     run_dir, run_id = open_run_dir(cfg, env.is_main, dims.control)
-    writer = MetricsWriter(run_dir, enabled=env.is_main, tensorboard=cfg.metrics.tensorboard)
+    writer = MetricsWriter(run_dir, env.is_main, cfg.metrics.tensorboard, cfg.metrics.wandb_project)
 
     # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
     # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
@@ -156,15 +169,20 @@ def build(cfg: Config) -> Job:
     n_micro = resolve_microbatches(
         cfg.parallel.pp_microbatches, global_batch // dims.dp_size, cfg.training.micro_batch
     )
+    fsdp = fsdp_applies(dims, cfg.parallel.data_parallel)
+    precision = resolve_precision(cfg.training, fsdp, env.device.type)
     pm = parallelize(model, dims, cfg.parallel, device=env.device, n_microbatches=n_micro, memory=cfg.memory,
-                     compile=cfg.training.compile)  # fmt: skip
+                     compile=cfg.training.compile, precision=cfg.precision,
+                     precision_policy=precision)  # fmt: skip
     del model
     make_optimizer = optimizer_builder(
         cfg.optimizer, cfg.parallel.data_parallel, dims.submesh("dp_cp"), env.device
     )
     optimizers = Optimizers(pm.parts, make_optimizer, cfg.optimizer, cfg.training.steps)
     eod = tokenizer.eod_id if cfg.data.document_mask else None  # masks attention at document ends
-    runner = build_step_runner(pm, dims, cfg.parallel, cfg.training, env.device, eod_id=eod)
+    runner = build_step_runner(
+        pm, dims, cfg.parallel, cfg.training, env.device, eod_id=eod, precision=precision
+    )
 
     # -- Everything that resumes, in one dict of Stateful objects: both checkpoint tiers and rollbacks save and
     # restore this.
@@ -172,6 +190,9 @@ def build(cfg: Config) -> Job:
     state = dict(
         model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state
     )
+    if runner.scaler is not None:
+        state["scaler"] = runner.scaler  # fp16: the loss scale and its counters resume with the run
+    state["comm"] = pm.comm  # PowerSGD's error feedback and Q factors (parallel.grad_compression); else empty
     layout = dims.describe(cfg.parallel)
     ckpt = build_checkpointing(
         cfg.checkpoint, cfg.resilience, run_dir, run_id, state, env, dims.control, layout, writer.event
@@ -192,25 +213,33 @@ def build(cfg: Config) -> Job:
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).
     cache = resolve_cache_dir(cfg.data)
     peak, peak_source = first(
-        lambda: metrics.device_peak_flops(env.device, cfg.training.precision, cfg.metrics.peak_tflops, cache)
+        lambda: metrics.device_peak_flops(
+            env.device, mfu_precision(cfg.training.precision, env.device.type), cfg.metrics.peak_tflops, cache
+        )
     )
     tokens_per_step = global_batch * cfg.data.seq_len
     flops_tok = metrics.flops_per_token(n_params["non_embedding"], args.n_layers, args.dim, cfg.data.seq_len)
     meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device, cfg.training.compile)
-    _announce(cfg, env, n_params, layout, global_batch, tokens_per_step, peak_source)
+    _announce(cfg, env, n_params, layout, global_batch, tokens_per_step, peak_source, precision)
     info = dict(world_size=env.world_size, precision=cfg.training.precision, device=env.device.type, layout=layout,
                 parameters=n_params["total"], peak_flops_source=peak_source)  # fmt: skip
     parts = (cfg, env, dims, run_dir, writer, loader, runner, optimizers, train_state, ckpt, guard)
-    return Job(*parts, Preemption(dims.control), meter, tokens_per_step, info)
+    limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)
+    return Job(*parts, Preemption(dims.control), limits, meter, tokens_per_step, info)
 
 
-def _announce(cfg: Config, env: DistEnv, n: dict, layout: str, batch: int, tokens: int, peak: str) -> None:
+def _announce(
+    cfg: Config, env: DistEnv, n: dict, layout: str, batch: int, tokens: int, peak: str, precision: Precision
+) -> None:
     t, mode = cfg.training, "deterministic" if cfg.training.deterministic else "non-deterministic"
+    if warning := cpu_precision_warning(t.precision, env.device.type):
+        log.warning(warning)
     log.info(
         f"model {cfg.model.preset}: {n['total']:,} parameters ({n['non_embedding']:,} without the embedding)"
     )
     log.info(
-        f"layout {layout}; precision {t.precision} on {env.device.type} x{env.world_size} ({mode}); global batch "
+        f"layout {layout}; precision {precision.describe()} on {env.device.type} x{env.world_size} ({mode}); "
+        "global batch "
         f"{batch} sequences = {tokens} tokens, micro-batch {t.micro_batch}; MFU peak: {peak}"
     )
 
@@ -227,6 +256,8 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
         "grad_norm": grad_norm.item(),
         "tokens": step * job.tokens_per_step,
         **job.meter.read(),
+        **job.runner.comm.read(),  # comm_bytes: what this rank's data-parallel collectives sent per step
+        **job.runner.scale_metrics(),  # fp16: loss_scale, overflow_skipped
     }
     if _is_eval_step(step, job.cfg.training):
         val = job.evaluate(step)
@@ -236,15 +267,15 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
     return record
 
 
-def _finish(job: Job, step: int, last: dict, wall: float) -> dict:
+def _finish(job: Job, step: int, last: dict, wall: float, stopped: str | None) -> dict:
     """The summary (goodput over the whole job, the final save included), the end event, the printed table."""
     goodput = final_goodput(job.run_dir) if job.env.is_main else None
     summary = metrics.run_summary(
         step, last, job.evals, goodput=goodput, wall_s=wall, world_size=job.env.world_size
     )
-    job.writer.event("end", step=step, **summary)
+    job.writer.event("end", step=step, stopped=stopped, **summary)
     job.writer.close()
     if job.env.is_main:
         metrics.print_summary(summary)
         print(f"run directory: {job.run_dir}")
-    return {**summary, "run_dir": str(job.run_dir)}
+    return {**summary, "run_dir": str(job.run_dir), "stopped": stopped}

@@ -30,13 +30,19 @@ from scaletrain.data.sources import list_files
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.memory.offload import offload_problems
+from scaletrain.metrics.profile import profile_problems
+from scaletrain.metrics.writer import wandb_problem
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.presets import PRESETS, resolve_model_args
+from scaletrain.parallel.comm import comm_problems
 from scaletrain.parallel.mesh import ParallelDims, validate_parallel
 from scaletrain.parallel.parallelize import fsdp_applies
 from scaletrain.parallel.pipeline import pipeline_problems, resolve_microbatches
 from scaletrain.planner.memory import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, memory_problem
+from scaletrain.precision.policy import precision_problems
+from scaletrain.precision.qat import qat_problems
 from scaletrain.resilience.faults import validate_specs
+from scaletrain.resilience.timelimit import limit_problems
 
 
 def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[str]:
@@ -46,6 +52,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     args = resolve_model_args(cfg.model, vocab, cfg.data.seq_len) if _resolvable(cfg.model) else None
     if args is not None:
         problems += _model_shape(args, cfg.model, vocab)
+        problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp)
     problems += _data(cfg.data)
     dp_size = _dp_size(cfg.parallel, world_size)
     problems += _training(cfg.training, cfg.data.seq_len, dp_size)
@@ -57,12 +64,18 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
         )
     if cfg.metrics.log_interval < 1:
         problems.append("metrics.log_interval must be >= 1")
+    problems += [p for p in [wandb_problem(cfg.metrics.wandb_project)] if p]
     if cfg.parallel.ddp_bucket_mb < 1:
         problems.append("parallel.ddp_bucket_mb must be >= 1")
+    problems += comm_problems(cfg.parallel, world_size)
+    cuda = cfg.training.device != "cpu" and torch.cuda.is_available()
+    problems += profile_problems(cfg.profile, cfg.training.steps, world_size, cuda)
     problems += _checkpoint(cfg.checkpoint)
     problems += _run(cfg.run, cfg.checkpoint) if check_run_dir else []
+    problems += limit_problems(cfg.run, cfg.training.steps, cfg.checkpoint.enabled)
     problems += _resilience(cfg.resilience, world_size)
     problems += _memory(cfg, world_size)
+    problems += _precision(cfg, world_size)
     problems += _attention(cfg)
     # The layout and memory checks assume every field above is sound (and args resolved).
     if not problems and args is not None:
@@ -131,6 +144,16 @@ def _memory(cfg: Config, world_size: int) -> list[str]:
     return problems + offload_problems(m, "cuda" if cuda else "cpu", cfg.parallel.data_parallel, applied)
 
 
+def _precision(cfg: Config, world_size: int) -> list[str]:
+    """training.precision against the layout (where the FSDP2 policy can apply) and the device (fp8's hardware)."""
+    cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    try:
+        fsdp = fsdp_applies(ParallelDims.from_config(cfg.parallel, world_size), cfg.parallel.data_parallel)
+    except ConfigError:
+        fsdp = True  # the layout check reports sizes that do not tile the world
+    return precision_problems(cfg.training, fsdp, "cuda" if cuda else "cpu", tp=cfg.parallel.tp)
+
+
 def _resilience(r: ResilienceConfig, world_size: int) -> list[str]:
     problems = validate_specs(r.inject, world_size)
     if min(r.max_restarts, r.memory_interval, r.hang_timeout_s, r.memory_ttl_hours) < 0:
@@ -188,6 +211,14 @@ def _parallel(cfg: Config, world_size: int, dp_size: int, args: ModelArgs) -> li
             dp=dp_size * p.cp,
         )
     return problems
+
+
+def layout_problems(cfg: Config, world_size: int, args: ModelArgs) -> list[str]:
+    """The layout's own checks (the batch split, sizes that tile the world, tp/cp divisibility, pipeline rules,
+    attention under cp/pp) without the rest of validate: what the planner's search asks of each candidate."""
+    dp_size = _dp_size(cfg.parallel, world_size)
+    problems = _training(cfg.training, cfg.data.seq_len, dp_size) + _attention(cfg)
+    return problems + _parallel(cfg, world_size, dp_size, args)
 
 
 def _tokenizer_vocab(spec: str) -> int | None:

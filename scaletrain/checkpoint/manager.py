@@ -84,6 +84,9 @@ class CheckpointManager:
         self.make_writer: Callable[[str, int], object] = _writer
         self.on_commit: list[Callable[[int, str], object]] = []
         self.stalls: dict[int, float] = {}  # step -> seconds the save blocked training
+        # The longest save so far, from its start to its commit (seconds): what run.time_limit keeps for the final one.
+        self.save_seconds = 0.0
+        self._save_started = 0.0
         # Saves talk over a gloo group of their own: their collectives run in background threads and must never
         # interleave with the training thread's on another group (control plane or device mesh).
         distributed = world_size > 1 and (self.enabled or memory is not None)
@@ -210,6 +213,7 @@ class CheckpointManager:
         """Save the state at `step`; return how long training was blocked (seconds). Raises SAVE_ERRORS."""
         t0 = time.perf_counter()
         self.wait()
+        self._save_started = time.perf_counter()
         path = self.path(step)
         if self.rank == 0:
             self.fs.makedirs(path, exist_ok=True)
@@ -294,6 +298,7 @@ class CheckpointManager:
             write_commit(self.fs, self.path(step), {"step": step})
             self._retain()
         self._barrier()
+        self.save_seconds = max(self.save_seconds, time.perf_counter() - self._save_started)
 
     def _report_saved(self, step: int, commit_s: float) -> None:
         """Rank 0 runs the commit callbacks and writes the event (the stall of this save: its blocking part)."""

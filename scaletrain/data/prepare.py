@@ -24,7 +24,16 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.config import DataConfig, SourceConfig
-from scaletrain.data.sources import CONVERT_HINT, Skipped, embedded_corpus_files, list_files, read_documents
+from scaletrain.data.sources import (
+    CONVERT_HINT,
+    Skipped,
+    check_token_ids,
+    embedded_corpus_files,
+    list_files,
+    read_documents,
+    read_tokens,
+    resolve_format,
+)
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer, fingerprint
 from scaletrain.errors import UserError
 
@@ -38,6 +47,7 @@ READER_REVISION = 2
 SHARD_TOKENS = 1 << 26
 # HF documents are encoded in batches of this many: one Rust call per batch instead of one per document.
 _ENCODE_BATCH = 256
+TOKEN_CHUNK = 1 << 24  # ids of a pre-tokenised file checked and copied at a time (64 MiB as int32)
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,7 @@ class _Job:
     field: str
     index: int | None
     dtype: str
+    src_dtype: str = ""  # format = "tokens": the dtype of raw .bin files (a .npy carries its own)
 
 
 _JOB: _Job | None = None
@@ -95,6 +106,19 @@ def tokenize_file(path: Path, job: _Job) -> tuple[np.ndarray, int, Skipped]:
     if not parts:
         return np.zeros(0, dtype=job.dtype), 0, skipped
     return np.concatenate(parts).astype(job.dtype, copy=False), n_docs, skipped
+
+
+def _token_files(files: list[Path], job: _Job) -> Iterator[tuple[np.ndarray, int, Skipped]]:
+    """Pre-tokenised files, each one stream as it is: no eod is added (their documents already end in the
+    tokenizer's eod id, as nanoGPT's and Megatron's --append-eod files do). Read (I/O: no pool), checked against
+    the vocabulary and converted to the shards' dtype TOKEN_CHUNK ids at a time, so memory stays bounded whatever
+    a file's size. The document count is the number of eod ids."""
+    for path in files:
+        ids = read_tokens(path, job.src_dtype, job.index)
+        for start in range(0, len(ids), TOKEN_CHUNK):
+            chunk = np.asarray(ids[start : start + TOKEN_CHUNK])
+            check_token_ids(chunk, start, path, job.tokenizer.vocab_size)
+            yield chunk.astype(job.dtype), int(np.count_nonzero(chunk == job.tokenizer.eod_id)), Skipped()
 
 
 def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
@@ -196,7 +220,8 @@ def _write_prepared(target: Path, files: list[Path], job: _Job, workers: int, to
     try:
         writer = _ShardWriter(tmp, job.dtype, SHARD_TOKENS)
         n_docs, skipped = 0, Skipped()
-        for tokens, docs, left_out in _tokenized(files, job, workers):
+        chunks = _token_files(files, job) if job.fmt == "tokens" else _tokenized(files, job, workers)
+        for tokens, docs, left_out in chunks:
             writer.write(tokens)
             n_docs += docs
             skipped.update(left_out)
@@ -234,14 +259,18 @@ def prepare_source(
     cache_dir: Path,
     workers: int,
     index: int | None = None,
+    src_dtype: str = "",
 ) -> tuple[Path, dict, bool]:
     """Prepared directory for one source, its index, and whether it was a cache hit."""
+    if fmt == "auto" and all(resolve_format(p, fmt) == "tokens" for p in files):
+        fmt = "tokens"  # .npy files: ids, not documents
     tok_fp = fingerprint(tokenizer)
-    target = cache_dir / "shards" / cache_key(files, fmt, field, tok_fp)
+    key_field = f"{field}\0dtype={src_dtype}" if src_dtype else field  # raw ids read as another dtype differ
+    target = cache_dir / "shards" / cache_key(files, fmt, key_field, tok_fp)
     index_path = target / "index.json"
     if index_path.is_file():
         return target, json.loads(index_path.read_text()), True
-    job = _Job(tokenizer, fmt, field, index, token_dtype(tokenizer.vocab_size))
+    job = _Job(tokenizer, fmt, field, index, token_dtype(tokenizer.vocab_size), src_dtype)
     return target, _write_prepared(target, files, job, workers, tok_fp), False
 
 
@@ -263,7 +292,9 @@ def prepare_data(
     for name, src, i in sources:
         files = list_files(src, i) if i is not None else embedded_corpus_files()
         t0 = time.perf_counter()
-        target, index, hit = prepare_source(files, src.format, src.field, tokenizer, cache_dir, workers, i)
+        target, index, hit = prepare_source(
+            files, src.format, src.field, tokenizer, cache_dir, workers, i, src_dtype=src.dtype
+        )
         if hit:
             left_out = Skipped(**index.get("skipped", {}))
             note = f" ({left_out.counts()} that are not UTF-8 text were left out)" if left_out else ""

@@ -1,4 +1,5 @@
-"""Where documents come from: resolve a source's path to files and read documents out of text, jsonl or parquet.
+"""Where documents come from: resolve a source's path to files and read documents out of text, jsonl, parquet or a
+Hugging Face datasets directory (save_to_disk), or token ids out of pre-tokenised .bin/.npy files.
 
 Also names the default corpus: the running interpreter's standard-library sources, present on every machine.
 Text is read as strict UTF-8: what does not decode is left out and counted (or refused), never replaced.
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from scaletrain.config import SourceConfig
 from scaletrain.errors import UserError
@@ -78,6 +81,22 @@ def list_files(src: SourceConfig, index: int) -> list[Path]:
     if not src.path:
         raise UserError(f"{where}.path is empty; give a file, a directory or a glob")
     path = Path(src.path).expanduser()
+    if path.is_dir() and (src.format == "hf_disk" or (src.format == "auto" and _is_datasets_dir(path))):
+        return hf_disk_files(path, where)
+    files = _matching(src, path, where)
+    if src.format == "tokens" or all(resolve_format(p, src.format) == "tokens" for p in files):
+        # Megatron keeps a .idx (document offsets) beside each .bin: the .bin alone is the token stream.
+        files = [p for p in files if p.suffix.lower() != ".idx"] or files
+        check_token_files(files, src.dtype, where)
+    elif src.dtype:
+        raise UserError(
+            f'{where}.dtype ({src.dtype}) is for pre-tokenised files only: set {where}.format = "tokens" to read '
+            f"{src.path!r} as token ids, or leave {where}.dtype empty"
+        )
+    return files
+
+
+def _matching(src: SourceConfig, path: Path, where: str) -> list[Path]:
     if path.is_file():
         files = [path]
     elif path.is_dir():
@@ -99,7 +118,8 @@ def list_files(src: SourceConfig, index: int) -> list[Path]:
 
 
 def resolve_format(path: Path, fmt: str) -> str:
-    """`auto` picks by suffix: .jsonl/.json → jsonl, .parquet → parquet, anything else → text."""
+    """`auto` picks by suffix: .jsonl/.json → jsonl, .parquet → parquet, .arrow → hf_disk, .npy → tokens, anything
+    else → text."""
     if fmt != "auto":
         return fmt
     suffix = path.suffix.lower()
@@ -107,6 +127,10 @@ def resolve_format(path: Path, fmt: str) -> str:
         return "jsonl"
     if suffix == ".parquet":
         return "parquet"
+    if suffix == ".arrow":
+        return "hf_disk"
+    if suffix == ".npy":
+        return "tokens"
     return "text"
 
 
@@ -152,8 +176,17 @@ def read_documents(
         yield from _read_jsonl(path, field, index, skipped)
     elif fmt == "parquet":
         yield from _read_parquet(path, field, index)
+    elif fmt == "hf_disk":
+        yield from _read_arrow(path, field, index)
+    elif fmt == "tokens":
+        raise UserError(
+            f"{path} holds token ids, not text ({_where(index)}.format tokens): they need no tokenizer, and none "
+            "can be trained on them; train the tokenizer on the text they were made from"
+        )
     else:
-        raise UserError(f"{_where(index)}.format {fmt!r} is unknown; use auto, text, jsonl or parquet")
+        raise UserError(
+            f"{_where(index)}.format {fmt!r} is unknown; use auto, text, jsonl, parquet, hf_disk or tokens"
+        )
 
 
 def _skip(what: str, reason: str, whole_file: bool, skipped: Skipped | None, index: int | None) -> None:
@@ -241,6 +274,135 @@ def _is_string(t: pa.DataType) -> bool:
         t = t.value_type
     is_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16 only
     return pa.types.is_string(t) or pa.types.is_large_string(t) or is_view(t)
+
+
+# -- Hugging Face datasets directories (Dataset.save_to_disk), read with pyarrow: datasets is not needed ------------
+def _is_datasets_dir(path: Path) -> bool:
+    """What save_to_disk writes: state.json and dataset_info.json beside the arrow files of a Dataset, or
+    dataset_dict.json above one such directory per split of a DatasetDict."""
+    return any((path / name).is_file() for name in ("state.json", "dataset_info.json", "dataset_dict.json"))
+
+
+def hf_disk_files(path: Path, where: str) -> list[Path]:
+    """The arrow files of a save_to_disk directory, in the order its state.json lists them (the row order)."""
+    if (path / "dataset_dict.json").is_file():
+        splits = [str(s) for s in _json(path / "dataset_dict.json").get("splits", [])]
+        raise UserError(
+            f"{path} holds a DatasetDict (splits: {', '.join(splits) or 'none'}); set {where}.path to the "
+            f"directory of one split, e.g. '{path / (splits[0] if splits else 'train')}'"
+        )
+    state = path / "state.json"
+    if not state.is_file():
+        raise UserError(
+            f"{path} has no state.json, so it is not a directory written by datasets' save_to_disk; save it with "
+            f"Dataset.save_to_disk, or set {where}.format to how its files are written"
+        )
+    entries = _json(state).get("_data_files")
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) and "filename" in e
+                                                                for e in entries):  # fmt: skip
+        raise UserError(f"{state} lists no data files (_data_files); save the dataset again")
+    files = [path / str(e["filename"]) for e in entries]
+    if missing := [f.name for f in files if not f.is_file()]:
+        raise UserError(
+            f"{path} is incomplete: its state.json names {', '.join(missing)}, which is not there; copy the whole "
+            "directory, or save the dataset again"
+        )
+    return files
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not readable JSON ({e}); save the dataset again") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} holds {type(data).__name__}, not a JSON object; save the dataset again")
+    return data
+
+
+def _read_arrow(path: Path, field: str, index: int | None) -> Iterator[str]:
+    """The rows of one arrow file of a save_to_disk directory, a record batch at a time. datasets writes the Arrow
+    IPC streaming format (pa.ipc.new_stream), memory-mapped here as datasets itself does."""
+    import pyarrow as pa
+
+    where = _where(index)
+    try:
+        with pa.memory_map(str(path)) as source:
+            reader = pa.ipc.open_stream(source)
+            schema = reader.schema
+            if field not in schema.names:
+                raise UserError(
+                    f"{path} has no column {field!r} (columns: {', '.join(schema.names)}); set {where}.field to "
+                    "the column that holds the text"
+                )
+            if not _is_string(schema.field(field).type):
+                raise UserError(
+                    f"{path}: column {field!r} holds {schema.field(field).type}, not strings; set {where}.field "
+                    "to a string column"
+                )
+            for batch in reader:
+                yield from (v for v in batch.column(field).to_pylist() if v is not None)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(
+            f"{path} is not a readable Arrow stream file, as datasets' save_to_disk writes ({e}); it may be "
+            f"truncated: save the dataset again, or set {where}.format"
+        ) from None
+
+
+# -- Pre-tokenised token files (nanoGPT / Megatron .bin, .npy) ----------------------------------------------------
+def check_token_files(files: list[Path], dtype: str, where: str) -> None:
+    """Refuse, before any work, what the file sizes show: a raw file with no dtype given, or whose byte count is
+    not a whole number of tokens (truncated, or written with another dtype). A .npy is checked when read."""
+    for p in files:
+        if p.suffix.lower() == ".npy":
+            continue
+        if not dtype:
+            raise UserError(
+                f"{p} is a raw token file: set {where}.dtype to the dtype of its ids (uint16 for nanoGPT's .bin; "
+                "uint16, uint32, int32 or int64), or save the ids as .npy, which carries its dtype"
+            )
+        size, item = p.stat().st_size, np.dtype(dtype).itemsize
+        if size % item:
+            raise UserError(
+                f"{p} has {size} bytes, not a whole number of {dtype} tokens ({item} bytes each): it is truncated, "
+                f"or {where}.dtype is not the dtype it was written with"
+            )
+
+
+def read_tokens(path: Path, dtype: str, index: int | None = None) -> np.ndarray:
+    """The token ids of one file as a 1-D memory map: a .npy with its own dtype, else raw ids of `dtype`."""
+    where = _where(index)
+    if path.suffix.lower() != ".npy":
+        check_token_files([path], dtype, where)
+        return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+    try:
+        ids = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise UserError(f"{path} is not a readable .npy file ({e}); it may be truncated") from None
+    if ids.dtype.kind not in "iu":
+        raise UserError(f"{path} holds {ids.dtype} values, not integer token ids; save the ids as integers")
+    if ids.ndim != 1:
+        raise UserError(
+            f"{path} holds an array of shape {ids.shape}; a token file is one stream of ids: save it flat "
+            "(ids.reshape(-1)), with the end-of-document ids between documents"
+        )
+    if dtype and np.dtype(dtype) != ids.dtype:
+        raise UserError(
+            f"{path} holds {ids.dtype} ids, but {where}.dtype says {dtype}: a .npy carries its own dtype; "
+            f"leave {where}.dtype empty"
+        )
+    return ids
+
+
+def check_token_ids(ids: np.ndarray, offset: int, path: Path, vocab_size: int) -> None:
+    """Refuse ids the tokenizer's vocabulary does not have (another tokenizer made them), naming the first."""
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        raise UserError(
+            f"{path}: token id {int(ids[bad[0]])} at position {offset + int(bad[0])} is outside the tokenizer's "
+            f"vocabulary (0..{vocab_size - 1}); these ids were made by another tokenizer: set data.tokenizer to "
+            "the one that made them"
+        )
 
 
 def embedded_corpus_files() -> list[Path]:

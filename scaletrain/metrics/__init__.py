@@ -15,12 +15,14 @@ from scaletrain.metrics.mfu import (
     measure_matmul_flops,
     mfu,
 )
+from scaletrain.metrics.profile import Profiler
 from scaletrain.metrics.progress import Progress, log_line, print_summary, run_summary
 from scaletrain.metrics.writer import MetricsWriter
 
 __all__ = [
     "GPU_PEAK_TFLOPS",
     "MetricsWriter",
+    "Profiler",
     "Progress",
     "StepMeter",
     "cpu_features",

@@ -19,7 +19,8 @@ def _si(value: float) -> str:
 
 
 class Progress:
-    """A bar with step/total, ETA, loss, tokens/s and learning rate; a no-op when disabled or not on a terminal."""
+    """A bar with step/total, ETA, loss, tokens/s, MFU, learning rate and the newest event; a no-op when disabled
+    or not on a terminal."""
 
     def __init__(
         self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None
@@ -56,12 +57,30 @@ class Progress:
             self._bar.stop()
             self._bar = None
 
-    def update(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
-        """Show `step` optimizer steps completed, with the latest loss, throughput and learning rate."""
+    def update(
+        self,
+        step: int,
+        loss: float,
+        tokens_per_s: float,
+        lr: float,
+        mfu: float | None = None,
+        event: str = "",
+    ) -> None:
+        """Show `step` optimizer steps completed, with the latest loss, throughput, MFU (a fraction), learning rate
+        and the newest event (e.g. "checkpoint_saved (step 100)")."""
         if self._bar is None or self._task is None:
             return
-        stats = f"loss {float(loss):.4f}  {_si(float(tokens_per_s))} tok/s  lr {float(lr):.2e}"
-        self._bar.update(self._task, completed=step, stats=stats)
+        self._bar.update(self._task, completed=step, stats=stats_text(loss, tokens_per_s, lr, mfu, event))
+
+
+def stats_text(loss: float, tokens_per_s: float, lr: float, mfu: float | None = None, event: str = "") -> str:
+    """The figures beside the bar: "loss 2.3456  12.3k tok/s  mfu 41.0%  lr 3.00e-04  | checkpoint_saved (step
+    100)"; MFU and the event only when known."""
+    text = f"loss {float(loss):.4f}  {_si(float(tokens_per_s))} tok/s"
+    if mfu is not None:
+        text += f"  mfu {100 * float(mfu):.1f}%"
+    text += f"  lr {float(lr):.2e}"
+    return text + (f"  | {event}" if event else "")
 
 
 def print_summary(rows: dict[str, object], console: Console | None = None) -> None:

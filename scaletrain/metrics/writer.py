@@ -1,21 +1,31 @@
-"""Rank 0's run records: `metrics.jsonl` (one line per logged step), `events.jsonl`, and TensorBoard scalars.
+"""Rank 0's run records: `metrics.jsonl` (one line per logged step), `events.jsonl`, and the same metrics and
+events in TensorBoard and (metrics.wandb_project) Weights & Biases.
 
-A record that cannot be written (a full disk, a quota) is dropped and counted, with one warning: the run's log
-must never end the run it logs, nor leave a half line that breaks the lines after it.
+A record that cannot be written (a full disk, a quota, a W&B login missing) is dropped and counted, with one
+warning: the run's log must never end the run it logs, nor leave a half line that breaks the lines after it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 log = logging.getLogger("scaletrain")
 
@@ -128,38 +138,46 @@ def dropped_lines(path: Path) -> int:
     return _DROPPED.get(str(path), 0)
 
 
-class MetricsWriter:
-    """Appends metrics and events as JSON lines under `run_dir`; a disabled writer (ranks > 0) writes nothing."""
+def wandb_problem(project: str) -> str | None:
+    """The problem with metrics.wandb_project = `project` (said before launch), None when there is none: wandb is
+    an optional dependency, found here without importing it."""
+    if project and importlib.util.find_spec("wandb") is None:
+        return (
+            f"metrics.wandb_project = {project!r} needs Weights & Biases, which is not installed: pip install "
+            "wandb, or unset metrics.wandb_project"
+        )
+    return None
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+
+class MetricsWriter:
+    """Appends metrics and events as JSON lines under `run_dir`, and hands them to TensorBoard and W&B when asked;
+    a disabled writer (ranks > 0) writes nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, wandb_project: str = "") -> None:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.tensorboard = tensorboard
+        self.wandb_project = wandb_project
         self.dropped: dict[str, int] = {}
         """Lines of each file (metrics.jsonl, events.jsonl) this writer could not write."""
+        self.last_event = ""
+        """The newest event, "kind (step N)", for the progress display."""
         self._reported: dict[str, int] = {}
-        # SummaryWriter, created on the first log so that only runs using it pay for importing tensorboard.
+        # SummaryWriter and the W&B run, made on first use so that only runs using them pay for the import.
         self._tb: Any = None
+        self._wandb: Any = None
+        self._sinks = threading.Lock()  # a checkpoint's commit thread writes its event too
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        """Append `{"step": step, **values}` to metrics.jsonl and each number as a TensorBoard scalar."""
+        """Append `{"step": step, **values}` to metrics.jsonl, and each number to TensorBoard and W&B."""
         if not self.enabled:
             return
         if "step" in values:
             raise ValueError("values must not contain 'step'; it is passed as its own argument")
         record = {"step": int(step), **{k: _jsonable(v) for k, v in values.items()}}
         self._append("metrics.jsonl", record)
-        if self.tensorboard:
-            try:
-                self._log_tensorboard(int(step), values)
-            except OSError as e:  # its writer thread re-raises a failed write (a full disk) here
-                log.warning(
-                    "could not write TensorBoard scalars to %s (%s); TensorBoard is off for the rest of the run, "
-                    "metrics.jsonl keeps every step",
-                    self.run_dir / "tensorboard",
-                    e,
-                )
-                self.tensorboard = False
+        numbers = _numbers(values)
+        self._to_sinks(partial(_tb_scalars, int(step), numbers), partial(_wandb_scalars, int(step), numbers))
 
     def event(self, kind: str, step: int | None = None, **fields: Any) -> None:
         """Append `{"time", "kind", "step", **fields}` to events.jsonl (checkpoint, restart, fault, ...)."""
@@ -167,6 +185,8 @@ class MetricsWriter:
             return
         if not append_event(self.run_dir, kind, step, **fields):
             self.dropped["events.jsonl"] = self.dropped.get("events.jsonl", 0) + 1
+        self.last_event = kind if step is None else f"{kind} (step {step})"
+        self._to_sinks(partial(_tb_event, kind, step, fields), partial(_wandb_event, kind, step, fields))
 
     def close(self) -> None:
         """Flush TensorBoard and report lines that were dropped; a later log or event still writes."""
@@ -176,12 +196,21 @@ class MetricsWriter:
                     "%d line(s) of %s could not be written (see the warning above)", n, self.run_dir / name
                 )
         self._reported = dict(self.dropped)
-        if self._tb is not None:
-            try:
-                self._tb.close()
-            except OSError as e:
-                log.warning("could not flush TensorBoard scalars to %s (%s)", self.run_dir / "tensorboard", e)
-            self._tb = None
+        with self._sinks:
+            if self._tb is not None:
+                try:
+                    self._tb.close()
+                except OSError as e:
+                    log.warning(
+                        "could not flush TensorBoard scalars to %s (%s)", self.run_dir / "tensorboard", e
+                    )
+                self._tb = None
+            if self._wandb is not None:
+                try:
+                    self._wandb.finish()
+                except Exception as e:  # W&B's own failures (network, service) must not fail the run's end
+                    log.warning("could not finish the W&B run (%s)", e)
+                self._wandb = None
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -194,12 +223,93 @@ class MetricsWriter:
         if not append_line(self.run_dir / name, json.dumps(record, allow_nan=False) + "\n"):
             self.dropped[name] = self.dropped.get(name, 0) + 1
 
-    def _log_tensorboard(self, step: int, values: dict[str, float]) -> None:
+    def _to_sinks(self, to_tb: Callable[[Any], object], to_wandb: Callable[[Any], object]) -> None:
+        """Hand a record to TensorBoard and W&B (those on); a sink that fails is warned about and turned off, and
+        metrics.jsonl and events.jsonl keep everything."""
+        with self._sinks:
+            if self.tensorboard:
+                try:
+                    to_tb(self._tensorboard())
+                except OSError as e:  # its writer thread re-raises a failed write (a full disk) here
+                    log.warning(
+                        "could not write TensorBoard scalars to %s (%s); TensorBoard is off for the rest of the "
+                        "run, metrics.jsonl keeps every step",
+                        self.run_dir / "tensorboard",
+                        e,
+                    )
+                    self.tensorboard = False
+            if self.wandb_project:
+                try:
+                    to_wandb(self._wandb_run())
+                except Exception as e:  # no login, no network, a service crash: W&B's own, of any type
+                    log.warning(
+                        "could not log to Weights & Biases (%s); W&B is off for the rest of the run (log in with "
+                        "`wandb login`, or set WANDB_MODE=offline), metrics.jsonl keeps every step",
+                        e,
+                    )
+                    self.wandb_project = ""
+
+    def _tensorboard(self) -> Any:
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: slow, so only when used
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-        for key, value in values.items():
-            scalar = value.item() if hasattr(value, "item") else value
-            if isinstance(scalar, int | float) and not isinstance(scalar, bool):
-                self._tb.add_scalar(key, scalar, step)
+        return self._tb
+
+    def _wandb_run(self) -> Any:
+        """The W&B run: named after the run directory, with its resolved config, and resumed by the run's id, so
+        every restart of the job logs into the same W&B run."""
+        if self._wandb is None:
+            import wandb  # optional: validate() refused the config without it
+
+            config, id_file = self.run_dir / "config.toml", self.run_dir / "run_id"
+            self._wandb = wandb.init(
+                project=self.wandb_project,
+                name=self.run_dir.name,
+                id=id_file.read_text().strip() if id_file.is_file() else None,
+                resume="allow",
+                config=tomllib.loads(config.read_text()) if config.is_file() else {},
+                dir=os.environ.get("WANDB_DIR") or str(self.run_dir),
+                settings=wandb.Settings(
+                    console="off"
+                ),  # the console stays ours (the progress bar, log lines)
+            )
+            # Steps go back after a rollback or a resume, which W&B's own step may not: plot against ours.
+            self._wandb.define_metric("step")
+            self._wandb.define_metric("*", step_metric="step")
+        return self._wandb
+
+
+def _numbers(values: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries (tensors and numpy scalars unwrapped; bools, strings and None left out)."""
+    out = {}
+    for key, value in values.items():
+        scalar = value.item() if hasattr(value, "item") and callable(value.item) else value
+        if isinstance(scalar, int | float) and not isinstance(scalar, bool):
+            out[key] = scalar
+    return out
+
+
+def _tb_scalars(step: int, numbers: dict[str, float], tb: Any) -> None:
+    for key, value in numbers.items():
+        tb.add_scalar(key, value, step)
+
+
+def _wandb_scalars(step: int, numbers: dict[str, float], run: Any) -> None:
+    run.log({"step": step, **numbers})
+
+
+def _tb_event(kind: str, step: int | None, fields: dict[str, Any], tb: Any) -> None:
+    """An event in TensorBoard: a text entry under events/<kind> and each numeric field as events/<kind>/<field>."""
+    text = ", ".join(f"{k}={_jsonable(v)}" for k, v in fields.items()) or kind
+    tb.add_text(f"events/{kind}", text, step)
+    for key, value in _numbers(fields).items():
+        tb.add_scalar(f"events/{kind}/{key}", value, step)
+
+
+def _wandb_event(kind: str, step: int | None, fields: dict[str, Any], run: Any) -> None:
+    """An event in W&B: a marker events/<kind> = 1 at its step with its numeric fields; the end's into the summary."""
+    numbers = {f"events/{kind}/{k}": v for k, v in _numbers(fields).items()}
+    run.log({**({} if step is None else {"step": step}), f"events/{kind}": 1, **numbers})
+    if kind == "end":
+        run.summary.update(_numbers(fields))

@@ -123,9 +123,10 @@ class AttentionKernel:
         gqa = q.shape[1] != k.shape[1]
         if not torch.compiler.is_compiling():
             _log_choice(self.backend, q, k, mask)
-        if isinstance(mask, BlockMask) or self.backend == "flex":
+        if isinstance(mask, BlockMask) or (self.backend == "flex" and mask is None):
             return _flex(q, k, v, mask, gqa)
-        if self.backend == "auto":
+        # A boolean mask under flex comes only from a KVCache's decode step (a few queries): plain SDPA takes it.
+        if self.backend in ("auto", "flex"):
             if mask is None:
                 return causal_sdpa(q, k, v)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.models.attention import AttentionKernel, attention_masks, document_positions
+
+if TYPE_CHECKING:
+    from scaletrain.models.kv_cache import KVCache, LayerCache
 
 
 @dataclass
@@ -112,9 +116,15 @@ class Attention(nn.Module):
         self.sdpa = AttentionKernel(args.attention)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: dict | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        masks: dict | None = None,
+        kv: LayerCache | None = None,
     ) -> torch.Tensor:
-        """masks: window -> mask, from `attention_masks` (None: plain causal)."""
+        """masks: window -> mask, from `attention_masks` (None: plain causal). kv: this layer's part of a
+        KVCache (decoding): the keys and values of earlier positions, to which this call's are appended."""
         bsz, seqlen, _ = x.shape
         # Head counts come from the tensors (-1), so a tensor-parallel shard with fewer heads runs unchanged.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -122,6 +132,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if kv is not None:
+            k, v = kv.update(k, v)
         mask = masks[self.window] if masks is not None else None
         out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
@@ -150,10 +162,15 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: dict | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        masks: dict | None = None,
+        kv: LayerCache | None = None,
     ) -> torch.Tensor:
         # masks by keyword: the tensor-parallel plan's PrepareModuleInput lays out the positional inputs only.
-        x = x + self.attention(self.attention_norm(x), cos, sin, masks=masks)
+        x = x + self.attention(self.attention_norm(x), cos, sin, masks=masks, kv=kv)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -175,22 +192,33 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """tokens: [batch, seq] ids (or hidden states on a later pipeline stage). positions: token positions,
         [seq] or [batch, seq], for when a sequence is split (context parallel); default 0..seq-1. document_ids:
         [batch, seq] (`attention.document_ids`) for document masking: a token attends only within its document,
-        and its RoPE position counts from the document's first token."""
+        and its RoPE position counts from the document's first token. cache: a `KVCache` for decoding: `tokens`
+        continue the sequence it holds (positions from cache.pos on), and their keys and values are added to it."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if document_ids is not None:
             assert positions is None, "document masking with split sequences (cp) is refused by validate"
             positions = document_positions(document_ids)
+        if cache is not None:
+            assert positions is None, "decoding with a cache takes neither positions nor document_ids"
+            positions = cache.positions(h.shape[1], h.device)
         rope = self.rope[: h.shape[1]] if positions is None else self.rope[positions]
         cos, sin = rope.unbind(-2)
         # Layer keys are the global layer ids, also on a pipeline stage and under block wrappers.
         windows = {layer_window(self.args, int(i)) for i in self.layers}
-        masks = attention_masks(self.args.attention, windows, document_ids, h.shape[1], h.device)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, masks=masks)
+        if cache is None:
+            masks = attention_masks(self.args.attention, windows, document_ids, h.shape[1], h.device)
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, masks=masks)
+        else:
+            masks = cache.masks(self.args.attention, windows, h.shape[1], h.device)
+            for name, layer in self.layers.items():
+                h = layer(h, cos, sin, masks=masks, kv=cache.layers[name])
+            cache.advance(h.shape[1])
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

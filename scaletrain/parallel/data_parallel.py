@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.config import OptimizerConfig
 from scaletrain.optim import build_optimizer
+from scaletrain.parallel.comm import set_prefetch
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +82,18 @@ def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
-    reshard_after_forward: bool,
+    reshard_after_forward: bool | int,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
+    prefetch: int = 0,
 ) -> nn.Module:
     """FSDP2 `fully_shard`: one unit per transformer block plus the root (embedding, final norm, output), so one
     block's parameters are gathered at a time. Parameters, gradients and optimizer state are sharded (ZeRO-3).
 
     reshard_after_forward=False keeps each block's gathered parameters from its forward until its backward: no
-    second all-gather, at the memory cost of a whole unsharded model — ZeRO-2. A 2-D mesh (replicate, shard)
-    gives HSDP: sharded inside a group, gradients all-reduced across groups."""
+    second all-gather, at the memory cost of a whole unsharded model — ZeRO-2. An int N keeps them sharded over N
+    ranks in between (FSDP2's reshard to a smaller mesh). A 2-D mesh (replicate, shard) gives HSDP: sharded inside
+    a group, gradients all-reduced across groups. prefetch: parallel.fsdp_prefetch (comm.set_prefetch)."""
     # CPUOffloadPolicy (memory.optimizer_offload) keeps parameters, gradients and AdamW state on the host.
     kw = {
         "mesh": mesh,
@@ -100,10 +103,14 @@ def apply_fsdp(
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's backward runs right after the forward: resharding it would only re-gather it.
-        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
+        last = i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=False if last else reshard_after_forward, **kw)
     # FSDP keeps the root's parameters gathered after forward whatever the flag (backward needs them at once).
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, reshard_after_forward=bool(reshard_after_forward), **kw)
+    set_prefetch(blocks, prefetch)
     kind = "HSDP" if mesh.ndim == 2 else ("FSDP (ZeRO-3)" if reshard_after_forward else "ZeRO-2 (FSDP2)")
+    if not isinstance(reshard_after_forward, bool):
+        kind += f", resharded to {reshard_after_forward} ranks after forward"
     log.info(
         "applied %s over mesh %s, %d block units + root",
         kind,

@@ -1,7 +1,10 @@
 """Apply every configured parallelism and memory technique to a built model, in one fixed order, and say what ran.
 
-Order (as in torchtitan): pipeline split -> tensor/sequence parallel -> context parallel -> recompute -> compile ->
-activation offload -> data parallel. The pipeline goes first so that each stage is then parallelised on its own.
+Order (as in torchtitan): pipeline split -> QAT -> tensor/sequence parallel -> context parallel -> recompute ->
+compile -> activation offload -> data parallel. The pipeline goes first so that each stage is then parallelised on
+its own. QAT swaps each block's nn.Linear for torchao's FakeQuantizedLinear (a subclass, same parameter names), so
+everything after it wraps the swapped modules; TP's parallelize_module cannot shard them (validate refuses tp > 1
+with QAT), FSDP shards their weights like any Linear's.
 Tensor parallel comes before FSDP because FSDP shards the DTensors that TP made along the data-parallel dim (a 2-D
 layout); the reverse is not supported. Context parallel only swaps the attention kernel, so it can sit anywhere
 before the wrapping. Recompute wraps each block's forward after TP/CP have installed their hooks and kernels, so a
@@ -16,15 +19,21 @@ recompute alike, and the blocks keep their parameter names.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from scaletrain.config import MemoryConfig, ParallelConfig
+from scaletrain.config import MemoryConfig, ParallelConfig, PrecisionConfig
 from scaletrain.memory import apply_activation_offload, apply_recompute, fsdp_offload_policy
+from scaletrain.models.loss import cross_entropy
+from scaletrain.parallel.comm import CommMeter, apply_comm_hook, count_fsdp
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.precision.fp8 import apply_fp8
+from scaletrain.precision.policy import Precision
+from scaletrain.precision.qat import apply_qat
 
 log = logging.getLogger("scaletrain")
 
@@ -34,6 +43,7 @@ class ParallelModel:
     parts: list[nn.Module]  # the modules that hold this rank's parameters: the model, or its pipeline stages
     pipeline: object = None  # PipelineParts when pp > 1
     loss_parallel: bool = False
+    comm: CommMeter = field(default_factory=CommMeter)  # data-parallel bytes sent; PowerSGD's state
 
 
 def fsdp_applies(dims: ParallelDims, mode: str) -> bool:
@@ -43,24 +53,38 @@ def fsdp_applies(dims: ParallelDims, mode: str) -> bool:
 
 
 def apply_data_parallel(
-    model: nn.Module, dims: ParallelDims, pcfg: ParallelConfig, mem: MemoryConfig | None = None
+    model: nn.Module,
+    dims: ParallelDims,
+    pcfg: ParallelConfig,
+    mem: MemoryConfig | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    comm: CommMeter | None = None,
 ) -> nn.Module:
     """Gradients are averaged over data-parallel AND context-parallel ranks: each cp rank holds part of every
-    sequence, so its gradient is a partial sum of the same samples' gradient (hence the dp_cp / dp_shard_cp meshes)."""
+    sequence, so its gradient is a partial sum of the same samples' gradient (hence the dp_cp / dp_shard_cp meshes).
+    `comm` counts the bytes the data-parallel collectives send (and holds the DDP hook's state)."""
     from scaletrain.parallel.data_parallel import apply_ddp, apply_fsdp
 
     mode = pcfg.data_parallel
     if mode in ("ddp", "zero1"):
         if dims.size("dp_cp") > 1:
-            return apply_ddp(model, dims.submesh("dp_cp"), bucket_mb=pcfg.ddp_bucket_mb)
+            ddp = apply_ddp(model, dims.submesh("dp_cp"), bucket_mb=pcfg.ddp_bucket_mb)
+            apply_comm_hook(ddp, pcfg, comm or CommMeter(), dims.submesh("dp_cp").get_group())
+            return ddp
         return model
     if not fsdp_applies(dims, mode):
         return model
     mesh = dims.hsdp_mesh() if mode == "hsdp" else dims.submesh("dp_shard_cp")
     from scaletrain.parallel.pipeline import reshards_after_forward
 
-    reshard = reshards_after_forward(mode, dims.pp, pcfg.pp_schedule)
-    return apply_fsdp(model, mesh, reshard_after_forward=reshard, offload_policy=fsdp_offload_policy(mem))
+    # parallel.reshard_after_forward: validate allows an explicit value only where it trains the same model.
+    choice = pcfg.reshard_after_forward
+    reshard = reshards_after_forward(mode, dims.pp, pcfg.pp_schedule) if choice == "auto" else choice
+    offload = fsdp_offload_policy(mem)
+    model = apply_fsdp(model, mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload,
+                       prefetch=pcfg.fsdp_prefetch)  # fmt: skip
+    count_fsdp(model, comm or CommMeter(), replicas=dims.size("dp_replicate") if mode == "hsdp" else 1)
+    return model
 
 
 def apply_memory(m: nn.Module, mem: MemoryConfig | None, *, compile: bool, device: torch.device) -> nn.Module:
@@ -83,11 +107,23 @@ def parallelize(
     n_microbatches: int,
     memory: MemoryConfig | None = None,
     compile: bool = False,
+    precision: PrecisionConfig | None = None,
+    precision_policy: Precision | None = None,
 ) -> ParallelModel:
-    """`memory` (recompute, offload) and `compile` (training.compile) default to off."""
+    """`memory` (recompute, offload), `compile` (training.compile) and `precision` (QAT) default to off;
+    `precision_policy` (training.precision: the FSDP2 mixed-precision policy, fp8 layers, fp16's scaled pipeline
+    loss) defaults to fp32."""
     loss_parallel = dims.tp_enabled and not dims.pp_enabled  # a pipeline's loss runs inside the schedule
+    # Only data-parallel traffic is counted: with tp, pp or cp sending too, comm_bytes is not reported.
+    comm = CommMeter(counted=not (dims.tp_enabled or dims.pp_enabled or dims.cp_enabled))
+    mp_policy = precision_policy.mp_policy() if precision_policy is not None else None
+    loss_fn = precision_policy.loss_fn(cross_entropy) if precision_policy is not None else cross_entropy
 
     def per_stage(m: nn.Module) -> nn.Module:
+        if precision is not None:
+            m = apply_qat(m, precision)
+        if precision_policy is not None and precision_policy.fp8_recipe is not None:
+            m = apply_fp8(m, precision_policy.fp8_recipe, precision_policy.fp8_all_gather)
         if dims.tp_enabled:
             from scaletrain.parallel.tensor_parallel import apply_tp
 
@@ -99,7 +135,7 @@ def parallelize(
 
             m = apply_cp(m, dims.submesh("cp"), load_balance=pcfg.cp_load_balance)
         m = apply_memory(m, memory, compile=compile, device=device)
-        return apply_data_parallel(m, dims, pcfg, memory)
+        return apply_data_parallel(m, dims, pcfg, memory, mp_policy, comm)
 
     if dims.pp_enabled:
         from scaletrain.parallel.pipeline import apply_pp
@@ -111,7 +147,8 @@ def parallelize(
             n_microbatches=n_microbatches,
             virtual_stages=pcfg.pp_virtual_stages,
             device=device,
+            loss_fn=loss_fn,  # under fp16 scaled: the schedule runs backward on it itself
             parallelize_fn=per_stage,
         )
-        return ParallelModel(list(pp.modules), pp, loss_parallel)
-    return ParallelModel([per_stage(model)], None, loss_parallel)
+        return ParallelModel(list(pp.modules), pp, loss_parallel, comm)
+    return ParallelModel([per_stage(model)], None, loss_parallel, comm)

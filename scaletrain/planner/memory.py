@@ -1,5 +1,5 @@
 """The memory one rank needs for a model, layout and batch: the estimate `validate` uses to refuse a run that
-cannot fit, with the knob that would make it fit. One function (per_rank_bytes), for the planner to extend."""
+cannot fit, with the knob that would make it fit, and the planner's memory model (per_rank_bytes, by part)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,37 @@ from scaletrain.parallel.pipeline import (
 GiB = 2**30
 # CUDA context (~0.5 GiB), NCCL buffers and caching-allocator fragmentation: what a GPU rank loses before the
 # model's first byte. A CPU process pays much less, and the host share it is compared with is already rough.
+# (The planner takes this constant from the device profile; calibration measures it on a CPU.)
 GPU_OVERHEAD_BYTES = 2 * GiB
 CPU_OVERHEAD_BYTES = 256 * 2**20
-# fp32 AdamW (Rajbhandari et al. 2020, ZeRO): parameters 4 bytes, gradients 4, the moments m and v 8.
+# fp32 AdamW (Rajbhandari et al. 2020, ZeRO): parameters 4 bytes, gradients 4, the moments m and v 8. Our bf16 and
+# fp16 keep exactly these (fp32 master weights, fp32 gradients after the reduce, fp32 moments): the 16-bit copies
+# are transients (autocast's weight cache, FSDP2's gathered parameters), counted in "gathered".
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
-PARTS = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits", "overhead")
+# The ZeRO paper's mixed-precision Adam: fp16 parameters 2, fp16 gradients 2, and K = 12 bytes of fp32 master
+# weights, m and v: also 16 bytes per parameter in all, split differently (see model_state_bytes).
+ZERO_PAPER_BYTES = (2, 2, 12)
+PARTS = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits", "buckets", "overhead")
+
+
+def model_state_bytes(
+    n: float, stage: int, shards: int, per_param: tuple[int, int, int] = (PARAM_BYTES, GRAD_BYTES, ADAM_BYTES)
+) -> dict[str, float]:
+    """Parameters, gradients and optimizer state of `n` parameters on one of `shards` data-parallel ranks at ZeRO
+    stage 0 (replicated), 1 (P_os), 2 (P_os+g) or 3 (P_os+g+p), with `per_param` bytes of each (Rajbhandari et al.
+    2020, figure 1: (2 + 2 + K)·Ψ at stage 0, 2Ψ + 2Ψ + KΨ/N_d at 1, 2Ψ + (2 + K)Ψ/N_d at 2, (2 + 2 + K)Ψ/N_d at 3)."""
+    p, g, o = per_param
+    return {
+        "parameters": n * p / (shards if stage >= 3 else 1),
+        "gradients": n * g / (shards if stage >= 2 else 1),
+        "optimizer": n * o / (shards if stage >= 1 else 1),
+    }
+
+
+def compute_bytes(training: TrainingConfig) -> int:
+    """Bytes of one activation element and of one gathered/cast parameter: 2 under bf16 or fp16 (autocast or FSDP2's
+    MixedPrecisionPolicy param_dtype), else 4. Read with getattr so that new precision names keep working."""
+    return 2 if str(getattr(training, "precision", "fp32")) in ("bf16", "fp16") else 4
 
 
 def block_parameters(args: ModelArgs) -> tuple[int, int]:
@@ -110,9 +136,29 @@ def per_rank_bytes(
     overhead_bytes: int = GPU_OVERHEAD_BYTES,
     memory: MemoryConfig | None = None,
 ) -> dict[str, float]:
-    """Bytes on the fullest rank, by part (PARTS) and "total". `local_batch`: sequences per data-parallel rank per
-    step (sets the pipeline micro-batches; None: pp of training.micro_batch each). Raises ConfigError if the
-    sizes do not tile `world_size`, ValueError if the layers cannot fill the pipeline stages."""
+    """Bytes on the fullest rank, by part (PARTS) and "total"; with optimizer offload, "host" holds what moved to
+    host memory (not in the total). `local_batch`: sequences per data-parallel rank per step (sets the pipeline
+    micro-batches; None: pp of training.micro_batch each). Raises ConfigError if the sizes do not tile
+    `world_size`, ValueError if the layers cannot fill the pipeline stages."""
+    ranks = pp_rank_bytes(
+        args, parallel, training, seq_len, world_size,
+        local_batch=local_batch, overhead_bytes=overhead_bytes, memory=memory,
+    )  # fmt: skip
+    return max(ranks, key=lambda e: e["total"])
+
+
+def pp_rank_bytes(
+    args: ModelArgs,
+    parallel: ParallelConfig,
+    training: TrainingConfig,
+    seq_len: int,
+    world_size: int,
+    *,
+    local_batch: int | None = None,
+    overhead_bytes: int = GPU_OVERHEAD_BYTES,
+    memory: MemoryConfig | None = None,
+) -> list[dict[str, float]]:
+    """per_rank_bytes of every pipeline rank, in pp-rank order (one entry without a pipeline)."""
     p, dims, mem = parallel, ParallelDims.from_config(parallel, world_size), memory or MemoryConfig()
     v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
     n_micro = resolve_microbatches(
@@ -122,13 +168,13 @@ def per_rank_bytes(
     counts = layers_per_stage(args.n_layers, p.pp * v)
     block_split, block_rep = block_parameters(args)
     vocab_rows = args.vocab_size * args.dim
-    shards, elt = _zero_shards(p, dims), 2 if training.precision == "bf16" else 4
+    shards, elt = _zero_shards(p, dims), compute_bytes(training)
     # fsdp/hsdp under a zero-bubble schedule keep the stage's weights gathered, as zero2 does.
     keeps = p.data_parallel in ("fsdp", "hsdp") and not reshards_after_forward(
         p.data_parallel, p.pp, p.pp_schedule
     )
     mode = "zero2" if keeps else p.data_parallel
-    best: dict[str, float] = {}
+    out = []
     for r in range(p.pp):
         stages = rank_stages(r, p.pp, v, placement_style(p.pp_schedule)) if p.pp > 1 else [0]
         first, last = 0 in stages, p.pp * v - 1 in stages
@@ -136,8 +182,9 @@ def per_rank_bytes(
         # tp splits the embedding by vocabulary rows and the output by vocabulary columns; a tied table is one.
         tables = first + (last and not (args.tie_embeddings and first))
         n = (layers * block_split + tables * vocab_rows) / p.tp + layers * block_rep + last * args.dim
-        part = _state_bytes(mode, n, shards, (block_split / p.tp + block_rep) * PARAM_BYTES)
-        if p.data_parallel in ("zero2", "fsdp", "hsdp") and p.pp == 1 and p.grad_sync == "step":
+        part = _state_bytes(mode, n, shards, (block_split / p.tp + block_rep), elt)
+        sharded = p.data_parallel in ("zero2", "fsdp", "hsdp") and shards > 1
+        if sharded and p.pp == 1 and p.grad_sync == "step":
             if (local_batch or training.micro_batch) > training.micro_batch:  # accumulating: unsharded grads
                 part["gradients"] += n * GRAD_BYTES
         per_layer, transient = activation_bytes(
@@ -146,25 +193,36 @@ def per_rank_bytes(
         part["activations"] = per_layer * layers * _in_flight(p, r, n_micro, v) + transient
         # fp32 logits and the log-softmax saved for backward, split by vocabulary under tp (loss parallel).
         part["logits"] = last * 2 * micro * (seq_len / p.cp) * args.vocab_size * 4 / p.tp
+        # DDP's gradients are views into its buckets (gradient_as_bucket_view): one bucket of scratch for the
+        # all-reduce in flight. FSDP's reduce-scatter buffers are one block's: counted in "gathered".
+        ddp_like = p.data_parallel in ("ddp", "zero1") and dims.dp_size * dims.cp > 1
+        part["buckets"] = p.ddp_bucket_mb * 2**20 if ddp_like else 0.0
         part["overhead"] = overhead_bytes
+        if getattr(mem, "optimizer_offload", False):
+            # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and AdamW state live on the host; the device
+            # keeps the gathered blocks (copied in per block) and the activations.
+            part["host"] = part["parameters"] + part["gradients"] + part["optimizer"]
+            part["parameters"] = part["gradients"] = part["optimizer"] = 0.0
         part["total"] = sum(part[k] for k in PARTS)
-        if part["total"] > best.get("total", -1):
-            best = part
-    return best
+        out.append(part)
+    return out
 
 
-def _state_bytes(mode: str, n: float, shards: int, block_bytes: float) -> dict[str, float]:
+def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int) -> dict[str, float]:
     """Parameters, gradients and AdamW state of `n` parameters under each data-parallel mode (ZeRO, Rajbhandari
     et al. 2020): ddp replicates all; zero1 shards the optimizer state; zero2 (FSDP2 without resharding after
     forward) also the gradients; fsdp/hsdp also the parameters, plus the transients of the blocks gathered at a
-    time: in backward a block's weights, the next one's prefetched and the block's unsharded gradient."""
-    z1, z2, z3 = mode != "ddp", mode in ("zero2", "fsdp", "hsdp"), mode in ("fsdp", "hsdp")
-    return {
-        "parameters": n * PARAM_BYTES / (shards if z3 else 1),
-        "gradients": n * GRAD_BYTES / (shards if z2 else 1),
-        "optimizer": n * ADAM_BYTES / (shards if z1 else 1),
-        "gathered": 3 * block_bytes if z3 and shards > 1 else 0.0,
-    }
+    time: in backward a block's weights, the next one's prefetched and the block's unsharded gradient, in the
+    compute dtype (`elt` bytes; bf16 adds the fp32 copy of that gradient for the fp32 reduce-scatter). Under
+    16-bit compute without FSDP, autocast caches a 16-bit copy of every weight it casts (ddp, zero1), and zero2
+    keeps the gathered 16-bit parameters: `n` x 2 bytes more."""
+    stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(mode, 3)
+    part = model_state_bytes(n, stage, shards if mode != "ddp" else 1)
+    if stage == 3 and shards > 1:
+        part["gathered"] = block_params * (3 * elt + (GRAD_BYTES if elt < GRAD_BYTES else 0))
+    else:
+        part["gathered"] = n * elt if elt < PARAM_BYTES else 0.0
+    return part
 
 
 def describe(estimate: dict[str, float]) -> str:

@@ -37,6 +37,7 @@ from scaletrain.parallel.mesh import (
     setup_process,
 )
 from scaletrain.parallel.parallelize import ParallelModel, parallelize
+from scaletrain.precision import apply_fp8, resolve_precision
 from scaletrain.resilience.preemption import Preemption
 from scaletrain.step import build_step_runner
 from tests.distributed.reference import OPT, STEPS, full_model, global_batches, reference_run, tiny_args
@@ -487,5 +488,70 @@ def test_train_on_cuda_writes_finite_falling_losses(tmp_path, precision):
     assert all(m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1 and 0 < m["mem_peak_mib"] < 4096 for m in metrics)
     (start,) = events(run, "start")
     assert start["device"] == "cuda" and start["precision"] == precision
-    assert f"precision {precision} on cuda" in proc.stderr
+    mechanism = " via torch.autocast(cuda, bf16)" if precision == "bf16" else ""
+    assert f"precision {precision}{mechanism} on cuda" in proc.stderr
     assert [e["step"] for e in events(run, "checkpoint_saved")] == [10, 20]
+
+
+# -- fp8 (torchao float8) against bf16 ------------------------------------------------------------------------------
+
+
+def _fp8_worker(rank: int, world_size: int, out: str) -> None:
+    """bf16, fp8 tensorwise, fp8 rowwise (one GPU, autocast as train.py chooses there) and fp8 tensorwise under
+    FSDP2 on a one-rank mesh (the bf16 MixedPrecisionPolicy and fp8 all-gather), 30 steps each, as train.py runs
+    them: parallelize/apply_fsdp -> build_step_runner -> forward_backward -> clip -> Optimizers.step."""
+    from tests.distributed.test_precision import ARGS, STEPS, markov_batches
+
+    _join_as_the_code_does(CUDA)
+    batches = markov_batches(STEPS)
+    facts: dict = {}
+    for name, recipe, fsdp in (
+        ("bf16", None, False),
+        ("tensorwise", "tensorwise", False),
+        ("rowwise", "rowwise", False),
+        ("tensorwise_fsdp", "tensorwise", True),
+    ):
+        tcfg = TrainingConfig(
+            micro_batch=4, precision="fp8" if recipe else "bf16", fp8_recipe=recipe or "tensorwise"
+        )
+        precision = resolve_precision(tcfg, fsdp, "cuda")
+        model = full_model(ARGS).to(CUDA)
+        if fsdp:
+            mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp_shard_cp",))
+            apply_fp8(model, recipe, fsdp_all_gather=precision.fp8_all_gather)
+            policy = precision.mp_policy()
+            pm = ParallelModel([apply_fsdp(model, mesh, reshard_after_forward=True, mp_policy=policy)])
+        else:
+            pm = parallelize(model, ParallelDims(), ParallelConfig(), device=CUDA, n_microbatches=1,
+                             precision_policy=precision)  # fmt: skip
+        optimizers = Optimizers(pm.parts, lambda part: build_optimizer(part, OPT, CUDA), OPT, STEPS)
+        runner = build_step_runner(pm, ParallelDims(), ParallelConfig(), tcfg, CUDA, precision=precision)
+        losses = []
+        for x, y in batches:
+            loss = runner.forward_backward(x.to(CUDA), y.to(CUDA))
+            runner.clip()
+            optimizers.step()
+            losses.append(loss.item())
+        kinds = {type(m).__name__ for m in pm.parts[0].modules()}
+        facts[name] = {"losses": losses, "float8": "Float8Linear" in kinds, "describe": precision.describe()}
+    Path(out).write_text(json.dumps(facts))
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+    reason="fp8 needs compute capability >= 8.9",
+)
+def test_fp8_trains_within_tolerance_of_bf16(tmp_path):
+    """CPU twins: tests/unit/test_precision.py::test_fp8_is_refused_before_launch_off_fp8_hardware and
+    ::test_fp8_swaps_the_block_linears_and_keeps_the_output_projection (which layers become Float8Linear). Here
+    the float8 matmuls run: over 30 steps each recipe, and tensorwise with FSDP2's fp8 all-gather, follows bf16
+    within 5% in loss (e4m3 keeps 3 mantissa bits; the scales are dynamic) and learns as much."""
+    out = tmp_path / "fp8.json"
+    spawn(_fp8_worker, 1, str(out))
+    facts = json.loads(out.read_text())
+    bf16 = facts.pop("bf16")["losses"]
+    assert bf16[-1] < bf16[0] - 0.5
+    for name, f in facts.items():
+        rel = max(abs(a - b) / b for a, b in zip(f["losses"], bf16, strict=True))
+        print(f"fp8 {name}: max relative loss difference from bf16 over 30 steps {rel:.2e} ({f['describe']})")
+        assert f["float8"] and 0 < rel < 5e-2, (name, rel)

@@ -66,7 +66,7 @@ def test_every_problem_is_reported_at_once():
         "--training.steps",
         "abc",
         "--training.precision",
-        "fp16",
+        "fp4",
         "--optimizer.lr",
         "-1",
         "--training.global_batch",

@@ -3,14 +3,20 @@ sharded layouts of large models are accepted where they fit, refused with the nu
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 import scaletrain.validate as validate
 from scaletrain.config import MemoryConfig, ModelConfig, ParallelConfig, TrainingConfig
 from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
+from scaletrain.memory import apply_recompute
+from scaletrain.memory.measure import saved_activation_bytes
 from scaletrain.models.llama import ModelArgs, count_parameters
-from scaletrain.models.presets import build_meta_model, resolve_model_args
+from scaletrain.models.loss import cross_entropy
+from scaletrain.models.presets import build_meta_model, build_model, resolve_model_args
 from scaletrain.planner.memory import (
     GiB,
     block_parameters,
@@ -185,3 +191,50 @@ def test_recompute_is_offered_when_activations_do_not_fit():
         memory_problem(args, fsdp, BIG, 16384, 8, device_bytes=H100, memory=MemoryConfig(recompute="full"))
         is None
     )
+
+
+def _block_saved_bytes(args: ModelArgs, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one block's forward (saved_tensors_hooks):
+    parameters and the RoPE table (not activations) are left out."""
+    model = build_model(args, 0, "cpu")
+    block = model.layers["0"]
+    cos, sin = model.rope[: x.shape[1]].unbind(-2)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {
+        model.rope.untyped_storage().data_ptr()
+    }
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x, cos, sin)
+    out.sum().backward()
+    return sum(seen.values())
+
+
+def test_one_block_saves_what_the_formula_says():
+    # The block input x is a leaf here and saved like any other tensor: the formula counts it (the "h" of x).
+    x = torch.randn(2, 64, DEBUG.dim, requires_grad=True)
+    assert _block_saved_bytes(DEBUG, x) == pytest.approx(
+        layer_activation_bytes(DEBUG, ParallelConfig(), 2, 64, 4)
+    )
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective", "every_k"])
+def test_measured_activations_match_the_model_for_every_policy(policy):
+    """Every storage alive after the forward (memory.measure, which also sees what checkpoints keep): the blocks
+    at the policy's formula plus the head (last block output, final norm's x-hat and y, log-softmax: 3h + V)."""
+    args = dataclasses.replace(DEBUG, max_seq_len=64)
+    model = apply_recompute(build_model(args, 0, "cpu"), policy, 2)
+    x, y = torch.randint(0, args.vocab_size, (2, 64)), torch.randint(0, args.vocab_size, (2, 64))
+    measured, loss = saved_activation_bytes(lambda: cross_entropy(model(x), y))
+    loss.backward()
+    none = layer_activation_bytes(args, ParallelConfig(), 2, 64, 4)
+    kept = layer_activation_bytes(args, ParallelConfig(), 2, 64, 4, "full" if policy == "every_k" else policy)
+    blocks = 2 * none + 2 * kept if policy == "every_k" else 4 * kept
+    head = 2 * 64 * (3 * args.dim + args.vocab_size) * 4
+    assert measured == pytest.approx(blocks + head, rel=0.01)

@@ -1,0 +1,179 @@
+"""The planner's predictions beside measurements on this CPU: calibrate once, then train each layout for a few
+steps through the real CLI and compare rank 0's peak RSS and the step time of the last window (metrics.jsonl)
+with what `plan --config` predicts for that rank.
+
+    python benchmarks/planner_validate.py [--cache DIR] [--no-calibrate] [--steps 6] [--only N,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scaletrain.planner.commands import plan_one  # noqa: E402
+from scaletrain.planner.inputs import parse_unvalidated  # noqa: E402
+from scaletrain.planner.search import overhead_of  # noqa: E402
+
+CONFIG = str(ROOT / "configs" / "debug.toml")
+D256 = ["--model.dim", "256", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2"]
+D256 += ["--model.ffn_hidden", "704"]
+FSDP = ["--parallel.data_parallel", "fsdp"]
+# (processes, model, layout overrides): data, tensor, pipeline and context parallel, three recompute policies.
+LAYOUTS: list[tuple[int, str, list[str]]] = [
+    (1, "debug", []),
+    (1, "debug", ["--memory.recompute", "full"]),
+    (2, "debug", ["--parallel.data_parallel", "ddp"]),
+    (2, "debug", [*FSDP, "--memory.recompute", "selective"]),
+    (2, "debug", [*FSDP, "--parallel.tp", "2"]),
+    (2, "debug", [*FSDP, "--parallel.pp", "2"]),
+    (2, "debug", [*FSDP, "--parallel.cp", "2"]),
+    (4, "debug", FSDP),
+    (4, "debug", [*FSDP, "--parallel.tp", "2", "--memory.recompute", "full"]),
+    (8, "debug", FSDP),
+    (1, "d256", []),
+    (1, "d256", ["--memory.recompute", "selective"]),
+    (2, "d256", ["--parallel.data_parallel", "ddp", "--memory.recompute", "full"]),
+    (2, "d256", [*FSDP, "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    (4, "d256", [*FSDP, "--parallel.pp", "2"]),
+    (2, "d256", [*FSDP, "--parallel.cp", "2", "--memory.recompute", "selective"]),
+]
+COMMON = ["--data.seq_len", "128", "--training.global_batch", "8", "--training.eval_interval", "0"]
+COMMON += ["--training.threads", "1"]  # one thread per process: the calibrated rate, and robust to load
+COMMON += ["--checkpoint.enabled", "false", "--metrics.progress", "false", "--metrics.tensorboard", "false"]
+
+
+def _size(args: list[str], key: str) -> int:
+    return int(args[args.index(key) + 1]) if key in args else 1
+
+
+def overrides(n: int, model: str, layout: list[str], steps: int) -> list[str]:
+    dp = n // (
+        _size(layout, "--parallel.tp") * _size(layout, "--parallel.pp") * _size(layout, "--parallel.cp")
+    )
+    micro = max(1, min(4, 8 // dp))
+    out = [*COMMON, "--training.steps", str(steps), "--metrics.log_interval", str(steps // 2)]
+    return out + (D256 if model == "d256" else []) + layout + ["--training.micro_batch", str(micro)]
+
+
+def measure(n: int, args: list[str], run_dir: Path, env: dict) -> dict:
+    cmd = [sys.executable, "-m", "scaletrain", "train", "--config", CONFIG, "--nproc", str(n)]
+    proc = subprocess.run(
+        [*cmd, *args, "--run.dir", str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    records = [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
+    return records[-1]  # the last window: steps after the first (warm-up) window
+
+
+def describe(n: int, model: str, layout: list[str]) -> str:
+    keys = {"--parallel.tp": "tp", "--parallel.pp": "pp", "--parallel.cp": "cp", "--memory.recompute": "rc"}
+    parts = [f"{v}={layout[layout.index(k) + 1]}" for k, v in keys.items() if k in layout]
+    mode = (
+        layout[layout.index("--parallel.data_parallel") + 1]
+        if "--parallel.data_parallel" in layout
+        else "ddp"
+    )
+    sp = " sp" if "--parallel.sequence_parallel" in layout else ""
+    return f"{model:<5} n={n} {mode}{sp} {' '.join(parts)}"
+
+
+def published() -> None:
+    """The planner beside published runs on their hardware: its pick, its estimate of the published layout."""
+    from scaletrain.config import (
+        Config,
+        DataConfig,
+        MemoryConfig,
+        ModelConfig,
+        ParallelConfig,
+        TrainingConfig,
+    )
+    from scaletrain.planner.hardware import GPUS
+    from scaletrain.planner.inputs import model_args
+    from scaletrain.planner.search import estimate, search
+
+    runs = [
+        # Llama 3 405B (Dubey et al. 2024, table 4): 16,384 H100, seq 8192, 16M tokens per batch, TP8 CP1 PP16
+        # DP128, 38-43% BF16 MFU (41% at this size); FSDP that does not reshard after forward (zero2 here).
+        ("Llama 3 405B", "405B", 16384, 8192, 2048, ParallelConfig(data_parallel="zero2", tp=8, pp=16,
+         sequence_parallel=True, pp_schedule="interleaved_1f1b"), "none", 1, "38-43% (table 4)"),
+        # torchtitan docs/performance.md table 1: Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP, local batch 2,
+        # seq 8192, selective AC: 5,762 tokens/s/GPU, 82.4 GiB; "33% to 39% MFU".
+        ("torchtitan Llama 3.1 8B", "8B", 8, 8192, 16, ParallelConfig(data_parallel="fsdp"), "selective", 2,
+         "5,762 tok/s/GPU, 33-39%"),
+    ]  # fmt: skip
+    for title, preset, world, seq, gb, layout, policy, micro, pub in runs:
+        t = TrainingConfig(global_batch=gb, micro_batch=micro, precision="bf16", eval_interval=0)
+        cfg = Config(model=ModelConfig(preset=preset), data=DataConfig(seq_len=seq), training=t,
+                     parallel=layout, memory=MemoryConfig(recompute=policy))  # fmt: skip
+        args = model_args(cfg)
+        t0 = time.perf_counter()
+        plans, rejected, _ = search(cfg, args, world, GPUS["h100"], 8)
+        theirs = estimate(cfg, args, world, GPUS["h100"], 8)
+        best = plans[0] if plans else None
+        print(f"{title}: published {pub}")
+        print(f"  planner's pick ({len(plans)} fit, {sum(rejected.values())} refused, {time.perf_counter() - t0:.0f} s): "
+              + (f"{best.describe()}: MFU {100 * best.time['mfu']:.1f}%, {best.time['tokens_per_s'] / world:,.0f} "
+                 f"tok/s/GPU, {best.memory['total'] / 2**30:.1f} GiB" if best else "none"))  # fmt: skip
+        print(f"  published layout as the planner sees it: {theirs.describe()}: MFU {100 * theirs.time['mfu']:.1f}%, "
+              f"{theirs.time['tokens_per_s'] / world:,.0f} tok/s/GPU, {theirs.memory['total'] / 2**30:.1f} GiB")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "scaletrain-planner-validate"))
+    ap.add_argument("--no-calibrate", action="store_true")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--only", default="", help="comma-separated row numbers (from 1)")
+    ap.add_argument("--published", action="store_true", help="only the comparison with published runs")
+    opt = ap.parse_args()
+    if opt.published:
+        published()
+        return
+    env = {**os.environ, "SCALETRAIN_CACHE": opt.cache}
+    os.environ["SCALETRAIN_CACHE"] = opt.cache
+    if not opt.no_calibrate:
+        subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--calibrate", "--nproc", "8"], cwd=ROOT, env=env,
+                       check=True)  # fmt: skip
+    rows = [int(x) for x in opt.only.split(",") if x] or range(1, len(LAYOUTS) + 1)
+    print(f"{'#':>2} {'layout':<34} {'mem pred':>8} {'meas':>6} {'err':>6} {'-base p':>7} {'meas':>6} "
+          f"{'step pred':>9} {'meas':>7} {'err':>6}")  # fmt: skip
+    worst_mem = worst_time = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in rows:
+            n, model, layout = LAYOUTS[i - 1]
+            args = overrides(n, model, layout, opt.steps)
+            plan, profile = plan_one(parse_unvalidated(CONFIG, args), n, "cpu", None)
+            pred_mem = plan.memory_by_pp_rank[0] / 2**20  # rank 0 is what mem_peak_mib reports
+            base = overhead_of(profile, n) / 2**20
+            t0 = time.perf_counter()
+            got = measure(n, args, Path(tmp) / f"run{i}", env)
+            mem_err = pred_mem / got["mem_peak_mib"] - 1
+            time_err = plan.time["step_time_s"] / got["step_time_s"] - 1
+            worst_mem, worst_time = max(worst_mem, abs(mem_err)), max(worst_time, abs(time_err))
+            print(
+                f"{i:>2} {describe(n, model, layout):<34} {pred_mem:>8.0f} {got['mem_peak_mib']:>6.0f} "
+                f"{100 * mem_err:>+5.1f}% {pred_mem - base:>7.1f} {got['mem_peak_mib'] - base:>6.1f} "
+                f"{plan.time['step_time_s']:>9.4f} {got['step_time_s']:>7.4f} {100 * time_err:>+5.1f}%"
+                f"   ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+    print(
+        f"worst: memory {100 * worst_mem:.1f}%, step time {100 * worst_time:.1f}%; profile: {profile.source}"
+    )
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""`scaletrain plan --calibrate`: measure this CPU for the planner — matmul rates at a few shapes (fp32, bf16), the
+time of a real block's forward and backward, AdamW's pass over memory, gloo collectives over N local ranks, and a
+process's memory before the model — and save the profile (planner/hardware.py) that later plans use."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from scaletrain.metrics.mfu import cpu_model_name
+from scaletrain.planner.hardware import DEFAULT_CPU, DeviceProfile, save_profile
+from scaletrain.planner.inputs import model_args, parse_unvalidated
+from scaletrain.planner.search import estimate
+
+SHAPES = (64, 128, 256, 512)  # square matmul sizes: from dispatch-bound to rate-bound
+COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
+
+
+def _best(fn, budget_s: float = 0.15, least: int = 3) -> float:
+    """Fastest of several calls of fn (the run least disturbed by other processes)."""
+    fn()
+    best, n, end = float("inf"), 0, time.perf_counter() + budget_s
+    while n < least or time.perf_counter() < end:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        n += 1
+    return best
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = a + b·x, intercept clamped at >= 0."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs) or 1.0
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    return max(my - b * mx, 0.0), b
+
+
+def measure_matmul(dtype: torch.dtype) -> tuple[float, float]:
+    """(t0 seconds per call, FLOP/s) fitted to time = t0 + flops / rate over SHAPES, one thread."""
+    flops, times = [], []
+    for n in SHAPES:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        flops.append(2.0 * n**3)
+        times.append(_best(partial(torch.mm, a, b)))
+    t0, slope = fit_line(flops, times)
+    return t0, 1.0 / max(slope, 1e-15)
+
+
+def measure_block(matmul: tuple[float, float]) -> tuple[float, float]:
+    """(fixed seconds per block forward+backward, element-wise bytes/s): a one-block model (dim 256, a vocabulary
+    of 64 so the head is negligible) timed at two sequence lengths; what its matmuls at the fitted rate do not
+    explain is fitted as a + traffic / bandwidth, with the traffic the time model charges (ELEMENTWISE_TRAFFIC x
+    the bytes the block saves)."""
+    from scaletrain.config import ParallelConfig
+    from scaletrain.models.llama import ModelArgs
+    from scaletrain.models.presets import build_model
+    from scaletrain.planner.memory import layer_activation_bytes
+    from scaletrain.planner.time import ELEMENTWISE_TRAFFIC, _matmuls, _Shape
+
+    args = ModelArgs(
+        dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=704, vocab_size=64, max_seq_len=512
+    )
+    model = build_model(args, 0, "cpu")
+    t0, rate = matmul
+    xs, ys = [], []
+    for seq in (64, 512):
+        tokens = torch.randint(0, 64, (1, seq))
+        took = _best(partial(_forward_backward, model, tokens), budget_s=0.4)
+        shape = _Shape(seq, seq, args.dim, args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden)
+        mm = sum(3 * (t0 + f / rate) for f in _matmuls(shape))
+        xs.append(ELEMENTWISE_TRAFFIC * layer_activation_bytes(args, ParallelConfig(), 1, seq, 4))
+        ys.append(max(took - mm, 1e-9))
+    a, b = fit_line(xs, ys)
+    return a, 1.0 / max(b, 1e-15)
+
+
+def _forward_backward(model: torch.nn.Module, tokens: torch.Tensor) -> None:
+    model(tokens).float().sum().backward()
+
+
+def measure_step_overhead(block_overhead: float) -> float:
+    """Seconds a training step costs beyond its blocks: a one-block dim-64 model at 8 tokens through loss,
+    backward, clipping and AdamW (all dispatch, no arithmetic to speak of), less one block's fixed cost."""
+    from scaletrain.models.llama import ModelArgs
+    from scaletrain.models.loss import cross_entropy
+    from scaletrain.models.presets import build_model
+
+    args = ModelArgs(
+        dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=128, vocab_size=64, max_seq_len=8
+    )
+    model = build_model(args, 0, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))
+
+    def step() -> None:
+        cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return max(_best(step, budget_s=0.3) - block_overhead, 0.0)
+
+
+def measure_adam_bandwidth() -> float:
+    """Bytes/s of AdamW's pass over 4M fp32 parameters (28 bytes each: the time model's ADAM_TRAFFIC)."""
+    from scaletrain.planner.time import ADAM_TRAFFIC
+
+    p = torch.nn.Parameter(torch.randn(2**22))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
+    return ADAM_TRAFFIC * p.numel() / _best(opt.step, budget_s=0.3)
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    """One gloo rank: init, a tiny training step (so the process holds what a worker holds before the model), then
+    each collective at each size; rank 0 writes the times and its peak RSS less the tensors it made."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import scaletrain.launch  # noqa: F401  (a worker imports the trainer before anything else)
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    measure_step_overhead(0.0)
+    times: dict[str, list[tuple[int, float]]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
+    for size in COLLECTIVE_BYTES:
+        n = size // 4
+        full, part = torch.ones(n), torch.ones(max(n // world, 1))
+        whole = full[: part.numel() * world]
+        # torch 2.13 renames these (the old names warn); either works.
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        ops = {
+            "all_reduce": partial(dist.all_reduce, full),
+            "all_gather": partial(gather, whole, part),
+            "reduce_scatter": partial(scatter, part, whole),
+        }
+        for name, op in ops.items():
+            best = float("inf")
+            for _ in range(6):  # the first call sets up the pairs' buffers; the fastest of the rest counts
+                dist.barrier()
+                t = time.perf_counter()
+                op()
+                best = min(best, time.perf_counter() - t)
+            times[name].append((size, best))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": times, "rss": rss}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_collectives(nproc: int) -> tuple[dict[str, tuple[float, float]], int]:
+    """({op: (latency per ring step, bandwidth in the ring formula's convention)}, peak RSS of a rank) over nproc
+    local gloo ranks; one rank (nproc 1) measures the RSS only."""
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "result")
+        mp.start_processes(_rank, args=(nproc, port, out), nprocs=nproc, start_method="spawn")
+        data = json.loads(Path(out).read_text())
+    fitted = {}
+    for name, points in data["times"].items():
+        if nproc < 2:
+            break
+        factor = (2 if name == "all_reduce" else 1) * (nproc - 1) / nproc
+        steps = (2 if name == "all_reduce" else 1) * (nproc - 1)
+        a, b = fit_line([factor * s for s, _ in points], [t for _, t in points])
+        fitted[name] = (a / steps, 1.0 / max(b, 1e-15))
+    return fitted, int(data["rss"])
+
+
+TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "2", "--model.n_kv_heads", "1"]
+TINY += ["--model.ffn_hidden", "128", "--data.seq_len", "64", "--training.global_batch", "4"]
+TINY += ["--training.micro_batch", "2", "--training.steps", "6", "--metrics.log_interval", "3"]
+TINY += ["--training.eval_interval", "0", "--training.threads", "1", "--checkpoint.enabled", "false"]
+TINY += ["--metrics.progress", "false", "--metrics.tensorboard", "false", "--parallel.data_parallel", "ddp"]
+
+
+def measure_framework(profile: DeviceProfile, cache_dir: Path, log) -> DeviceProfile:
+    """The constants only a real run shows: a tiny model trained through the CLI in one process and in two
+    (workers forked by the launcher); peak RSS less the model's predicted bytes is the framework's memory, and
+    the one-process step time less the predicted work is the loop's fixed cost per step."""
+    import tempfile
+
+    env = {**os.environ, "SCALETRAIN_CACHE": str(cache_dir)}
+    # Tokenise the data first: a run that prepares it in its own process would count that in its peak RSS.
+    prep = [sys.executable, "-m", "scaletrain", "prepare-data", *TINY]
+    subprocess.run(prep, env=env, check=True, capture_output=True)
+    got = {}
+    for n in (1, 2):
+        with tempfile.TemporaryDirectory() as d:
+            cmd = [
+                sys.executable,
+                "-m",
+                "scaletrain",
+                "train",
+                "--nproc",
+                str(n),
+                *TINY,
+                "--run.dir",
+                f"{d}/run",
+            ]
+            subprocess.run(cmd, env=env, check=True, capture_output=True)
+            last = [
+                json.loads(x) for x in Path(f"{d}/run/metrics.jsonl").read_text().splitlines() if x.strip()
+            ]
+        cfg = parse_unvalidated(None, TINY)
+        bare = dataclasses.replace(profile, overhead_bytes=0, worker_overhead_bytes=0, step_overhead_s=0.0)
+        plan = estimate(cfg, model_args(cfg), n, bare)
+        got[n] = (
+            last[-1]["mem_peak_mib"] * 2**20 - plan.memory["total"],
+            last[-1]["step_time_s"] - plan.time["step_time_s"],
+        )
+    log(
+        f"framework: {got[1][0] / 2**20:.0f} MiB per process, {got[2][0] / 2**20:.0f} MiB per forked worker; "
+        f"{got[1][1] * 1e3:.1f} ms fixed per step"
+    )
+    return dataclasses.replace(
+        profile,
+        overhead_bytes=int(got[1][0]),
+        worker_overhead_bytes=int(got[2][0]),
+        step_overhead_s=max(got[1][1], 0.0),
+    )
+
+
+def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Path]:
+    """Measure this machine (a minute or two: two tiny training runs included) and save its profile in
+    `cache_dir`."""
+    torch.set_num_threads(1)
+    fp32, bf16 = measure_matmul(torch.float32), measure_matmul(torch.bfloat16)
+    log(
+        f"matmul fp32: t0 {fp32[0] * 1e6:.1f} us, {fp32[1] / 1e9:.2f} GFLOP/s per thread; bf16 {bf16[1] / 1e9:.2f}"
+    )
+    op_overhead, elementwise_bw = measure_block(fp32)
+    log(f"block: {op_overhead * 1e3:.2f} ms fixed, element-wise {elementwise_bw / 1e9:.2f} GB/s")
+    adam_bw = measure_adam_bandwidth()
+    step_overhead = measure_step_overhead(op_overhead)
+    collectives = {}
+    for n in sorted({min(2**i, nproc) for i in range(1, 7) if 2 ** (i - 1) < nproc} or {1}):
+        fitted, rss = measure_collectives(n)
+        collectives.update({f"{name}@{n}": v for name, v in fitted.items()})
+    for name, (lat, bw) in collectives.items():
+        log(f"{name} gloo ranks: {lat * 1e6:.0f} us per step, {bw / 1e9:.2f} GB/s")
+    log(
+        f"process before the model: {rss / 2**20:.0f} MiB peak RSS; step overhead {step_overhead * 1e3:.2f} ms"
+    )
+    mem_bw = (elementwise_bw + adam_bw) / 2
+    profile = dataclasses.replace(
+        DEFAULT_CPU,
+        name=f"{cpu_model_name()} (calibrated, torch {torch.__version__})",
+        peak_flops={"fp32": fp32[1], "bf16": bf16[1]},
+        matmul={"fp32": fp32, "bf16": bf16},
+        memory_bw=mem_bw,
+        overhead_bytes=rss,
+        op_overhead_s=op_overhead,
+        step_overhead_s=step_overhead,
+        cores=os.cpu_count() or 1,
+        threads=1,
+        collectives=collectives,
+        intra_bw=collectives.get("all_reduce@2", (0, DEFAULT_CPU.intra_bw))[1],
+        intra_latency=collectives.get("all_reduce@2", (DEFAULT_CPU.intra_latency, 0))[0],
+        source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} with {nproc} gloo ranks; {sys.platform}",
+    )
+    profile = measure_framework(profile, cache_dir, log)
+    return profile, save_profile(profile, cache_dir)

@@ -1,0 +1,186 @@
+"""What `scaletrain plan`, `train --dry-run` and `--parallel.auto` do, for cli.py to call: the search over layouts,
+the estimate of one layout, the calibration, and the layout parallel.auto applies before validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from scaletrain.config import Config
+from scaletrain.data import resolve_cache_dir
+from scaletrain.errors import ConfigError
+from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.planner.calibrate import calibrate as measure_machine
+from scaletrain.planner.hardware import GPUS, KINDS, DeviceProfile, load_profile
+from scaletrain.planner.inputs import model_args, parse_unvalidated
+from scaletrain.planner.memory import PARTS, GiB
+from scaletrain.planner.search import (
+    Plan,
+    device_bytes,
+    estimate,
+    format_table,
+    no_plan_message,
+    pick,
+    search,
+)
+from scaletrain.validate import global_batch_sequences, layout_problems
+
+
+def local_device_kind(cfg: Config) -> str:
+    """The profile of the device this config trains on: a known GPU by name, else cpu."""
+    cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        name = torch.cuda.get_device_name(0).lower()
+        for kind in GPUS:
+            if kind in name:
+                return kind
+        raise ConfigError(f"the planner has no profile for the GPU '{name}'; it knows {', '.join(GPUS)}")
+    return "cpu"
+
+
+def profile_for(cfg: Config, kind: str | None) -> DeviceProfile:
+    return load_profile(kind or local_device_kind(cfg), resolve_cache_dir(cfg.data))
+
+
+def plan_json(plan: Plan, profile: DeviceProfile) -> dict:
+    out = plan.to_json()
+    out.update(
+        device=profile.name,
+        profile_source=profile.source,
+        fits=bool(plan.memory["total"] <= _have(plan, profile)),
+    )
+    out["device_memory_bytes"] = _have(plan, profile)
+    return out
+
+
+def _have(plan: Plan, profile: DeviceProfile) -> int:
+    return device_bytes(profile, plan.world_size)
+
+
+def describe_estimate(plan: Plan, profile: DeviceProfile) -> str:
+    """The estimate as printed by `plan --config` (without --json) and `train --dry-run`."""
+    m, t = plan.memory, plan.time
+    parts = ", ".join(f"{k} {m[k] / GiB:.3g}" for k in PARTS if m.get(k))
+    comm = ", ".join(
+        f"{k[:-2]} {t[k]:.3g}"
+        for k in (
+            "tp_comm_s",
+            "cp_comm_s",
+            "pp_p2p_s",
+            "dp_comm_exposed_s",
+            "bubble_s",
+            "optimizer_s",
+            "overhead_s",
+        )
+        if t.get(k)
+    )
+    fits = "fits" if m["total"] <= _have(plan, profile) else "DOES NOT FIT"
+    return (
+        f"estimate on {profile.name} ({profile.source}):\n"
+        f"  peak memory (fullest rank) {m['total'] / GiB:.3g} GiB of {_have(plan, profile) / GiB:.3g} GiB: {fits} "
+        f"({parts})\n"
+        f"  step time {t['step_time_s']:.4g} s (compute {t['compute_s']:.3g}{', ' + comm if comm else ''}); "
+        f"{t['tokens_per_s']:.4g} tokens/s; MFU {100 * t['mfu']:.1f}%"
+    )
+
+
+def plan_one(
+    cfg: Config, world: int, kind: str | None, gpus_per_node: int | None
+) -> tuple[Plan, DeviceProfile]:
+    """The estimate of the config's own layout; ConfigError when the layout itself is refused."""
+    args = model_args(cfg)
+    problems = layout_problems(cfg, world, args)
+    if problems:
+        raise ConfigError(problems)
+    profile = profile_for(cfg, kind)
+    return estimate(cfg, args, world, profile, gpus_per_node), profile
+
+
+def run_plan(
+    *,
+    config: str | None,
+    overrides: list[str],
+    model: str | None,
+    devices: int | None,
+    device: str | None,
+    gpus_per_node: int,
+    seq_len: int,
+    global_batch_tokens: int,
+    top: int,
+    as_json: bool,
+    nproc: int,
+    calibrate: bool,
+) -> int:
+    if device is not None and device.lower() not in KINDS:
+        raise ConfigError(f"--device '{device}' is unknown; choose one of {', '.join(KINDS)}")
+    if calibrate:
+        cfg = parse_unvalidated(config, overrides)
+        profile, path = measure_machine(resolve_cache_dir(cfg.data), nproc)
+        print(f"saved the profile of {profile.name} to {path}; `--device cpu` plans use it")
+        return 0
+    if model is None:
+        cfg = parse_unvalidated(config, overrides)
+        plan, profile = plan_one(cfg, nproc, device, gpus_per_node if device in GPUS else None)
+        print(json.dumps(plan_json(plan, profile), indent=1) if as_json else describe_estimate(plan, profile))
+        return 0
+    if not devices or devices < 1:
+        raise ConfigError("plan --model needs --devices N (N >= 1)")
+    kind = (device or "h100").lower()
+    seeded = ["--model.preset", model, "--data.seq_len", str(seq_len), "--training.eval_interval", "0"]
+    seeded += ["--training.precision", "fp32" if kind == "cpu" else "bf16"]
+    seeded += ["--training.global_batch_tokens", str(global_batch_tokens or seq_len * devices)]
+    cfg = parse_unvalidated(config, seeded + overrides)
+    args = model_args(cfg)
+    profile = load_profile(kind, resolve_cache_dir(cfg.data))
+    node = gpus_per_node if kind != "cpu" else profile.devices_per_node
+    plans, rejected, example = search(cfg, args, devices, profile, node)
+    if not plans:
+        raise ConfigError(no_plan_message(args, devices, rejected, example, model))
+    if as_json:
+        print(json.dumps([plan_json(p, profile) for p in plans[:top]], indent=1))
+    else:
+        gb = global_batch_sequences(cfg.training, cfg.data.seq_len)
+        print(f"{model} on {devices} x {profile.name}, seq {cfg.data.seq_len}, global batch {gb} sequences:")
+        print(format_table(plans, rejected, example, top))
+    return 0
+
+
+def dry_run(cfg: Config, world: int) -> str:
+    """What `train --dry-run` prints: the mesh, the batch arithmetic and the estimate (cfg already validated)."""
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    gb = global_batch_sequences(cfg.training, cfg.data.seq_len)
+    micro, dp = cfg.training.micro_batch, dims.dp_size
+    accum = gb // (micro * dp)
+    plan, profile = plan_one(cfg, world, None, None)
+    return (
+        f"dry run: nothing started\n"
+        f"mesh: {dims.describe(cfg.parallel)} on {world} rank(s)\n"
+        f"batch: global {gb} sequences x {cfg.data.seq_len} tokens = {gb * cfg.data.seq_len} tokens per step = "
+        f"micro-batch {micro} x {dp} data-parallel rank(s) x {accum} accumulation step(s)\n"
+        + describe_estimate(plan, profile)
+    )
+
+
+def auto_overrides(config: str | None, overrides: list[str], world: int) -> list[str]:
+    """With parallel.auto true: the overrides plus the fastest fitting layout's (logged on rank 0), applied before
+    validation; the overrides unchanged otherwise."""
+    cfg = parse_unvalidated(config, overrides)
+    if not cfg.parallel.auto:
+        return overrides
+    args = model_args(cfg)
+    profile = profile_for(cfg, None)
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (
+        torch.cuda.device_count() if profile.kind == "gpu" else 0
+    )
+    chosen = pick(cfg, args, world, profile, node or world)
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"parallel.auto chose: {chosen.describe()} (predicted {chosen.memory['total'] / GiB:.3g} GiB, "
+            f"{chosen.time['step_time_s']:.3g} s per step, MFU {100 * chosen.time['mfu']:.1f}%)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return [*overrides, *chosen.overrides()]

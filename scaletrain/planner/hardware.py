@@ -1,0 +1,171 @@
+"""Device profiles for the planner: datasheet figures of the GPUs we plan for (each with its source) and a CPU
+profile measured on this machine by `scaletrain plan --calibrate` (planner/calibrate.py), saved as JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 2**30
+GB = 10**9
+TB = 10**12
+# Fraction of the dense datasheet peak that large bf16 matmuls (the shapes of an 8B+ model) reach in practice:
+# cuBLAS GEMMs of size >= 4096 measure 70-80% of peak on H100 SXM at its default clocks, and the whole-model MFU of
+# well-tuned trainers is 38-58% (Llama 3 paper table 4; torchtitan docs/performance.md). 0.75 is our stated guess
+# for the matmul share, not a measurement; a calibrated GPU profile replaces it.
+ACHIEVABLE_MATMUL = 0.75
+# Fraction of HBM bandwidth that element-wise kernels (norms, SwiGLU, RoPE, AdamW) reach: ~0.7-0.8 for large
+# contiguous tensors on Hopper (NVIDIA's stream-like bandwidth tests); 0.7 stated as a guess.
+ACHIEVABLE_HBM = 0.7
+# NCCL on NVLink reaches ~0.75-0.85 of the link's per-direction bandwidth as bus bandwidth in nccl-tests
+# all_reduce_perf at >= 256 MiB messages, and ~0.8-0.9 of InfiniBand's line rate; 0.8 for both, stated.
+ACHIEVABLE_LINK = 0.8
+
+
+@dataclass
+class DeviceProfile:
+    """One device and the links between devices, in SI units (FLOP/s, bytes, bytes/s, seconds).
+
+    `matmul`: precision -> (t0 seconds per matmul call, FLOP/s asymptotic rate at `threads` threads): a matmul of F
+    FLOPs takes t0 + F / rate (a launch/dispatch latency plus the rate of large shapes), measured on CPUs, datasheet x
+    ACHIEVABLE_MATMUL on GPUs. Links: per-rank bandwidth per direction and a latency per collective step, inside a
+    node (NVLink / shared memory) and between nodes (InfiniBand / TCP)."""
+
+    name: str
+    kind: str  # "gpu" or "cpu"
+    peak_flops: dict[
+        str, float
+    ]  # datasheet dense peak per precision (for MFU), or the measured peak on a CPU
+    matmul: dict[str, tuple[float, float]]
+    memory_bytes: int
+    memory_bw: float  # bytes/s that element-wise kernels and the optimizer step reach
+    intra_bw: float
+    intra_latency: float
+    inter_bw: float
+    inter_latency: float
+    devices_per_node: int = 8
+    overhead_bytes: int = 2 * GiB  # framework overhead per rank: CUDA context, NCCL buffers, allocator slack
+    # CPU: the peak RSS of a worker forked from the launcher's warm fork server (`--nproc N`), which counts only the
+    # library pages it touches, less than a process that imported everything itself (0: as overhead_bytes).
+    worker_overhead_bytes: int = 0
+    op_overhead_s: float = 0.0  # fixed time per block forward+backward (dispatch of its ~40 ops), CPUs only
+    step_overhead_s: float = 0.0  # fixed time per optimizer step (loader, clipping, logging), CPUs only
+    cores: int = 0  # CPU cores shared by the local processes (0: a GPU, one device per process)
+    threads: int = (
+        1  # the threads the CPU matmul rate was measured with (the rate scales with min(threads, cores))
+    )
+    collectives: dict[str, tuple[float, float]] = field(
+        default_factory=dict
+    )  # calibrated: op -> (latency, bw)
+    source: str = "datasheet"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> DeviceProfile:
+        known = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
+        data["matmul"] = {k: tuple(v) for k, v in data.get("matmul", {}).items()}
+        data["collectives"] = {k: tuple(v) for k, v in data.get("collectives", {}).items()}
+        return cls(**data)
+
+
+def _gpu(
+    name: str, bf16: float, fp8: float | None, hbm: int, hbm_bw: float, nvlink: float, ib: float
+) -> DeviceProfile:
+    """A GPU from its datasheet: dense peaks in TFLOP/s, HBM bytes, HBM TB/s, NVLink GB/s (total, both
+    directions, as NVIDIA quotes it), InfiniBand Gb/s per GPU."""
+    peaks = {"bf16": bf16 * TB, "fp16": bf16 * TB}
+    if fp8:
+        peaks["fp8"] = fp8 * TB
+    return DeviceProfile(
+        name=name,
+        kind="gpu",
+        peak_flops=peaks,
+        # ~5 us per GEMM launch+tail (small-shape GEMMs on Hopper run at a few us), stated as a guess.
+        matmul={p: (5e-6, v * ACHIEVABLE_MATMUL) for p, v in peaks.items()},
+        memory_bytes=hbm,
+        memory_bw=hbm_bw * TB * ACHIEVABLE_HBM,
+        intra_bw=nvlink / 2 * GB * ACHIEVABLE_LINK,  # per direction
+        intra_latency=5e-6,  # NCCL ring step latency over NVLink, ~3-6 us (nccl-tests small messages)
+        inter_bw=ib / 8 * GB * ACHIEVABLE_LINK,
+        inter_latency=15e-6,  # IB RDMA step latency through the NCCL proxy, ~10-20 us
+    )
+
+
+# H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 989.4 TFLOPS dense (1,979 with sparsity), FP8
+# 1,979 dense (3,958 sparse), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s; DGX/HGX H100 pair each GPU with one
+# ConnectX-7 400 Gb/s NDR InfiniBand port (DGX H100 datasheet).
+# H200 SXM: NVIDIA H200 datasheet (2024): same Hopper compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s, NVLink
+# 900 GB/s, 400 Gb/s NDR per GPU in HGX H200.
+# A100 SXM4 80GB: NVIDIA A100 datasheet (2021): BF16 312 TFLOPS dense (624 sparse), no FP8, 80 GB HBM2e at
+# 2,039 GB/s, NVLink 600 GB/s; DGX A100 has one 200 Gb/s HDR InfiniBand port per GPU.
+# B200 (HGX, 1,000 W): NVIDIA HGX B200 / DGX B200 datasheets (2024): per GPU 2.25 PFLOPS BF16 dense (4.5 sparse),
+# FP8 4.5 PFLOPS dense (9 sparse), 180 GB HBM3e usable (192 GB physical) at 8 TB/s, NVLink 5 1.8 TB/s; DGX B200
+# pairs each GPU with a ConnectX-7 400 Gb/s port.
+# Memory in GiB as the device reports it (torch.cuda total_memory): the "80 GB" parts have 80 GiB of HBM (79.6 GiB
+# visible), an H200 reports ~140 GiB of its 141 GB, a B200 ~179 GiB.
+GPUS: dict[str, DeviceProfile] = {
+    "h100": _gpu("NVIDIA H100 SXM5 80GB", 989.4, 1978.9, 80 * GiB, 3.35, 900, 400),
+    "h200": _gpu("NVIDIA H200 SXM 141GB", 989.4, 1978.9, 140 * GiB, 4.8, 900, 400),
+    "a100": _gpu("NVIDIA A100 SXM4 80GB", 312.0, None, 80 * GiB, 2.039, 600, 200),
+    "b200": _gpu("NVIDIA B200 (HGX)", 2250.0, 4500.0, 179 * GiB, 8.0, 1800, 400),
+}
+# A CPU until calibrated: a modest figure so that plans run (a calibrated profile replaces every one of these).
+DEFAULT_CPU = DeviceProfile(
+    name="cpu (uncalibrated: run `scaletrain plan --calibrate`)",
+    kind="cpu",
+    peak_flops={"fp32": 50e9, "bf16": 50e9},
+    matmul={"fp32": (2e-5, 40e9), "bf16": (2e-5, 20e9)},
+    memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if hasattr(os, "sysconf")
+    else 8 * GiB,
+    memory_bw=5e9,
+    intra_bw=2e9,
+    intra_latency=5e-5,
+    inter_bw=1e9,
+    inter_latency=1e-4,
+    devices_per_node=os.cpu_count() or 1,
+    overhead_bytes=400 * 2**20,
+    op_overhead_s=1e-3,
+    step_overhead_s=5e-3,
+    cores=os.cpu_count() or 1,
+    source="default",
+)
+KINDS = (*GPUS, "cpu")
+PROFILE_FILE = "planner_profile.json"
+
+
+def profile_path(cache_dir: Path) -> Path:
+    return cache_dir / PROFILE_FILE
+
+
+def load_profile(kind: str, cache_dir: Path | None = None) -> DeviceProfile:
+    """The profile of `kind` (h100, h200, a100, b200, cpu): the calibrated one in `cache_dir` when it exists and is
+    of that kind, else the datasheet (GPUs) or the uncalibrated default (cpu). ValueError for an unknown kind."""
+    kind = kind.lower()
+    if kind not in KINDS:
+        raise ValueError(f"--device '{kind}' is unknown; choose one of {', '.join(KINDS)}")
+    if cache_dir is not None:
+        try:
+            saved = DeviceProfile.from_json(json.loads(profile_path(cache_dir).read_text()))
+        except (OSError, ValueError, TypeError):
+            saved = None
+        if saved is not None and saved.kind == kind:
+            return saved
+    if kind == "cpu":
+        return DEFAULT_CPU
+    return dataclasses.replace(GPUS[kind])
+
+
+def save_profile(profile: DeviceProfile, cache_dir: Path) -> Path:
+    path = profile_path(cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(profile.to_json(), indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path

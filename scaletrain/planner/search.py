@@ -1,0 +1,271 @@
+"""The planner's search: every layout of a model on N devices (pp, dp_replicate, dp_shard, cp, tp, the data-parallel
+mode, the pipeline schedule, recompute and micro-batch), pruned by validate's own layout rules and the memory
+model, ranked by the time model. Also the estimate of one given layout (`plan --config`, `train --dry-run`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from scaletrain.config import Config, ParallelConfig
+from scaletrain.errors import ConfigError
+from scaletrain.models.llama import ModelArgs
+from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.pipeline import SCHEDULES, resolve_microbatches
+from scaletrain.planner.hardware import DeviceProfile
+from scaletrain.planner.memory import PARTS, GiB, pp_rank_bytes
+from scaletrain.planner.time import step_time
+from scaletrain.validate import global_batch_sequences, layout_problems
+
+MODES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+POLICIES = ("none", "selective", "full")
+LAYOUT_KEYS = (
+    "dp_replicate",
+    "dp_shard",
+    "tp",
+    "pp",
+    "cp",
+    "data_parallel",
+    "sequence_parallel",
+    "pp_schedule",
+)
+
+
+@dataclass
+class Plan:
+    """One layout with its predicted memory (the fullest rank) and step time."""
+
+    cfg: Config
+    memory: dict[str, float]
+    time: dict[str, float]
+    world_size: int
+    memory_by_pp_rank: list[float] = field(default_factory=list)
+
+    def layout(self) -> dict[str, object]:
+        p = self.cfg.parallel
+        out: dict[str, object] = {k: getattr(p, k) for k in LAYOUT_KEYS}
+        out["dp_shard"] = ParallelDims.from_config(p, self.world_size).dp_shard
+        out["pp_microbatches"] = int(self.time["microbatches"]) if p.pp > 1 else 0
+        out["recompute"] = self.cfg.memory.recompute
+        out["micro_batch"] = self.cfg.training.micro_batch
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "layout": self.layout(),
+            "peak_memory_bytes": self.memory["total"],
+            "memory_breakdown": {k: self.memory[k] for k in (*PARTS, "host") if k in self.memory},
+            "memory_by_pp_rank": self.memory_by_pp_rank,
+            "step_time_s": self.time["step_time_s"],
+            "tokens_per_s": self.time["tokens_per_s"],
+            "mfu": self.time["mfu"],
+            "breakdown": {
+                k: v for k, v in self.time.items() if k not in ("step_time_s", "tokens_per_s", "mfu")
+            },
+        }
+
+    def overrides(self) -> list[str]:
+        """The command-line overrides that apply this plan's layout to a config."""
+        out = []
+        for k, v in self.layout().items():
+            section = "memory" if k == "recompute" else "training" if k == "micro_batch" else "parallel"
+            out += [f"--{section}.{k}", str(v).lower() if isinstance(v, bool) else str(v)]
+        return out
+
+    def describe(self) -> str:
+        lay = self.layout()
+        sizes = " ".join(
+            f"{k}={lay[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if lay[k] != 1
+        )
+        extra = f" {lay['pp_schedule']} m={lay['pp_microbatches']}" if lay["pp"] > 1 else ""
+        sp = " sp" if lay["sequence_parallel"] else ""
+        return (
+            f"{sizes or 'single'} {lay['data_parallel']}{sp}{extra} recompute={lay['recompute']} "
+            f"micro_batch={lay['micro_batch']}"
+        )
+
+
+def device_bytes(profile: DeviceProfile, world_size: int) -> int:
+    """Memory one rank may use: the device's, or on a CPU this process's share of the host (as validate does)."""
+    if profile.kind == "cpu":
+        return profile.memory_bytes // max(1, min(world_size, profile.devices_per_node))
+    return profile.memory_bytes
+
+
+def overhead_of(profile: DeviceProfile, world_size: int) -> int:
+    """The framework's bytes per rank: a CPU's forked workers (world > 1) pay their own calibrated figure."""
+    return (
+        profile.worker_overhead_bytes or profile.overhead_bytes if world_size > 1 else profile.overhead_bytes
+    )
+
+
+def estimate(
+    cfg: Config, args: ModelArgs, world_size: int, profile: DeviceProfile, gpus_per_node: int | None = None
+) -> Plan:
+    """Predicted memory and time of `cfg`'s layout (raises ConfigError/ValueError where it does not tile)."""
+    t, seq = cfg.training, cfg.data.seq_len
+    gb = global_batch_sequences(t, seq)
+    dp = ParallelDims.from_config(cfg.parallel, world_size).dp_size
+    ranks = pp_rank_bytes(
+        args,
+        cfg.parallel,
+        t,
+        seq,
+        world_size,
+        local_batch=max(gb // dp, 1),
+        overhead_bytes=overhead_of(profile, world_size),
+        memory=cfg.memory,
+    )
+    worst = max(ranks, key=lambda e: e["total"])
+    time = step_time(
+        args,
+        cfg.parallel,
+        t,
+        cfg.memory,
+        seq,
+        world_size,
+        profile,
+        global_batch=gb,
+        gpus_per_node=gpus_per_node,
+    )
+    return Plan(cfg, worst, time, world_size, [r["total"] for r in ranks])
+
+
+def _divisors(n: int, cap: int) -> list[int]:
+    return [d for d in (2**i for i in range(0, 20)) if d <= cap and n % d == 0]
+
+
+def _ep_sizes(cfg: Config) -> list[int]:
+    """Expert-parallel sizes to try: a hook for when parallel.ep and MoE blocks exist (they do not yet)."""
+    return [1]
+
+
+def _layouts(cfg: Config, args: ModelArgs, world: int, node: int) -> Iterator[ParallelConfig]:
+    """Every (pp, dp_replicate, dp_shard, cp, tp, mode, schedule) of `world` ranks: tp and cp in powers of two
+    (tp up to the node: checked with the reason in _reject), pp up to the layers."""
+    base = cfg.parallel
+    for tp, cp, pp in itertools.product(
+        _divisors(world, 2 * node), _divisors(world, 64), _divisors(world, args.n_layers)
+    ):
+        if world % (tp * cp * pp):
+            continue
+        dp = world // (tp * cp * pp)
+        for mode, _ep in itertools.product(MODES if dp * cp > 1 else ("ddp",), _ep_sizes(cfg)):
+            reps = [1]
+            if mode == "hsdp":  # shard within a node, replicate across nodes
+                shard = max(1, node // (tp * cp))
+                reps = [dp // shard] if dp % shard == 0 and 1 < shard < dp else []
+            for rep, sched in itertools.product(reps, SCHEDULES if pp > 1 else (base.pp_schedule,)):
+                yield dataclasses.replace(
+                    base, tp=tp, cp=cp, pp=pp, dp_replicate=rep, dp_shard=-1, data_parallel=mode,
+                    sequence_parallel=tp > 1, pp_schedule=sched, pp_microbatches=0,
+                )  # fmt: skip
+
+
+def _reason(problem: str) -> str:
+    """The family a validate message belongs to, for counting rejections."""
+    families = [
+        ("does not divide model.n_kv_heads", "tp does not divide the kv heads"),
+        ("does not divide model.n_heads", "tp does not divide the heads"),
+        ("does not divide", "tp does not divide a model size"),
+        ("global batch", "global batch not divisible by micro_batch x data-parallel ranks"),
+        ("layers but", "more pipeline stages than layers"),
+        ("cannot run inside pipeline", "ddp/zero1 cannot run inside pipeline stages"),
+        ("DTensor", "ddp/zero1 cannot hold tensor-parallel parameters"),
+        ("tied embeddings", "tied embeddings cannot be split over stages or tp"),
+        ("tensor parallel splits the embedding", "tied embeddings cannot be split over stages or tp"),
+        ("micro-batches", "pipeline micro-batch rule of the schedule"),
+        ("seq_len", "seq_len does not split over cp"),
+    ]
+    return next((name for key, name in families if key in problem), problem.split(";")[0][:70])
+
+
+def search(
+    cfg: Config, args: ModelArgs, world: int, profile: DeviceProfile, gpus_per_node: int
+) -> tuple[list[Plan], Counter, dict[str, str]]:
+    """(plans that fit, fastest first; rejected candidates counted by reason; an example message per reason)."""
+    plans, rejected, example = [], Counter(), {}
+    have, least = device_bytes(profile, world), float("inf")
+    gb = global_batch_sequences(cfg.training, cfg.data.seq_len)
+    for p in _layouts(cfg, args, world, gpus_per_node):
+        dp = p.dp_replicate * (world // (p.tp * p.cp * p.pp * p.dp_replicate))
+        local = gb // dp if gb % dp == 0 else 0
+        for micro, policy in itertools.product(_divisors(local, 16) or [1], POLICIES):
+            cand = dataclasses.replace(
+                cfg,
+                parallel=p,
+                training=dataclasses.replace(cfg.training, micro_batch=micro),
+                memory=dataclasses.replace(cfg.memory, recompute=policy),
+            )
+            why, detail = _reject(cand, args, world, gpus_per_node)
+            if why is None:
+                plan = estimate(cand, args, world, profile, gpus_per_node)
+                if plan.memory["total"] > have:
+                    why, least = "does not fit in memory", min(least, plan.memory["total"])
+                else:
+                    plans.append(plan)
+                    continue
+            rejected[why] += 1
+            example.setdefault(why, detail)
+    if least < float("inf"):
+        example["does not fit in memory"] = (
+            f"the least any of them needs is {least / GiB:.1f} GiB per rank; a rank has {have / GiB:.1f} GiB"
+        )
+    plans.sort(key=lambda pl: (pl.time["step_time_s"], pl.memory["total"]))
+    return plans, rejected, example
+
+
+def _reject(cfg: Config, args: ModelArgs, world: int, node: int) -> tuple[str | None, str]:
+    p = cfg.parallel
+    if p.tp > node:
+        return "tp spans nodes", f"tp = {p.tp} > {node} devices per node: its collectives need NVLink"
+    try:
+        problems = layout_problems(cfg, world, args)
+    except (ConfigError, ValueError) as e:
+        problems = [str(e)]
+    if problems:
+        return _reason(problems[0]), problems[0]
+    if p.pp > 1:
+        local = (
+            global_batch_sequences(cfg.training, cfg.data.seq_len)
+            // ParallelDims.from_config(p, world).dp_size
+        )
+        if resolve_microbatches(0, local, cfg.training.micro_batch) < p.pp and p.pp_schedule != "gpipe":
+            return "fewer micro-batches than stages", "the bubble would exceed the compute"
+    return None, ""
+
+
+def pick(cfg: Config, args: ModelArgs, world: int, profile: DeviceProfile, gpus_per_node: int) -> Plan:
+    """The fastest plan that fits (parallel.auto); ConfigError with the rejections when none does."""
+    plans, rejected, example = search(cfg, args, world, profile, gpus_per_node)
+    if not plans:
+        raise ConfigError(no_plan_message(args, world, rejected, example, cfg.model.preset))
+    return plans[0]
+
+
+def no_plan_message(
+    args: ModelArgs, world: int, rejected: Counter, example: dict[str, str], name: str
+) -> str:
+    reasons = "; ".join(f"{why} ({n}{': ' + example[why] if example.get(why) else ''})" for why, n in
+                        rejected.most_common())  # fmt: skip
+    return (
+        f"no layout of model '{name}' fits on {world} devices: every candidate was refused — {reasons}. "
+        "Use more devices, a shorter seq_len or a smaller model"
+    )
+
+
+def format_table(plans: list[Plan], rejected: Counter, example: dict[str, str], top: int) -> str:
+    """The ranked plans (memory, step time, tokens/s, MFU) and the rejected families with their counts."""
+    lines = [f"{'#':>3}  {'layout':<62} {'memory GiB':>10} {'step s':>9} {'tokens/s':>11} {'MFU':>6}"]
+    for i, pl in enumerate(plans[:top], 1):
+        lines.append(
+            f"{i:>3}  {pl.describe():<62} {pl.memory['total'] / GiB:>10.2f} {pl.time['step_time_s']:>9.4g} "
+            f"{pl.time['tokens_per_s']:>11.4g} {100 * pl.time['mfu']:>5.1f}%"
+        )
+    lines.append(f"{len(plans)} layouts fit; rejected {sum(rejected.values())}:")
+    for why, n in rejected.most_common():
+        lines.append(f"  {n:>6}  {why}" + (f" ({example[why]})" if example.get(why) else ""))
+    return "\n".join(lines)

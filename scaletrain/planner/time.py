@@ -1,0 +1,410 @@
+"""Predicted step time of one layout on one device profile, by part: compute from FLOPs at the rate the device
+reaches for matmuls of each shape, every collective from its message sizes and link, the pipeline bubble of the
+schedule, and what each parallelism lets overlap. docs/planner.md states the formulas and what they leave out."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
+from scaletrain.metrics.mfu import flops_per_token
+from scaletrain.models.llama import ModelArgs
+from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.pipeline import resolve_microbatches, stages_per_rank
+from scaletrain.planner.hardware import DeviceProfile
+from scaletrain.planner.memory import block_parameters, layer_activation_bytes
+
+# Share of a block's element-wise forward that selective recompute runs again in backward: the norms, RoPE,
+# SiLU and the gate multiply (the matmuls and attention are kept), about a third of its element-wise traffic.
+SELECTIVE_SHARE = 1 / 3
+# Element-wise traffic of an eager block per byte it saves for backward. Counted for our block: each RMSNorm runs
+# ~10 passes over an h-sized fp32 tensor (upcast, pow, mean, rsqrt, mul, cast, weight), RoPE ~5 over q and k,
+# SwiGLU ~5 over f-sized tensors, and backward about twice forward: ~10x the saved bytes in all (for the 8B shape
+# 2.0 MB per token and layer against 0.18 MB saved). A rough count; on a CPU the calibrated fit absorbs its error.
+ELEMENTWISE_TRAFFIC = 10.0
+# Fused (flash) attention reaches less of the peak than GEMMs: FlashAttention-2 runs at ~35-40% of H100's bf16
+# peak in forward and backward (Shah et al. 2024, FlashAttention-3, figure 5 for FA2), so its FLOPs are charged at
+# this share of the GEMM rate on GPUs (0.5 x 0.75 ~ 37% of peak). CPUs: the calibrated block fit absorbs it.
+GPU_ATTENTION_SHARE = 0.5
+# AdamW per fp32 parameter: read p, g, m, v (16 bytes), write p, m, v (12 bytes).
+ADAM_TRAFFIC = 28
+
+
+@dataclass(frozen=True)
+class Link:
+    """Per-rank bandwidth (bytes/s, per direction) and latency per step of a collective."""
+
+    bw: float
+    latency: float
+
+
+def all_reduce_s(n: int, size: float, link: Link) -> float:
+    """Ring all-reduce of `size` bytes over n ranks: 2(n-1) steps, each rank sends 2(n-1)/n of the buffer
+    (Patarasuk & Yuan 2009; NCCL's bus-bandwidth convention)."""
+    return 0.0 if n <= 1 else 2 * (n - 1) * link.latency + 2 * (n - 1) / n * size / link.bw
+
+
+def all_gather_s(n: int, size: float, link: Link) -> float:
+    """Ring all-gather into `size` bytes (the gathered whole): n-1 steps of size/n each."""
+    return 0.0 if n <= 1 else (n - 1) * link.latency + (n - 1) / n * size / link.bw
+
+
+reduce_scatter_s = all_gather_s  # the same traffic in reverse: `size` is the whole input
+
+
+def all_to_all_s(n: int, size: float, link: Link) -> float:
+    """All-to-all of `size` bytes per rank: (n-1)/n of it leaves the rank, n-1 exchanges."""
+    return 0.0 if n <= 1 else (n - 1) * link.latency + (n - 1) / n * size / link.bw
+
+
+def p2p_s(size: float, link: Link) -> float:
+    return link.latency + size / link.bw
+
+
+def pipeline_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Idle time of a pipeline step as a multiple of its compute: (p-1)/m for GPipe and 1F1B, (p-1)/(v·m) for
+    interleaved 1F1B with v stages per rank (Narayanan et al. 2021; the fraction of the whole step is then
+    (p-1)/(v·m+p-1)). Zero bubble (Qi et al. 2023): splitting the weight gradient out of backward lets it fill the
+    bubble; ZB-H1 leaves about a third of 1F1B's (interleaved_zb), and the V schedules (zbv, dualpipev) are taken
+    as 0 once m >= 2p (their published near-zero case), else a third of interleaved's with v = 2."""
+    if pp <= 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / m
+    if schedule == "interleaved_1f1b":
+        return (pp - 1) / (v * m)
+    if schedule == "interleaved_zb":
+        return (pp - 1) / (v * m) / 3
+    return 0.0 if m >= 2 * pp else (pp - 1) / (2 * m) / 3
+
+
+def _cpu_share(profile: DeviceProfile, procs: int, threads: int) -> float:
+    """How many of the profile's measured thread-rates one rank gets: 1 on a GPU; on a CPU its threads, capped at
+    its share of the cores, over the threads the profile was measured with."""
+    if profile.kind != "cpu":
+        return 1.0
+    cores = profile.cores or 1
+    return min(threads, cores / procs) / profile.threads
+
+
+@dataclass
+class _Shape:
+    """One rank's work for one micro-batch in one block: tokens, and the sizes tp and cp leave it."""
+
+    tokens: float  # micro x seq_len / cp
+    seq: int  # the whole sequence (ring attention sees all of it)
+    h: int
+    q: float  # query width / tp
+    kv: float  # key/value width / tp
+    f: float  # ffn hidden / tp
+
+
+def _matmuls(s: _Shape) -> list[float]:
+    """Forward FLOPs of each matmul of one block: wq, wk, wv, wo, w1, w3, w2, and causal attention's QKᵀ and AV
+    (half the square: the kernel skips the masked blocks; over cp the ring visits every chunk)."""
+    t, h = s.tokens, s.h
+    proj = [2 * t * h * s.q, 2 * t * h * s.kv, 2 * t * h * s.kv, 2 * t * s.q * h]
+    mlp = [2 * t * h * s.f, 2 * t * h * s.f, 2 * t * s.f * h]
+    attention = [2 * t * s.seq * s.q / 2] * 2
+    return proj + mlp + attention
+
+
+def _block_times(
+    args: ModelArgs,
+    p: ParallelConfig,
+    profile: DeviceProfile,
+    precision: str,
+    micro: int,
+    seq_len: int,
+    share: float,
+) -> dict[str, float]:
+    """Seconds of one block's forward, backward and element-wise work for one micro-batch on one rank."""
+    t0, rate = _matmul_rate(profile, precision)
+    rate *= share
+    shape = _Shape(
+        tokens=micro * seq_len / p.cp,
+        seq=seq_len,
+        h=args.dim,
+        q=args.n_heads * args.head_dim / p.tp,
+        kv=args.n_kv_heads * args.head_dim / p.tp,
+        f=args.ffn_hidden / p.tp,
+    )
+    flops = _matmuls(shape)
+    slow = GPU_ATTENTION_SHARE if profile.kind != "cpu" else 1.0
+    rates = [rate] * (len(flops) - 2) + [rate * slow] * 2
+    fwd = sum(t0 + f / r for f, r in zip(flops, rates))
+    bwd = sum(2 * (t0 + f / r) for f, r in zip(flops, rates))  # two matmuls per forward one: dX and dW
+    saved = layer_activation_bytes(args, p, micro, seq_len, compute_bytes_of(precision))
+    elementwise = ELEMENTWISE_TRAFFIC * saved / (profile.memory_bw * share)
+    overhead = profile.op_overhead_s / min(1.0, share * profile.threads) if profile.kind == "cpu" else 0.0
+    return {
+        "fwd": fwd,
+        "bwd": bwd,
+        "elementwise": elementwise + overhead,
+        "attention": 3 * (flops[-1] * 2) / rates[-1],
+    }
+
+
+def compute_bytes_of(precision: str) -> int:
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+def _matmul_rate(profile: DeviceProfile, precision: str) -> tuple[float, float]:
+    """(t0, FLOP/s) of the profile's matmuls in `precision` (fp16 as bf16; fp32 where nothing else is known)."""
+    m = profile.matmul
+    return m.get(precision) or m.get("bf16" if precision == "fp16" else "fp32") or next(iter(m.values()))
+
+
+def _links(profile: DeviceProfile, dims: ParallelDims, gpus_per_node: int) -> dict[str, Link]:
+    """The link each mesh group uses: the mesh is (pp, dp_replicate, dp_shard, cp, tp) with tp innermost, so a
+    group of size n and stride s (the product of the dims inside it) stays in one node iff n·s <= gpus_per_node;
+    a group that spans nodes runs at the slower (inter-node) link."""
+    intra = Link(profile.intra_bw, profile.intra_latency)
+    inter = Link(profile.inter_bw, profile.inter_latency)
+
+    def link(size: int, stride: int) -> Link:
+        return intra if size * stride <= gpus_per_node else inter
+
+    tp, cp, shard, rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
+    return {
+        "tp": link(tp, 1),
+        "cp": link(cp, tp),
+        "dp_shard_cp": link(shard * cp, tp),
+        "dp_replicate": link(rep, shard * cp * tp),
+        "dp_cp": link(rep * shard * cp, tp),
+        "pp": link(dims.pp, rep * shard * cp * tp),
+    }
+
+
+def _calibrated(profile: DeviceProfile, op: str, n: int, size: float, link: Link) -> float:
+    """A collective's time from the profile's fitted (latency per step, bandwidth) for that op where calibration
+    measured one ("op@ranks", the bandwidth in the ring formula's convention), at the measured group size nearest
+    to n: on a CPU the figures change with the ranks sharing its cores (more ranks than cores: each ring step waits
+    for its peer to be scheduled). Else the link's."""
+    formula = {"all_reduce": all_reduce_s, "all_gather": all_gather_s, "reduce_scatter": reduce_scatter_s}[op]
+    sizes = [int(k.split("@")[1]) for k in profile.collectives if k.split("@")[0] == op]
+    if sizes and n > 1:
+        near = min(sizes, key=lambda s: (abs(math.log(s / n)), -s))
+        latency, bw = profile.collectives[f"{op}@{near}"]
+        link = Link(bw, latency)
+    return formula(n, size, link)
+
+
+def step_time(
+    args: ModelArgs,
+    parallel: ParallelConfig,
+    training: TrainingConfig,
+    memory: MemoryConfig,
+    seq_len: int,
+    world_size: int,
+    profile: DeviceProfile,
+    *,
+    global_batch: int,
+    gpus_per_node: int | None = None,
+) -> dict[str, float]:
+    """Seconds per optimizer step and its breakdown: compute (forward, backward, recompute, element-wise), each
+    communication's exposed share, the pipeline bubble, the optimizer and a fixed overhead; with tokens_per_s and
+    mfu. `global_batch` in sequences. Raises ConfigError if the layout does not tile the world."""
+    p, dims = parallel, ParallelDims.from_config(parallel, world_size)
+    node = gpus_per_node or profile.devices_per_node
+    procs = min(world_size, node)
+    threads = training.threads or max(1, (profile.cores or 1) // procs)
+    share = _cpu_share(profile, procs, threads)
+    precision = str(getattr(training, "precision", "fp32"))
+    local = max(global_batch // dims.dp_size, 1)
+    v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
+    if p.pp > 1:
+        m = resolve_microbatches(p.pp_microbatches, local, training.micro_batch)
+        micro = max(local // m, 1)
+    else:
+        micro = min(training.micro_batch, local)
+        m = max(local // micro, 1)
+    layers = args.n_layers / p.pp  # per rank (its v stages together)
+    b = _block_times(args, p, profile, precision, micro, seq_len, share)
+    links = _links(profile, dims, node)
+    out = _compute_parts(args, p, training, memory, profile, b, m, micro, seq_len, layers, share)
+    comm = _comm_parts(args, p, dims, profile, links, b, out, m, micro, seq_len, layers, precision, memory)
+    out.update(comm)
+    busy = out["compute_s"] + out["tp_comm_s"] + out["cp_comm_s"] + out["pp_p2p_s"]
+    out["bubble_s"] = pipeline_bubble(p.pp_schedule, p.pp, m, v) * busy
+    n_local = _local_params(args, p, dims)
+    out["optimizer_s"] = n_local * ADAM_TRAFFIC / (profile.memory_bw * share)
+    out["overhead_s"] = (
+        profile.step_overhead_s / min(1.0, share * profile.threads) if profile.kind == "cpu" else 0
+    )
+    keys = ("compute_s", "tp_comm_s", "cp_comm_s", "pp_p2p_s", "dp_comm_exposed_s", "bubble_s", "optimizer_s")
+    out["step_time_s"] = sum(out[k] for k in keys) + out["overhead_s"]
+    tokens = global_batch * seq_len
+    out["tokens_per_s"] = tokens / out["step_time_s"]
+    n_params = _non_embedding_params(args)
+    out["flops_per_token"] = flops_per_token(n_params, args.n_layers, args.dim, seq_len)
+    peak = _peak(profile, precision, share)
+    out["mfu"] = out["tokens_per_s"] * out["flops_per_token"] / (peak * world_size)
+    out.update(micro_batch=micro, microbatches=m)
+    return out
+
+
+def _peak(profile: DeviceProfile, precision: str, share: float) -> float:
+    """The per-rank peak MFU divides by: the datasheet's for a GPU; on a CPU the measured matmul rate of the cores
+    the rank gets (as train.py's measured peak)."""
+    if profile.kind != "cpu":
+        return profile.peak_flops.get(precision) or profile.peak_flops["bf16"]
+    return (profile.peak_flops.get(precision) or profile.peak_flops["fp32"]) * share
+
+
+def _non_embedding_params(args: ModelArgs) -> int:
+    split, rep = block_parameters(args)
+    out = 0 if args.tie_embeddings else args.vocab_size * args.dim
+    return int(args.n_layers * (split + rep) + args.dim + out)
+
+
+def _local_params(args: ModelArgs, p: ParallelConfig, dims: ParallelDims) -> float:
+    """Parameters one rank's optimizer steps: its pipeline share, split by tp, sharded by ZeRO-1 and above."""
+    split, rep = block_parameters(args)
+    tables = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) / p.pp
+    n = (args.n_layers / p.pp) * (split / p.tp + rep) + tables / p.tp
+    if p.data_parallel == "ddp":
+        return n
+    return n / (dims.dp_shard * dims.cp if p.data_parallel == "hsdp" else dims.dp_size * dims.cp)
+
+
+def recompute_share(memory: MemoryConfig) -> float:
+    """Extra block forwards per block that recompute runs in backward: full 1, every_k 1/k, else 0 (selective
+    re-runs only element-wise ops, counted apart)."""
+    k = max(memory.recompute_every, 1)
+    return {"full": 1.0, "every_k": 1.0 / k}.get(memory.recompute, 0.0)
+
+
+def _compute_parts(
+    args: ModelArgs,
+    p: ParallelConfig,
+    t: TrainingConfig,
+    memory: MemoryConfig,
+    profile: DeviceProfile,
+    b: dict[str, float],
+    m: int,
+    micro: int,
+    seq_len: int,
+    layers: float,
+    share: float,
+) -> dict[str, float]:
+    """Forward, backward and recompute seconds of one rank's step: m micro-batches through its layers, plus the
+    output head on the last stage (counted on every rank: the pipeline's slowest stage sets the pace)."""
+    policy, extra = memory.recompute, recompute_share(memory)
+    ew_fwd = b["elementwise"] / 3  # forward's share of the element-wise work
+    recompute = extra * (b["fwd"] + ew_fwd) + (SELECTIVE_SHARE * ew_fwd if policy == "selective" else 0.0)
+    t0, rate = _matmul_rate(profile, str(getattr(t, "precision", "fp32")))
+    head_flops = 2 * micro * seq_len / p.cp * args.dim * args.vocab_size / p.tp
+    head = 3 * (t0 + head_flops / (rate * share))  # forward, input gradient, weight gradient
+    per_micro = layers * (b["fwd"] + b["bwd"] + b["elementwise"]) + head
+    return {
+        "forward_s": m * layers * b["fwd"],
+        "backward_s": m * layers * b["bwd"],
+        "elementwise_s": m * layers * b["elementwise"],
+        "recompute_s": m * layers * recompute,
+        "head_s": m * head,
+        "compute_s": m * (per_micro + layers * recompute),
+    }
+
+
+def _comm_parts(
+    args: ModelArgs,
+    p: ParallelConfig,
+    dims: ParallelDims,
+    profile: DeviceProfile,
+    links: dict[str, Link],
+    b: dict[str, float],
+    compute: dict[str, float],
+    m: int,
+    micro: int,
+    seq_len: int,
+    layers: float,
+    precision: str,
+    memory: MemoryConfig,
+) -> dict[str, float]:
+    """Each parallelism's communication per step and the share of it on the critical path."""
+    elt = compute_bytes_of(precision)
+    gpu = profile.kind != "cpu"  # gloo on a few shared CPU cores overlaps nothing: all of it is exposed
+    act = micro * seq_len / p.cp * args.dim * elt  # one micro-batch's hidden states on this rank
+    out: dict[str, float] = {}
+    # TP (Megatron): per block two all-reduces in forward and two in backward (SP: an all-gather and a
+    # reduce-scatter in place of each, the same bytes); full recompute repeats the forward's. On the critical path.
+    tp_per_block = 4 + 2 * recompute_share(memory)
+    if p.sequence_parallel:
+        one = all_gather_s(dims.tp, act, links["tp"]) + reduce_scatter_s(dims.tp, act, links["tp"])
+        one /= 2
+    else:
+        one = all_reduce_s(dims.tp, act, links["tp"])
+    out["tp_comm_s"] = m * layers * tp_per_block * one
+    # CP ring attention: cp-1 exchanges of a K/V chunk per block in forward, K/V and their gradients in backward;
+    # each step overlaps the attention of the chunk in hand on a GPU.
+    kv = micro * seq_len / p.cp * 2 * args.n_kv_heads * args.head_dim / p.tp * elt
+    ring = 0.0
+    if dims.cp > 1:
+        step_comm = 3 * p2p_s(kv, links["cp"])  # forward K/V, backward K/V and dK/dV
+        step_attn = b["attention"] / dims.cp
+        ring = (dims.cp - 1) * (max(0.0, step_comm - step_attn) if gpu else step_comm)
+    out["cp_comm_s"] = m * layers * ring
+    # PP: each micro-batch's hidden states forward and their gradient back at every stage boundary of this rank;
+    # on a GPU the sends overlap the next micro-batch except in the warm-up and cool-down.
+    v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
+    hop = p2p_s(act, links["pp"]) if p.pp > 1 else 0.0
+    out["pp_p2p_s"] = 2 * hop * ((p.pp - 1) * v if gpu else m * v)
+    out.update(_dp_comm(args, p, dims, profile, links, compute, layers, elt, gpu, m))
+    return out
+
+
+def _dp_comm(
+    args: ModelArgs,
+    p: ParallelConfig,
+    dims: ParallelDims,
+    profile: DeviceProfile,
+    links: dict[str, Link],
+    compute: dict[str, float],
+    layers: float,
+    elt: int,
+    gpu: bool,
+    m: int,
+) -> dict[str, float]:
+    """Data-parallel traffic per step (fp32 gradients reduced, parameters gathered in the compute dtype) and its
+    exposed share. DDP all-reduces bucket by bucket during the last backward (exposed: the last bucket and what
+    outlasts that backward); zero1 adds the broadcast of updated shards; FSDP/zero2 gather each block before use
+    and reduce-scatter after its backward, overlapping all but the first gather and the last reduce-scatter."""
+    n = dims.dp_size * dims.cp
+    if n <= 1:
+        return {"dp_comm_s": 0.0, "dp_comm_exposed_s": 0.0}
+    split, rep = block_parameters(args)
+    block = split / p.tp + rep
+    tables = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) / p.pp / p.tp
+    local = layers * block + tables  # parameters of this rank before ZeRO sharding
+    mode, link = p.data_parallel, links["dp_cp"]
+    backward_last = compute["compute_s"] / m * 2 / 3  # the last micro-batch's backward, where DDP overlaps
+    if mode in ("ddp", "zero1"):
+        total = _calibrated(profile, "all_reduce", n, local * 4, link)
+        bucket = _calibrated(profile, "all_reduce", n, min(p.ddp_bucket_mb * 2**20, local * 4), link)
+        exposed = bucket + max(0.0, total - bucket - backward_last) if gpu else total
+        if mode == "zero1":  # ZeroRedundancyOptimizer broadcasts each rank's updated shard: an all-gather
+            gather = _calibrated(profile, "all_gather", n, local * 4, link)
+            total, exposed = total + gather, exposed + gather
+        return {"dp_comm_s": total, "dp_comm_exposed_s": exposed}
+    shard_n = dims.dp_shard * dims.cp if mode == "hsdp" else n
+    shard_link = links["dp_shard_cp"] if mode == "hsdp" else link
+    gathers = (
+        1 if mode == "zero2" else 2 * m
+    )  # zero2 keeps the gathered weights to backward, across micro-batches
+    reduces = m if p.grad_sync == "micro_batch" else 1
+    ag = _calibrated(profile, "all_gather", shard_n, block * elt, shard_link)
+    rs = _calibrated(profile, "reduce_scatter", shard_n, block * 4, shard_link)
+    tables_t = _calibrated(profile, "all_gather", shard_n, tables * elt, shard_link) * min(gathers, 2)
+    tables_t += _calibrated(profile, "reduce_scatter", shard_n, tables * 4, shard_link) * reduces
+    total = layers * (gathers * ag + reduces * rs) + tables_t
+    if mode == "hsdp" and dims.dp_replicate > 1:  # the shard's gradients all-reduced across replicas
+        total += _calibrated(
+            profile, "all_reduce", dims.dp_replicate, local * 4 / shard_n, links["dp_replicate"]
+        )
+    if not gpu:
+        return {"dp_comm_s": total, "dp_comm_exposed_s": total}
+    hidden = max(0.0, total - ag - rs - tables_t)
+    exposed = ag + rs + tables_t + max(0.0, hidden - compute["compute_s"])
+    return {"dp_comm_s": total, "dp_comm_exposed_s": exposed}

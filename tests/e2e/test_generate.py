@@ -1,0 +1,127 @@
+"""`scaletrain generate` and `scaletrain eval` on a run saved under fsdp x tp and on its Hugging Face export: the same
+tokens from both, a loss equal to transformers' own, the sample `train` ends with, and bad input refused in one line.
+
+One run (4 processes) is trained for the module; the commands run in-process through `scaletrain.cli.main`."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.cli import main
+from scaletrain.data import ByteTokenizer
+from tests.helpers import DEBUG, QUICK, run_cli
+
+PROMPT = "def "
+SEQ = 32  # eval windows; the run's context (data.seq_len of the debug config) is 64
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(run dir, HF export, `train`'s stdout, eval text files)."""
+    root = tmp_path_factory.mktemp("gen")
+    run = root / "run"
+    layout = [
+        "--nproc",
+        "4",
+        "--parallel.data_parallel",
+        "fsdp",
+        "--parallel.tp",
+        "2",
+        "--parallel.dp_shard",
+        "2",
+    ]
+    proc = run_cli(
+        "train", "--config", DEBUG, "--run.dir", str(run), *QUICK, *layout, "--training.steps", "3",
+        "--training.eval_interval", "0", "--metrics.sample_prompt", PROMPT,
+    )  # fmt: skip
+    hf = root / "hf"
+    assert main(["convert", "--to", "hf", str(run), str(hf)]) == 0
+    texts = root / "texts"
+    texts.mkdir()
+    # Two documents from real Python source: packing joins them with the end-of-document token.
+    source = Path(shutil.__file__).read_text()
+    (texts / "a.txt").write_text(source[:2500])
+    (texts / "b.txt").write_text(source[2500:4000])
+    return run, hf, proc.stdout, texts
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    capsys.readouterr()
+    assert main(argv) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.9", "--top-k", "40", "--seed", "3"]])
+def test_run_and_its_hf_export_generate_the_same_tokens(run, capsys, sampling):
+    run_dir, hf, _, _ = run
+    args = ["--prompt", PROMPT, "--max-new-tokens", "40", "--json", *sampling]
+    from_run = _json(capsys, ["generate", str(run_dir), *args])
+    from_hf = _json(capsys, ["generate", str(hf), "--tokenizer", "byte", *args])
+    assert from_run["prompt_tokens"] == list(PROMPT.encode())
+    assert len(from_run["tokens"]) == 40 or from_run["stop"] == "eod"
+    assert from_run["tokens"] == from_hf["tokens"] and from_run["text"] == from_hf["text"]
+    if sampling:  # the same seed again gives the same tokens; another seed others
+        assert _json(capsys, ["generate", str(run_dir), *args])["tokens"] == from_run["tokens"]
+        other = _json(capsys, ["generate", str(run_dir), *args[:-1], "4"])
+        assert other["tokens"] != from_run["tokens"]
+
+
+def test_train_ends_with_the_greedy_sample_of_its_checkpoint(run, capsys):
+    run_dir, _, stdout, _ = run
+    greedy = _json(capsys, ["generate", str(run_dir), "--prompt", PROMPT, "--json"])
+    assert f"sample: {PROMPT!r} → {greedy['text']!r}" in stdout.splitlines()
+
+
+def test_eval_of_the_hf_export_equals_transformers_loss_and_the_run_eval(run, capsys):
+    transformers = pytest.importorskip("transformers")
+    run_dir, hf, _, texts = run
+    args = ["--data", str(texts / "*.txt"), "--seq-len", str(SEQ), "--json"]
+    ours = _json(capsys, ["eval", str(hf), "--tokenizer", "byte", *args])
+    # Packed here by hand as training packs: the documents in file order, each followed by eod, cut into
+    # windows of SEQ + 1 tokens that overlap by one (inputs, then targets shifted by one).
+    tok = ByteTokenizer()
+    stream = [t for f in sorted(texts.glob("*.txt")) for t in [*tok.encode(f.read_text()), tok.eod_id]]
+    n = (len(stream) - 1) // SEQ
+    windows = torch.tensor([stream[i * SEQ : i * SEQ + SEQ + 1] for i in range(n)])
+    model = transformers.LlamaForCausalLM.from_pretrained(str(hf)).eval()
+    with torch.no_grad():
+        # HF shifts the labels itself: the logits of positions 0..SEQ-1 against tokens 1..SEQ, the mean over them.
+        losses = [model(input_ids=w, labels=w).loss.item() for w in windows.split(16)]
+    sizes = [len(w) for w in windows.split(16)]
+    theirs = sum(loss * k for loss, k in zip(losses, sizes)) / n
+    assert ours["windows"] == n and ours["tokens"] == n * SEQ
+    assert abs(ours["loss"] - theirs) <= 1e-4
+    from_run = _json(capsys, ["eval", str(run_dir), *args])
+    assert abs(from_run["loss"] - ours["loss"]) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "{tmp}", "--prompt", "x"], "neither a run directory"),
+        (["generate", "{tmp}/nowhere", "--prompt", "x"], "does not exist"),
+        (["generate", "{bare_run}", "--prompt", "x"], "no committed, intact checkpoint"),
+        (["generate", "{hf}", "--prompt", "x"], "has no tokenizer.json; pass --tokenizer"),
+        (["generate", "{run}", "--prompt", "x" * 64], "the model's context is 64"),
+        (["generate", "{run}", "--prompt", "x", "--temperature", "-1"], "--temperature -1.0 must be >= 0"),
+        (["eval", "{run}", "--data", "{tmp}/empty.txt"], "all empty"),
+        (["eval", "{run}", "--data", "{tmp}/*.jsonl"], "matches no files"),
+        (["eval", "{run}", "--data", "{tmp}/short.txt"], "too few for one window"),
+        (["eval", "{run}", "--data", "{tmp}/short.txt", "--seq-len", "65"], "--seq-len 65 must be in 1..64"),
+    ],
+)
+def test_bad_input_is_one_line_and_a_nonzero_exit(run, tmp_path, capsys, argv, message):
+    run_dir, hf, _, _ = run
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("hi")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(run_dir / "config.toml", bare / "config.toml")  # a run that saved no checkpoint
+    paths = {"tmp": tmp_path, "run": run_dir, "hf": hf, "bare_run": bare}
+    capsys.readouterr()
+    assert main([a.format(**paths) for a in argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,230 @@
+"""The planner (scaletrain/planner): the ZeRO paper's model-state figures, collective and bubble formulas on
+constructed cases, the time model's recompute and overlap terms, device profiles, the search (refusals with the
+reason, ranked plans that validate), `plan --config --json`, `train --dry-run` and parallel.auto."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from scaletrain.config import Config, DataConfig, MemoryConfig, ModelConfig, ParallelConfig, TrainingConfig
+from scaletrain.config_io import load_config
+from scaletrain.errors import ConfigError
+from scaletrain.models.llama import count_parameters
+from scaletrain.models.presets import build_meta_model, resolve_model_args
+from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.planner import commands
+from scaletrain.planner.hardware import GPUS, DeviceProfile, load_profile, save_profile
+from scaletrain.planner.memory import ZERO_PAPER_BYTES, GiB, model_state_bytes, per_rank_bytes
+from scaletrain.planner.search import search
+from scaletrain.planner.time import (
+    Link,
+    _links,
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    p2p_s,
+    pipeline_bubble,
+    reduce_scatter_s,
+    step_time,
+)
+from scaletrain.validate import layout_problems
+from tests.helpers import DEBUG, QUICK, run_cli
+
+PSI, ND = 7.5e9, 64  # Rajbhandari et al. 2020, figure 1: a 7.5B model on 64 devices
+
+
+def test_zero_paper_model_states_of_7_5b_on_64_devices():
+    # The paper's mixed-precision Adam: fp16 parameters (2 B) and gradients (2 B), K = 12 B of fp32 master
+    # weights, m and v. Its figure 1: 120 GB baseline, 31.4 GB P_os, 16.6 GB P_os+g, 1.9 GB P_os+g+p.
+    want = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.9e9}
+    for stage, gb in want.items():
+        got = sum(model_state_bytes(PSI, stage, ND, ZERO_PAPER_BYTES).values())
+        assert got == pytest.approx(gb, rel=0.02), stage
+    # Our fp32 AdamW (and bf16 with fp32 master weights) is 4 + 4 + 8 = 16 B too: the same 120 GB replicated and
+    # 1.875 GB fully sharded, but the split differs, so P_os and P_os+g keep more (fp32 parameters and gradients).
+    ours = {s: sum(model_state_bytes(PSI, s, ND).values()) for s in range(4)}
+    assert ours[0] == pytest.approx(120e9) and ours[3] == pytest.approx(1.875e9)
+    assert ours[1] == pytest.approx(8 * PSI + 8 * PSI / ND)  # 60.9 GB
+    assert ours[2] == pytest.approx(4 * PSI + 12 * PSI / ND)  # 31.4 GB
+
+
+@pytest.mark.parametrize("mode, stage", [("ddp", 0), ("zero1", 1), ("zero2", 2), ("fsdp", 3)])
+def test_per_rank_state_of_8b_on_64_ranks_is_the_zero_formula(mode, stage):
+    args = resolve_model_args(ModelConfig(preset="8B"), None, 256)
+    psi = count_parameters(build_meta_model(args))["total"]
+    e = per_rank_bytes(args, ParallelConfig(data_parallel=mode), TrainingConfig(micro_batch=1), 256, 64)
+    want = model_state_bytes(psi, stage, 64)
+    assert (e["parameters"], e["gradients"], e["optimizer"]) == pytest.approx(tuple(want.values()))
+
+
+def test_bf16_gathers_in_16_bits_and_offload_moves_the_state_to_the_host():
+    args = resolve_model_args(ModelConfig(preset="1B"), None, 256)
+    fp32, bf16 = TrainingConfig(micro_batch=1), TrainingConfig(micro_batch=1, precision="bf16")
+    fsdp = ParallelConfig(data_parallel="fsdp")
+    a, b = per_rank_bytes(args, fsdp, fp32, 256, 8), per_rank_bytes(args, fsdp, bf16, 256, 8)
+    assert b["parameters"] == a["parameters"] and b["optimizer"] == a["optimizer"]  # fp32 master weights
+    # fp32: 3 blocks x 4 B; bf16: 3 x 2 B plus the fp32 copy of the reduced gradient (4 B).
+    assert b["gathered"] == pytest.approx(a["gathered"] * 10 / 12)
+    assert b["activations"] < a["activations"]
+    ddp = per_rank_bytes(args, ParallelConfig(), bf16, 256, 8)
+    assert ddp["gathered"] == pytest.approx(ddp["parameters"] / 2)  # autocast's bf16 copy of every weight
+    off = per_rank_bytes(args, fsdp, fp32, 256, 8, memory=MemoryConfig(optimizer_offload=True))
+    assert off["parameters"] == off["gradients"] == off["optimizer"] == 0
+    assert off["host"] == pytest.approx(a["parameters"] + a["gradients"] + a["optimizer"])
+    assert off["total"] == pytest.approx(a["total"] - off["host"])
+
+
+def test_collective_formulas_on_constructed_cases():
+    link = Link(bw=1e9, latency=1e-5)
+    gb = 1e9
+    assert all_reduce_s(4, gb, link) == pytest.approx(6e-5 + 2 * 3 / 4)
+    assert all_gather_s(4, gb, link) == pytest.approx(3e-5 + 3 / 4)
+    assert reduce_scatter_s(8, gb, link) == pytest.approx(7e-5 + 7 / 8)
+    assert all_to_all_s(2, gb, link) == pytest.approx(1e-5 + 0.5)
+    assert p2p_s(gb, link) == pytest.approx(1e-5 + 1)
+    assert all_reduce_s(1, gb, link) == all_gather_s(1, gb, link) == 0
+    # Link levels: tp 8 inside a node of 8 runs on NVLink; the dp group of 16 over tp 8 spans 16 nodes.
+    h100 = GPUS["h100"]
+    links = _links(h100, ParallelDims.from_config(ParallelConfig(tp=8), 128), 8)
+    assert links["tp"].bw == h100.intra_bw and links["dp_cp"].bw == h100.inter_bw < h100.intra_bw
+    links = _links(h100, ParallelDims.from_config(ParallelConfig(tp=2), 8), 8)
+    assert links["dp_cp"].bw == h100.intra_bw  # 4 x 2 = 8 ranks: one node
+
+
+def test_pipeline_bubble_per_schedule():
+    assert pipeline_bubble("1f1b", 1, 8) == 0
+    assert pipeline_bubble("gpipe", 4, 8) == pipeline_bubble("1f1b", 4, 8) == pytest.approx(3 / 8)
+    assert pipeline_bubble("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 16)
+    assert pipeline_bubble("interleaved_zb", 4, 8, 2) == pytest.approx(3 / 16 / 3)
+    assert pipeline_bubble("zbv", 4, 8, 2) == 0 and pipeline_bubble("dualpipev", 4, 8, 2) == 0
+    assert pipeline_bubble("zbv", 4, 4, 2) > 0  # fewer than 2p micro-batches: not zero
+
+
+ARGS_8B = resolve_model_args(ModelConfig(preset="8B"), None, 8192)
+
+
+def _time(p: ParallelConfig, recompute: str = "none", world: int = 8, **kw) -> dict:
+    t = TrainingConfig(micro_batch=1, precision="bf16")
+    return step_time(
+        ARGS_8B, p, t, MemoryConfig(recompute=recompute), 8192, world, GPUS["h100"], global_batch=8, **kw
+    )
+
+
+def test_recompute_adds_forward_flops_and_tp_is_on_the_critical_path():
+    fsdp = ParallelConfig(data_parallel="fsdp")
+    none, full, sel = _time(fsdp), _time(fsdp, "full"), _time(fsdp, "selective")
+    assert full["recompute_s"] == pytest.approx(none["forward_s"] + none["elementwise_s"] / 3)
+    assert 0 < sel["recompute_s"] < 0.1 * full["recompute_s"]
+    assert none["step_time_s"] < sel["step_time_s"] < full["step_time_s"]
+    # FSDP's gathers overlap compute (only the first gather and last reduce-scatter are exposed); TP's are not.
+    assert none["dp_comm_exposed_s"] < 0.5 * none["dp_comm_s"]
+    tp = _time(ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True))
+    assert tp["tp_comm_s"] > 0 and tp["step_time_s"] > tp["compute_s"] + tp["tp_comm_s"]
+    # 0 < MFU < 1, and tokens/s is the global batch over the step time.
+    assert 0 < none["mfu"] < 1 and none["tokens_per_s"] == pytest.approx(8 * 8192 / none["step_time_s"])
+
+
+def test_a_dp_group_spanning_nodes_is_slower():
+    p = ParallelConfig(data_parallel="ddp")
+    one_node, two_nodes = _time(p, world=8, gpus_per_node=8), _time(p, world=8, gpus_per_node=4)
+    assert two_nodes["dp_comm_s"] > 2 * one_node["dp_comm_s"]
+
+
+def test_a_calibrated_profile_is_saved_and_picked_for_cpu(tmp_path):
+    assert load_profile("cpu", tmp_path).source == "default"
+    prof = dataclasses.replace(load_profile("cpu"), name="measured", source="calibrated test")
+    save_profile(prof, tmp_path)
+    assert load_profile("cpu", tmp_path) == prof
+    assert load_profile("h100", tmp_path).name.startswith("NVIDIA H100")  # a CPU profile never stands in
+    assert DeviceProfile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+    with pytest.raises(ValueError, match="choose one of"):
+        load_profile("tpu")
+
+
+def _search_cfg(preset: str, seq: int, tokens: int) -> Config:
+    t = TrainingConfig(global_batch_tokens=tokens, precision="bf16", eval_interval=0)
+    return Config(model=ModelConfig(preset=preset), data=DataConfig(seq_len=seq), training=t)
+
+
+def test_405b_on_8_gpus_is_refused_with_the_reason():
+    with pytest.raises(ConfigError) as e:
+        commands.run_plan(
+            config=None, overrides=[], model="405B", devices=8, device="h100", gpus_per_node=8, seq_len=8192,
+            global_batch_tokens=8192 * 16, top=5, as_json=True, nproc=1, calibrate=False,
+        )  # fmt: skip
+    msg = str(e.value)
+    assert "no layout of model '405B' fits on 8 devices" in msg and "does not fit in memory" in msg
+    # 405B x 16 B / 8 ranks = 755 GiB of state on every rank even fully sharded.
+    assert "GiB per rank; a rank has 80.0 GiB" in msg
+
+
+def test_8b_on_8_h100_plans_are_ranked_and_all_validate(monkeypatch):
+    cfg = _search_cfg("8B", 8192, 8192 * 16)
+    plans, rejected, _ = search(cfg, ARGS_8B, 8, GPUS["h100"], 8)
+    times = [p.time["step_time_s"] for p in plans]
+    assert len(plans) > 10 and times == sorted(times)
+    assert (
+        rejected["does not fit in memory"] > 0 and rejected["ddp/zero1 cannot run inside pipeline stages"] > 0
+    )
+    for p in plans:
+        assert layout_problems(p.cfg, 8, ARGS_8B) == [] and p.memory["total"] <= 80 * GiB
+    # The best plan passes the whole validation of load_config (on 80 GiB GPUs) as its overrides.
+    import scaletrain.validate as validate
+
+    monkeypatch.setattr(validate, "_device_memory", lambda cfg, world: (80 * GiB, "GPU", 2 * GiB))
+    base = [
+        "--model.preset",
+        "8B",
+        "--data.seq_len",
+        "8192",
+        "--training.global_batch_tokens",
+        str(8192 * 16),
+    ]
+    base += ["--training.precision", "bf16", "--training.eval_interval", "0"]
+    load_config(None, base + plans[0].overrides(), world_size=8)
+
+
+def test_plan_config_json_has_the_contract_fields(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    code = commands.run_plan(
+        config=DEBUG, overrides=["--parallel.tp", "2", "--parallel.data_parallel", "fsdp"], model=None,
+        devices=None, device="cpu", gpus_per_node=8, seq_len=0, global_batch_tokens=0, top=1, as_json=True,
+        nproc=4, calibrate=False,
+    )  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    for key in ("peak_memory_bytes", "step_time_s", "tokens_per_s", "mfu", "breakdown", "memory_breakdown"):
+        assert key in out, key
+    assert out["layout"]["tp"] == 2 and out["layout"]["dp_shard"] == 2 and out["fits"] is True
+    assert out["tokens_per_s"] == pytest.approx(8 * 64 / out["step_time_s"])
+    assert out["peak_memory_bytes"] == pytest.approx(sum(out["memory_breakdown"].values()))
+    with pytest.raises(ConfigError, match="parallel.tp = 3 does not divide"):
+        commands.run_plan(
+            config=DEBUG, overrides=["--parallel.tp", "3"], model=None, devices=None, device="cpu",
+            gpus_per_node=8, seq_len=0, global_batch_tokens=0, top=1, as_json=True, nproc=3, calibrate=False,
+        )  # fmt: skip
+
+
+def test_parallel_auto_picks_a_layout_that_validates(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    overrides = ["--parallel.auto", "true", "--training.device", "cpu"]
+    chosen = commands.auto_overrides(DEBUG, overrides, 4)
+    assert chosen[: len(overrides)] == overrides and "--parallel.tp" in chosen
+    assert "parallel.auto chose:" in capsys.readouterr().err
+    cfg = load_config(DEBUG, chosen, world_size=4)  # the whole validation passes
+    assert ParallelDims.from_config(cfg.parallel, 4).world_size == 4
+    assert commands.auto_overrides(DEBUG, ["--training.device", "cpu"], 4) == ["--training.device", "cpu"]
+
+
+def test_train_dry_run_prints_the_estimate_and_starts_nothing(tmp_path):
+    run = tmp_path / "run"
+    args = ["--parallel.pp", "2", "--parallel.data_parallel", "fsdp", "--run.dir", str(run)]
+    proc = run_cli("train", "--config", DEBUG, "--nproc", "2", "--dry-run", *QUICK, *args)
+    out = proc.stdout
+    assert "dry run: nothing started" in out and "mesh: pp2 (1f1b) on 2 rank(s)" in out
+    assert "global 8 sequences x 64 tokens = 512 tokens per step" in out
+    assert "peak memory (fullest rank)" in out and "step time" in out and "MFU" in out
+    assert not run.exists()
