@@ -324,8 +324,8 @@ class MetricsConfig:
     """When set, `scaletrain train` ends by printing a greedy continuation of this prompt by the final checkpoint
     (`sample: PROMPT → TEXT`); empty: no sample."""
     report: bool = False
-    """When true, `scaletrain train` ends by writing the run's report (plots and one HTML page, as `scaletrain
-    report`) to <run.dir>/report and printing `report: <run.dir>/report/index.html`."""
+    """When true, `scaletrain train` ends by writing the run's report to <run.dir>/report (PNG plots and one HTML
+    page, as the report command does) and printing `report: <run.dir>/report/index.html`."""
     wandb_project: str = ""
     """Also log metrics and events to this Weights & Biases project (needs `pip install wandb`; WANDB_MODE=offline
     keeps them on disk). Empty: off."""

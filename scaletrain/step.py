@@ -114,6 +114,10 @@ class StepRunner:
         the scaler's business, not a training anomaly: the caller skips it without consulting the guard."""
         return self.scaler is not None and self.scaler.update_from(loss, grad_norm)
 
+    def resumable(self) -> dict[str, LossScaler]:
+        """What the checkpoint must hold of the step itself: fp16's loss scaler, under "scaler"; {} otherwise."""
+        return {"scaler": self.scaler} if self.scaler is not None else {}
+
     def scale_metrics(self) -> dict[str, float]:
         """fp16: the loss scale and the steps skipped on overflow, for metrics.jsonl; {} otherwise."""
         return self.scaler.metrics() if self.scaler is not None else {}

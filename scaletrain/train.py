@@ -28,7 +28,7 @@ from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.mesh import all_reduce_mean, main_first, setup_process
 from scaletrain.parallel.parallelize import fsdp_applies, parallelize
 from scaletrain.parallel.pipeline import resolve_microbatches
-from scaletrain.precision import Precision, cpu_precision_warning, mfu_precision, resolve_precision
+from scaletrain.precision import Precision, cpu_precision_warning, resolve_precision
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.goodput import final_goodput
 from scaletrain.resilience.guard import Guard
@@ -169,8 +169,7 @@ def build(cfg: Config) -> Job:
     n_micro = resolve_microbatches(
         cfg.parallel.pp_microbatches, global_batch // dims.dp_size, cfg.training.micro_batch
     )
-    fsdp = fsdp_applies(dims, cfg.parallel.data_parallel)
-    precision = resolve_precision(cfg.training, fsdp, env.device.type)
+    precision = resolve_precision(cfg.training, fsdp_applies(dims, cfg.parallel.data_parallel), env.device)
     pm = parallelize(model, dims, cfg.parallel, device=env.device, n_microbatches=n_micro, memory=cfg.memory,
                      compile=cfg.training.compile, precision=cfg.precision,
                      precision_policy=precision)  # fmt: skip
@@ -180,9 +179,7 @@ def build(cfg: Config) -> Job:
     )
     optimizers = Optimizers(pm.parts, make_optimizer, cfg.optimizer, cfg.training.steps)
     eod = tokenizer.eod_id if cfg.data.document_mask else None  # masks attention at document ends
-    runner = build_step_runner(
-        pm, dims, cfg.parallel, cfg.training, env.device, eod_id=eod, precision=precision
-    )
+    runner = build_step_runner(pm, dims, cfg.parallel, cfg.training, env.device, eod, precision)
 
     # -- Everything that resumes, in one dict of Stateful objects: both checkpoint tiers and rollbacks save and
     # restore this.
@@ -190,8 +187,7 @@ def build(cfg: Config) -> Job:
     state = dict(
         model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state
     )
-    if runner.scaler is not None:
-        state["scaler"] = runner.scaler  # fp16: the loss scale and its counters resume with the run
+    state.update(runner.resumable())  # fp16: the loss scaler (its scale and counters)
     state["comm"] = pm.comm  # PowerSGD's error feedback and Q factors (parallel.grad_compression); else empty
     layout = dims.describe(cfg.parallel)
     ckpt = build_checkpointing(
@@ -213,9 +209,7 @@ def build(cfg: Config) -> Job:
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).
     cache = resolve_cache_dir(cfg.data)
     peak, peak_source = first(
-        lambda: metrics.device_peak_flops(
-            env.device, mfu_precision(cfg.training.precision, env.device.type), cfg.metrics.peak_tflops, cache
-        )
+        lambda: metrics.device_peak_flops(env.device, precision.mfu_peak, cfg.metrics.peak_tflops, cache)
     )
     tokens_per_step = global_batch * cfg.data.seq_len
     flops_tok = metrics.flops_per_token(n_params["non_embedding"], args.n_layers, args.dim, cfg.data.seq_len)

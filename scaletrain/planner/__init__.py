@@ -1,1 +1,2 @@
-"""Planning a run before it starts: what each rank will hold (memory.per_rank_bytes) and whether it fits."""
+"""Planning a run before it starts: what each rank holds (memory), how long a step takes (time), on which device
+(hardware, calibrate), and the best layout (search); docs/planner.md states the model."""

@@ -46,6 +46,11 @@ class Precision:
     def compute_dtype(self) -> torch.dtype:
         return COMPUTE_DTYPES[self.name]
 
+    @property
+    def mfu_peak(self) -> Literal["bf16", "fp32"]:
+        """The device peak MFU is reported against (see mfu_precision)."""
+        return mfu_precision(self.name, self.device_type)
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context of every forward: autocast to the compute dtype under the autocast mechanism, else none (the
         FSDP policy has already cast the parameters)."""
@@ -90,8 +95,9 @@ class Precision:
         return f"{self.name} via {how}{extra}"
 
 
-def resolve_precision(t: TrainingConfig, fsdp: bool, device_type: str) -> Precision:
-    """The precision of training config `t`; `fsdp`: whether FSDP2 wraps the model (parallelize.fsdp_applies).
+def resolve_precision(t: TrainingConfig, fsdp: bool, device: torch.device | str) -> Precision:
+    """The precision of training config `t` on `device` (or its type); `fsdp`: whether FSDP2 wraps the model
+    (parallelize.fsdp_applies).
 
     auto picks the FSDP policy where FSDP2 wraps the model: the all-gathers then move half the bytes, each unit's
     cast happens once per gather instead of once per op and use, and no fp32 copy of a gathered unit is ever held
@@ -109,7 +115,7 @@ def resolve_precision(t: TrainingConfig, fsdp: bool, device_type: str) -> Precis
     return Precision(
         t.precision,
         mechanism,
-        device_type,
+        device.type if isinstance(device, torch.device) else device,
         REDUCE_DTYPES[t.reduce_dtype] if fsdp else torch.float32,
         scaler,
         fp8,
