@@ -52,7 +52,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     args = resolve_model_args(cfg.model, vocab, cfg.data.seq_len) if _resolvable(cfg.model) else None
     if args is not None:
         problems += _model_shape(args, cfg.model, vocab)
-        problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp)
+        problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp, compute=cfg.training.precision)
     problems += _data(cfg.data)
     dp_size = _dp_size(cfg.parallel, world_size)
     problems += _training(cfg.training, cfg.data.seq_len, dp_size)
@@ -151,7 +151,12 @@ def _precision(cfg: Config, world_size: int) -> list[str]:
         fsdp = fsdp_applies(ParallelDims.from_config(cfg.parallel, world_size), cfg.parallel.data_parallel)
     except ConfigError:
         fsdp = True  # the layout check reports sizes that do not tile the world
-    return precision_problems(cfg.training, fsdp, "cuda" if cuda else "cpu", tp=cfg.parallel.tp)
+    problems = precision_problems(cfg.training, fsdp, "cuda" if cuda else "cpu", tp=cfg.parallel.tp)
+    if cfg.training.precision == "fp8" and cfg.precision.qat != "none":
+        problems.append(
+            "training.precision 'fp8' and precision.qat both replace the blocks' Linear layers; choose one"
+        )
+    return problems
 
 
 def _resilience(r: ResilienceConfig, world_size: int) -> list[str]:

@@ -77,10 +77,10 @@ class Precision:
 
     def describe(self) -> str:
         """One line for the start-up log: which precision runs and by which mechanism."""
-        if self.name == "fp32":
-            return "fp32"
         names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         compute, reduce = names[self.compute_dtype], names[self.reduce_dtype]
+        if self.name == "fp32":
+            return "fp32" if reduce == "fp32" else f"fp32, {reduce} gradient reduction (FSDP2)"
         how = {
             "autocast": f"torch.autocast({self.device_type}, {compute})",
             "fsdp": f"FSDP2 MixedPrecisionPolicy ({compute} parameters in compute, {reduce} gradient reduction, "

@@ -49,8 +49,9 @@ def block_linear_inputs(args: ModelArgs) -> dict[str, int]:
     }
 
 
-def qat_problems(p: PrecisionConfig, args: ModelArgs, *, tp: int) -> list[str]:
-    """precision.qat against the model shape and the layout; [] when it is off or sound."""
+def qat_problems(p: PrecisionConfig, args: ModelArgs, *, tp: int, compute: str = "fp32") -> list[str]:
+    """precision.qat against the model shape, the layout and training.precision (`compute`); [] when it is off
+    or sound. bf16 and fp16 compose (the quantisers run in the autocast dtype: one forward/backward checked)."""
     if p.qat == "none":
         return []
     if p.qat_group_size < 1:
@@ -64,6 +65,13 @@ def qat_problems(p: PrecisionConfig, args: ModelArgs, *, tp: int) -> list[str]:
             f"precision.qat_group_size {p.qat_group_size} does not divide the input size of "
             + ", ".join(f"{k} ({v})" for k, v in bad.items())
             + f": each weight group takes that many input channels; use one of {ok or [1]}"
+        )
+    if compute == "fp8":
+        # fp8 swaps every nn.Linear for Float8Linear after QAT has swapped them (FakeQuantizedLinear is one):
+        # the fake quantisation would silently be dropped.
+        problems.append(
+            "precision.qat cannot be combined with training.precision fp8: both replace the blocks' Linear "
+            "layers; use training.precision fp32, bf16 or fp16 with QAT"
         )
     if tp > 1:
         # Measured with torch 2.13 / torchao 0.18: parallelize_module's Colwise/RowwiseParallel fail on a
