@@ -21,7 +21,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import tomli_w
 
-from scaletrain.config import Config
+from scaletrain.config import Config, SourceConfig
 from scaletrain.errors import ConfigError
 from scaletrain.resume import resume_problems
 from scaletrain.validate import validate
@@ -49,10 +49,29 @@ def load_config(
     saved = Path(cfg.run.dir) / "config.toml" if cfg.run.dir else None
     if not problems and check_run_dir and saved is not None and saved.is_file():
         # A start in an existing run directory resumes that run: it must be the same run.
-        problems += resume_problems(read_toml(str(saved)), to_dict(cfg), cfg.run.accept_changes)
+        old = with_defaults(read_toml(str(saved)))
+        problems += resume_problems(old, to_dict(cfg), cfg.run.accept_changes)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def with_defaults(saved: dict) -> dict:
+    """A saved config with the keys it lacks set to today's defaults (and each data source's too): a run saved
+    before a field existed ran with what that field's default does, so a resume after an upgrade is the same run."""
+
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+        return out
+
+    out = merge(to_dict(Config()), saved)
+    sources = out.get("data", {}).get("sources")
+    if isinstance(sources, list):
+        base = to_dict(SourceConfig())
+        out["data"]["sources"] = [merge(base, s) if isinstance(s, dict) else s for s in sources]
+    return out
 
 
 def to_dict(cfg: object) -> dict:

@@ -1,7 +1,7 @@
 """The resume rules on two resolved configs: refused, accepted with run.accept_changes, or free."""
 
-from scaletrain.config import Config
-from scaletrain.config_io import to_dict
+from scaletrain.config import Config, SourceConfig
+from scaletrain.config_io import to_dict, with_defaults
 from scaletrain.resume import resume_problems
 
 
@@ -35,3 +35,15 @@ def test_a_new_learning_rate_or_length_needs_run_accept_changes():
     assert len(problems) == 2 and all("--run.accept_changes" in p for p in problems)
     assert "--run.accept_changes optimizer.lr" in problems[0]
     assert resume_problems(to_dict(Config()), new, ["optimizer", "training.steps"]) == []
+
+
+def test_a_run_saved_before_a_field_existed_resumes_with_its_default():
+    cfg = Config()
+    cfg.data.sources = [SourceConfig(path="a.txt")]
+    new = to_dict(cfg)
+    saved = to_dict(cfg)
+    del saved["precision"], saved["data"]["sources"][0]["dtype"], saved["run"]["time_limit"]
+    assert resume_problems(saved, new, [])  # compared raw, the missing keys differ
+    assert resume_problems(with_defaults(saved), new, []) == []
+    saved["data"]["sources"][0]["path"] = "b.txt"  # a real difference still shows
+    assert [p.split(" was ")[0] for p in resume_problems(with_defaults(saved), new, [])] == ["data.sources"]
