@@ -151,12 +151,7 @@ def _precision(cfg: Config, world_size: int) -> list[str]:
         fsdp = fsdp_applies(ParallelDims.from_config(cfg.parallel, world_size), cfg.parallel.data_parallel)
     except ConfigError:
         fsdp = True  # the layout check reports sizes that do not tile the world
-    problems = precision_problems(cfg.training, fsdp, "cuda" if cuda else "cpu", tp=cfg.parallel.tp)
-    if cfg.training.precision == "fp8" and cfg.precision.qat != "none":
-        problems.append(
-            "training.precision 'fp8' and precision.qat both replace the blocks' Linear layers; choose one"
-        )
-    return problems
+    return precision_problems(cfg.training, fsdp, "cuda" if cuda else "cpu", tp=cfg.parallel.tp)
 
 
 def _resilience(r: ResilienceConfig, world_size: int) -> list[str]:

@@ -105,7 +105,7 @@ def test_fp8_is_refused_before_launch_off_fp8_hardware():
     with_qat = _problems(
         "--training.precision", "fp8", "--training.device", "cpu", "--precision.qat", "int8_int4"
     )
-    assert len(with_qat) == 2 and "precision.qat both replace the blocks' Linear layers" in with_qat[1]
+    assert len(with_qat) == 2 and any("both replace the blocks' Linear layers" in p for p in with_qat)
     (old,) = fp8_problems("cuda", capability=(8, 0))
     assert "this GPU has 8.0" in old
     assert any("parallel.tp > 1" in p for p in fp8_problems("cuda", tp=2, capability=(9, 0)))
