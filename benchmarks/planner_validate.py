@@ -59,7 +59,8 @@ def overrides(n: int, model: str, layout: list[str], steps: int) -> list[str]:
     dp = n // (
         _size(layout, "--parallel.tp") * _size(layout, "--parallel.pp") * _size(layout, "--parallel.cp")
     )
-    micro = max(1, min(4, 8 // dp))
+    pp = _size(layout, "--parallel.pp")
+    micro = max(1, min(4, 8 // dp // pp))  # a pipeline needs at least pp micro-batches
     out = [*COMMON, "--training.steps", str(steps), "--metrics.log_interval", str(steps // 2)]
     return out + (D256 if model == "d256" else []) + layout + ["--training.micro_batch", str(micro)]
 

@@ -189,53 +189,54 @@ TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "2", "-
 TINY += ["--model.ffn_hidden", "128", "--data.seq_len", "64", "--training.global_batch", "4"]
 TINY += ["--training.micro_batch", "2", "--training.steps", "6", "--metrics.log_interval", "3"]
 TINY += ["--training.eval_interval", "0", "--training.threads", "1", "--checkpoint.enabled", "false"]
-TINY += ["--metrics.progress", "false", "--metrics.tensorboard", "false", "--parallel.data_parallel", "ddp"]
+TINY += ["--metrics.progress", "false", "--metrics.tensorboard", "false", "--parallel.data_parallel", "fsdp"]
+
+
+def _tiny_run(n: int, env: dict) -> dict:
+    """The last metrics record of the tiny model trained for a few steps on n local processes."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "-m", "scaletrain", "train", "--nproc", str(n), *TINY, "--run.dir", f"{d}/run"]
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+        lines = Path(f"{d}/run/metrics.jsonl").read_text().splitlines()
+    return json.loads(lines[-1])
 
 
 def measure_framework(profile: DeviceProfile, cache_dir: Path, log) -> DeviceProfile:
-    """The constants only a real run shows: a tiny model trained through the CLI in one process and in two
-    (workers forked by the launcher); peak RSS less the model's predicted bytes is the framework's memory, and
-    the one-process step time less the predicted work is the loop's fixed cost per step."""
-    import tempfile
-
+    """The constants only a real run shows, from a tiny model trained through the CLI on two processes (fsdp,
+    workers forked by the launcher) and then on one: peak RSS less the model's predicted bytes is the framework's
+    memory; the one-process step time less the predicted work is the loop's fixed cost per step; what the
+    two-process step adds beyond the prediction, per collective call, is the fixed cost of a call."""
     env = {**os.environ, "SCALETRAIN_CACHE": str(cache_dir)}
-    # Tokenise the data first: a run that prepares it in its own process would count that in its peak RSS.
-    prep = [sys.executable, "-m", "scaletrain", "prepare-data", *TINY]
-    subprocess.run(prep, env=env, check=True, capture_output=True)
-    got = {}
-    for n in (1, 2):
-        with tempfile.TemporaryDirectory() as d:
-            cmd = [
-                sys.executable,
-                "-m",
-                "scaletrain",
-                "train",
-                "--nproc",
-                str(n),
-                *TINY,
-                "--run.dir",
-                f"{d}/run",
-            ]
-            subprocess.run(cmd, env=env, check=True, capture_output=True)
-            last = [
-                json.loads(x) for x in Path(f"{d}/run/metrics.jsonl").read_text().splitlines() if x.strip()
-            ]
-        cfg = parse_unvalidated(None, TINY)
-        bare = dataclasses.replace(profile, overhead_bytes=0, worker_overhead_bytes=0, step_overhead_s=0.0)
-        plan = estimate(cfg, model_args(cfg), n, bare)
-        got[n] = (
-            last[-1]["mem_peak_mib"] * 2**20 - plan.memory["total"],
-            last[-1]["step_time_s"] - plan.time["step_time_s"],
-        )
+    # Tokenise the data first (and let the two-process launcher index it): a run that prepares the data in its own
+    # process counts that in its peak RSS.
+    subprocess.run(
+        [sys.executable, "-m", "scaletrain", "prepare-data", *TINY], env=env, check=True, capture_output=True
+    )
+    two, one = _tiny_run(2, env), _tiny_run(1, env)
+    cfg = parse_unvalidated(None, TINY)
+    args = model_args(cfg)
+    bare = dataclasses.replace(profile, overhead_bytes=0, worker_overhead_bytes=0, step_overhead_s=0.0)
+    solo = estimate(cfg, args, 1, bare)
+    step = max(one["step_time_s"] - solo.time["step_time_s"], 0.0)
+    # Step time is linear in the per-call cost: two predictions give the number of calls.
+    fixed = dataclasses.replace(bare, step_overhead_s=step)
+    t0 = estimate(cfg, args, 2, fixed).time["step_time_s"]
+    calls = estimate(cfg, args, 2, dataclasses.replace(fixed, collective_call_s=1.0)).time["step_time_s"] - t0
+    call = max(two["step_time_s"] - t0, 0.0) / max(calls, 1.0)
+    base1 = int(one["mem_peak_mib"] * 2**20 - solo.memory["total"])
+    base2 = int(two["mem_peak_mib"] * 2**20 - estimate(cfg, args, 2, bare).memory["total"])
     log(
-        f"framework: {got[1][0] / 2**20:.0f} MiB per process, {got[2][0] / 2**20:.0f} MiB per forked worker; "
-        f"{got[1][1] * 1e3:.1f} ms fixed per step"
+        f"framework: {base1 / 2**20:.0f} MiB per process, {base2 / 2**20:.0f} MiB per forked worker; "
+        f"{step * 1e3:.1f} ms fixed per step; {call * 1e3:.2f} ms per collective call ({calls:.0f} calls a step)"
     )
     return dataclasses.replace(
         profile,
-        overhead_bytes=int(got[1][0]),
-        worker_overhead_bytes=int(got[2][0]),
-        step_overhead_s=max(got[1][1], 0.0),
+        overhead_bytes=base1,
+        worker_overhead_bytes=base2,
+        step_overhead_s=step,
+        collective_call_s=call,
     )
 
 

@@ -53,6 +53,9 @@ class DeviceProfile:
     worker_overhead_bytes: int = 0
     op_overhead_s: float = 0.0  # fixed time per block forward+backward (dispatch of its ~40 ops), CPUs only
     step_overhead_s: float = 0.0  # fixed time per optimizer step (loader, clipping, logging), CPUs only
+    collective_call_s: float = (
+        0.0  # fixed time per collective call in a training step, CPUs only (calibrated)
+    )
     cores: int = 0  # CPU cores shared by the local processes (0: a GPU, one device per process)
     threads: int = (
         1  # the threads the CPU matmul rate was measured with (the rate scales with min(threads, cores))

@@ -336,7 +336,10 @@ def _comm_parts(
         one /= 2
     else:
         one = all_reduce_s(dims.tp, act, links["tp"])
-    out["tp_comm_s"] = m * layers * tp_per_block * one
+    # On a CPU every collective call also costs a fixed time (calibrated: the ranks' scheduling on shared cores,
+    # DTensor/FSDP dispatch around it); `call` is that per call, 0 on a GPU.
+    call = 0.0 if gpu else profile.collective_call_s
+    out["tp_comm_s"] = m * layers * tp_per_block * (one + (call if dims.tp > 1 else 0.0))
     # CP ring attention: cp-1 exchanges of a K/V chunk per block in forward, K/V and their gradients in backward;
     # each step overlaps the attention of the chunk in hand on a GPU.
     kv = micro * seq_len / p.cp * 2 * args.n_kv_heads * args.head_dim / p.tp * elt
@@ -344,13 +347,13 @@ def _comm_parts(
     if dims.cp > 1:
         step_comm = 3 * p2p_s(kv, links["cp"])  # forward K/V, backward K/V and dK/dV
         step_attn = b["attention"] / dims.cp
-        ring = (dims.cp - 1) * (max(0.0, step_comm - step_attn) if gpu else step_comm)
+        ring = (dims.cp - 1) * (max(0.0, step_comm - step_attn) if gpu else step_comm + 3 * call)
     out["cp_comm_s"] = m * layers * ring
     # PP: each micro-batch's hidden states forward and their gradient back at every stage boundary of this rank;
     # on a GPU the sends overlap the next micro-batch except in the warm-up and cool-down.
     v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
     hop = p2p_s(act, links["pp"]) if p.pp > 1 else 0.0
-    out["pp_p2p_s"] = 2 * hop * ((p.pp - 1) * v if gpu else m * v)
+    out["pp_p2p_s"] = 2 * (hop + (call if p.pp > 1 else 0.0)) * ((p.pp - 1) * v if gpu else m * v)
     out.update(_dp_comm(args, p, dims, profile, links, compute, layers, elt, gpu, m))
     return out
 
@@ -383,6 +386,8 @@ def _dp_comm(
     if mode in ("ddp", "zero1"):
         total = _calibrated(profile, "all_reduce", n, local * 4, link)
         bucket = _calibrated(profile, "all_reduce", n, min(p.ddp_bucket_mb * 2**20, local * 4), link)
+        calls = math.ceil(local * 4 / (p.ddp_bucket_mb * 2**20)) + (mode == "zero1")
+        total += calls * (0.0 if gpu else profile.collective_call_s)
         exposed = bucket + max(0.0, total - bucket - backward_last) if gpu else total
         if mode == "zero1":  # ZeroRedundancyOptimizer broadcasts each rank's updated shard: an all-gather
             gather = _calibrated(profile, "all_gather", n, local * 4, link)
@@ -404,6 +409,7 @@ def _dp_comm(
             profile, "all_reduce", dims.dp_replicate, local * 4 / shard_n, links["dp_replicate"]
         )
     if not gpu:
+        total += profile.collective_call_s * (layers * (gathers + reduces) + min(gathers, 2) + reduces)
         return {"dp_comm_s": total, "dp_comm_exposed_s": total}
     hidden = max(0.0, total - ag - rs - tables_t)
     exposed = ag + rs + tables_t + max(0.0, hidden - compute["compute_s"])

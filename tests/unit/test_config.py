@@ -197,7 +197,7 @@ def test_cli_refuses_a_flag_that_is_not_its_command_s(capsys):
     assert main(["train", "--steps", "5"]) == 2
     err = capsys.readouterr().err
     assert "'scaletrain train' has no option --steps; did you mean --training.steps 5?" in err
-    assert "--config, --max-restarts, --nproc" in err and "Traceback" not in err
+    assert "--config, --dry-run, --max-restarts, --nproc" in err and "Traceback" not in err
     # No prefix matching: --conf is not --config.
     assert main(["train", "--conf", "x.toml"]) == 2
     assert "did you mean --config?" in capsys.readouterr().err
