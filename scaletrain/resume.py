@@ -41,11 +41,12 @@ FREE = (
 )
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+def flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    """{"a.b.c": value} of a nested config; lists (e.g. data.sources) stay one value."""
     out: dict[str, object] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -58,7 +59,7 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
 def resume_problems(saved: dict, new: dict, accepted: list[str]) -> list[str]:
     """Every difference between the saved resolved config and the new one that the resume cannot take, each with
     what to do; [] when the new start continues the same run. Both are `to_dict` forms (None values dropped)."""
-    old, now = _flat(saved), _flat(new)
+    old, now = flatten(saved), flatten(new)
     problems = []
     for key in sorted(set(old) | set(now)):
         was, is_ = old.get(key, "(unset)"), now.get(key, "(unset)")

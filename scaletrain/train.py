@@ -75,7 +75,7 @@ def train(cfg: Config) -> dict:
                     continue
                 job.train_state.step, job.train_state.tokens = step, step * job.tokens_per_step
                 job.meter.step_done()
-                if step % cfg.metrics.log_interval == 0 or step == t.steps or _is_eval_step(step, t):
+                if step % cfg.metrics.log_interval == 0 or step == end or _is_eval_step(step, t):
                     last = _log(job, step, loss, grad_norm, lr)
                 progress.update(step, last.get("loss", math.nan), last.get("tokens_per_s", 0.0), lr,
                                 last.get("mfu"), job.writer.last_event)  # fmt: skip

@@ -11,6 +11,8 @@ import logging
 import torch
 from torch import nn
 
+from scaletrain.precision._torchao import import_quietly
+
 log = logging.getLogger("scaletrain")
 
 TORCHAO = "torchao==0.18.0"  # the release that works with torch 2.13.0 (pinned in pyproject.toml)
@@ -45,16 +47,9 @@ def fp8_problems(device_type: str, tp: int = 1, capability: tuple[int, int] | No
 
 
 def _torchao_float8():  # noqa: ANN202 (two torchao objects)
-    """torchao's float8 config and converter, imported quietly: a CPU build of torch cannot load torchao's CUDA
-    kernels and torchao logs so at import; the float8 training path is Python over torch._scaled_mm."""
-    logger = logging.getLogger("torchao")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    finally:
-        logger.setLevel(level)
-    return Float8LinearConfig, convert_to_float8_training
+    """torchao's float8 config and converter; the float8 training path is Python over torch._scaled_mm."""
+    float8 = import_quietly("torchao.float8")
+    return float8.Float8LinearConfig, float8.convert_to_float8_training
 
 
 def fp8_filter(module: nn.Module, fqn: str) -> bool:

@@ -16,6 +16,7 @@ from scaletrain.config import PrecisionConfig
 from scaletrain.models.attention import document_ids
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.loss import cross_entropy
+from scaletrain.precision._torchao import import_quietly
 
 log = logging.getLogger("scaletrain")
 
@@ -27,16 +28,8 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def _torchao_quantization():  # noqa: ANN202 (a module)
-    """torchao.quantization, imported quietly: a CPU build of torch cannot load torchao's CUDA kernels (mxfp8,
-    cutlass) and torchao says so at import; the fake-quant and int8 paths used here are plain PyTorch."""
-    logger = logging.getLogger("torchao")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        import torchao.quantization as tq
-    finally:
-        logger.setLevel(level)
-    return tq
+    """torchao.quantization; the fake-quant and int8 paths used here are plain PyTorch."""
+    return import_quietly("torchao.quantization")
 
 
 def block_linear_inputs(args: ModelArgs) -> dict[str, int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from scaletrain.errors import UserError
 from scaletrain.resilience.goodput import compute_goodput, read_jsonl
+from scaletrain.resume import flatten
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -113,17 +114,6 @@ def event_marks(events: list[dict]) -> dict[str, list[int]]:
         if isinstance(step, int) and not isinstance(step, bool) and isinstance(kind, str):
             marks.setdefault(kind, []).append(step)
     return marks
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    """{"a.b.c": value} of a nested config; lists (e.g. data.sources) stay one value."""
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 MISSING = "—"
