@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from scaletrain.bench import results_json, run_bench
 from scaletrain.config import Config
 from scaletrain.config_io import all_keys, default_run_dir, help_text, load_config
 from scaletrain.convert import from_hf, to_hf, to_quantized
@@ -38,6 +39,7 @@ scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" .
 scaletrain generate     RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S] [--tokenizer T] [--device D] [--json]
 scaletrain eval         RUN_DIR|HF_DIR --data FILE_OR_GLOB [--seq-len S] [--tokenizer T] [--batch B] [--max-windows N] [--device D] [--json]
 scaletrain report       RUN_DIR [RUN_DIR ...] [--out DIR]
+scaletrain bench        --config FILE --variants "training.precision=bf16" "parallel.grad_compression=powersgd" ... [--nproc N] [--steps 20] [--rounds 3] [--json FILE] [--section.key VALUE ...]
 scaletrain plan         --model PRESET --devices N --device h100|h200|a100|b200|cpu [--gpus-per-node 8] --seq-len S --global-batch-tokens T [--top K] [--json]  |  --config FILE --nproc N [--device KIND] [--json] [--section.key VALUE ...]  |  --calibrate [--nproc N]
 """
 KEYS_HELP = "Any config key can be overridden as --section.key VALUE or --section.key=VALUE. Keys:\n"
@@ -123,6 +125,7 @@ def build_parser() -> _Parser:
     root.commands.update(_add_inference_commands(commands))
     root.commands["report"] = _add_report_command(commands)
     root.commands["plan"] = _add_plan_command(commands)
+    root.commands["bench"] = _add_bench_command(commands)
     return root
 
 
@@ -235,6 +238,26 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> _Parser:
     plan.add_argument("--calibrate", action="store_true", help="measure this machine and save its profile")
     plan.set_defaults(run=_plan)
     return plan
+
+
+def _add_bench_command(commands: argparse._SubParsersAction) -> _Parser:
+    bench = commands.add_parser("bench", help="time config switches beside the plain config, alternating rounds")
+    bench.add_argument("--config")
+    bench.add_argument("--variants", nargs="+", required=True, help='e.g. "training.precision=bf16" "a.b=1,c.d=2"')
+    bench.add_argument("--nproc", type=int, default=1, help="local worker processes of every run")
+    bench.add_argument("--steps", type=int, default=20, help="steps of each run")
+    bench.add_argument("--rounds", type=int, default=3, help="rounds of (plain, variant 1, variant 2, ...)")
+    bench.add_argument("--json", help="also write the results to this file")
+    bench.set_defaults(run=_bench)
+    return bench
+
+
+def _bench(args: argparse.Namespace, overrides: list[str]) -> int:
+    kw = dict(nproc=args.nproc, steps=args.steps, rounds=args.rounds)
+    results = run_bench(args.config, args.variants, overrides, **kw)
+    if args.json:
+        Path(args.json).write_text(results_json(results))
+    return 0 if all(not r.error for r in results) else 1
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from scaletrain.convert import load_run_model
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.parallel.mesh import MESH_DIMS
+from scaletrain.planner.calibrate import run_from_small_parent
 
 # Every run ends with one synchronous save into its own run directory, whatever the user's overrides say (they
 # come first, so these win): the final parameters are read back from it.
@@ -74,7 +74,10 @@ def parse_layout(text: str) -> tuple[int, list[str]]:
     return world, overrides
 
 
-def _run(args: list[str], nproc: int, run_dir: Path) -> list[dict]:
+def run_train(args: list[str], nproc: int, run_dir: Path) -> list[dict]:
+    """`scaletrain train --nproc N ARGS --run.dir RUN_DIR` in a subprocess; its metrics.jsonl records. Shared by
+    parity and bench. Started from a bare interpreter so that the run's peak memory is its own (see
+    run_from_small_parent); a failed run is a ConfigError with the tail of its stderr."""
     cmd = [
         sys.executable,
         "-m",
@@ -86,7 +89,7 @@ def _run(args: list[str], nproc: int, run_dir: Path) -> list[dict]:
         "--run.dir",
         str(run_dir),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    proc = run_from_small_parent(cmd, os.environ.copy(), capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         raise ConfigError(f"run failed ({' '.join(cmd[3:])}):\n{tail}")
@@ -200,12 +203,12 @@ def run_parity(
     results = []
     with tempfile.TemporaryDirectory(prefix="scaletrain-parity-") as tmp:
         ref_dir = Path(tmp) / "reference"
-        ref = (_run(base + single, 1, ref_dir), final_params(ref_dir))
+        ref = (run_train(base + single, 1, ref_dir), final_params(ref_dir))
         out(f"reference (1 process): final loss {ref[0][-1]['loss']:.6f}, {len(ref[1])} parameters")
         for i, (layout, nproc, layout_args) in enumerate(parsed):
             run_dir = Path(tmp) / f"layout{i}"
             try:
-                got = (_run(base + layout_args, nproc, run_dir), final_params(run_dir))
+                got = (run_train(base + layout_args, nproc, run_dir), final_params(run_dir))
             except UserError as e:
                 error = e.problems[0] if isinstance(e, ConfigError) else str(e)
                 results.append(ParityResult(layout, nproc, math.inf, math.inf, math.inf, "", False, error))

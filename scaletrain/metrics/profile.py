@@ -112,10 +112,11 @@ def is_comm(name: str) -> bool:
 def classify(events: list[dict]) -> tuple[list[Interval], list[Interval]]:
     """(communication, compute) intervals in microseconds from Chrome trace events, by the module's rule."""
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in spans if is_comm(e["name"])]
     kernels = [e for e in spans if e.get("cat") == "kernel"]
-    if kernels:
+    if kernels:  # the device's timeline: NCCL kernels against the others (CPU-side launches are not the work)
+        comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_comm(e["name"])]
         return comm, [(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_comm(e["name"])]
+    comm = [(e["ts"], e["ts"] + e["dur"]) for e in spans if is_comm(e["name"])]
     by_thread: dict[tuple, list[dict]] = defaultdict(list)
     for e in spans:
         if e["name"].startswith("aten::") or is_comm(e["name"]):

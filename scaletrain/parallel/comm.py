@@ -142,7 +142,7 @@ class PowerSGD:
         # under `from __future__ import annotations` they are strings.
         layout = self._layout(bucket)
         if self.layouts.get(bucket.index()) != layout:
-            self._relayout(bucket.index(), layout)
+            self._relayout(bucket.index(), layout, bucket.buffer())
         st = self.state
         before, plain = st.total_numel_after_compression, st.iter < st.start_powerSGD_iter
         fut = powerSGD_hook.powerSGD_hook(st, bucket)
@@ -159,26 +159,23 @@ class PowerSGD:
             for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
         )
 
-    def _relayout(self, index: int, layout: Layout) -> None:
-        """Move the state from the buckets it was laid in to the current ones (all of them at once: a state laid
-        into one new bucket may come from any old one)."""
+    def _relayout(self, index: int, layout: Layout, buffer: torch.Tensor) -> None:
+        """Lay the state of this bucket's parameters into it, taking it from the old buckets that held them (and
+        the old bucket of the same index), or from a loaded checkpoint. Bucket by bucket, inside the hook: DDP
+        holds its reducer's lock while hooks run, so the other current buckets cannot be asked for here. Every
+        parameter is in exactly one current bucket, so by the end of the step every old bucket has been moved."""
         st = self.state
         if not (st.error_dict or st.q_memory_dict or self.pending):
             self.layouts[index] = layout  # nothing to move (plain all-reduce steps)
             return
-        for b, old in self.layouts.items():
-            self.pending.update(self._split(b, old))
-        st.error_dict.clear()
-        st.p_memory_dict.clear()
-        st.q_memory_dict.clear()
-        self.layouts = {}
-        for b in self.ddp.reducer._get_zeros_like_grad_buckets():
-            self.layouts[b.index()] = self._layout(b)
-            self._join(b.index(), self.layouts[b.index()], b.buffer())
-        if self.layouts.get(index) != layout:  # not expected: DDP reports its current buckets
-            log.warning("PowerSGD: bucket %d is not one DDP reported; its state starts afresh", index)
-            self.layouts[index] = layout
-        self.pending.clear()
+        names = {name for name, _, _ in layout}
+        old = [b for b, lay in self.layouts.items() if b == index or any(n in names for n, _, _ in lay)]
+        for b in old:
+            self.pending.update(self._split(b, self.layouts.pop(b)))
+            for d in (st.error_dict, st.p_memory_dict, st.q_memory_dict):
+                d.pop(b, None)
+        self._join(index, layout, buffer)
+        self.layouts[index] = layout
 
     def _factors(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
         """(Q numel, P numel) when the hook compresses a gradient of this shape (viewed as shape[0] x rest),
@@ -215,6 +212,7 @@ class PowerSGD:
         return out
 
     def _join(self, b: int, layout: Layout, buffer: torch.Tensor) -> None:
+        """Build bucket b's error and Q from the pending per-parameter state (taking what it uses)."""
         st, pend = self.state, self.pending
         if any(f"error.{n}" in pend for n, _, _ in layout):
             err = torch.zeros(buffer.numel(), dtype=buffer.dtype, device=buffer.device)
@@ -228,6 +226,9 @@ class PowerSGD:
             # P is recomputed from Q before it is read (P = M Q): only its memory must exist.
             p_numel = sum(p for _, _, p in compressed)
             st.p_memory_dict[b] = torch.empty(p_numel, dtype=buffer.dtype, device=buffer.device)
+        for name, _, _ in layout:
+            pend.pop(f"error.{name}", None)
+            pend.pop(f"q.{name}", None)
 
     # -- Stateful
     def state_dict(self) -> dict:

@@ -187,20 +187,31 @@ def measure_collectives(nproc: int) -> tuple[dict[str, tuple[float, float]], int
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "2", "--model.n_kv_heads", "1"]
 TINY += ["--model.ffn_hidden", "128", "--data.seq_len", "64", "--training.global_batch", "4"]
-TINY += ["--training.micro_batch", "2", "--training.steps", "6", "--metrics.log_interval", "3"]
+TINY += ["--training.micro_batch", "2", "--training.steps", "12", "--metrics.log_interval", "2"]
 TINY += ["--training.eval_interval", "0", "--training.threads", "1", "--checkpoint.enabled", "false"]
 TINY += ["--metrics.progress", "false", "--metrics.tensorboard", "false", "--parallel.data_parallel", "fsdp"]
 
 
+def run_from_small_parent(cmd: list[str], env: dict, **kw) -> subprocess.CompletedProcess:
+    """Run `cmd` as the grandchild of a bare interpreter. Linux folds the parent's peak RSS into a child's
+    ru_maxrss across fork and exec, so a run started straight from a process that holds torch would report at least
+    that process's memory; a bare interpreter in between (its own peak ~10 MiB) leaves the run's figure its own."""
+    hop = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+    return subprocess.run([sys.executable, "-S", "-c", hop, *cmd], env=env, **kw)
+
+
 def _tiny_run(n: int, env: dict) -> dict:
-    """The last metrics record of the tiny model trained for a few steps on n local processes."""
+    """The tiny model trained for a few steps on n local processes: its peak RSS, and the fastest window's step
+    time after the first (the window least disturbed by other processes, as every calibration figure here)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "scaletrain", "train", "--nproc", str(n), *TINY, "--run.dir", f"{d}/run"]
-        subprocess.run(cmd, env=env, check=True, capture_output=True)
-        lines = Path(f"{d}/run/metrics.jsonl").read_text().splitlines()
-    return json.loads(lines[-1])
+        run_from_small_parent(cmd, env, check=True, capture_output=True)
+        records = [
+            json.loads(x) for x in Path(f"{d}/run/metrics.jsonl").read_text().splitlines() if x.strip()
+        ]
+    return {**records[-1], "step_time_s": min(r["step_time_s"] for r in records[1:])}
 
 
 def measure_framework(profile: DeviceProfile, cache_dir: Path, log) -> DeviceProfile:

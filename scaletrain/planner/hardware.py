@@ -78,11 +78,11 @@ class DeviceProfile:
 
 
 def _gpu(
-    name: str, bf16: float, fp8: float | None, hbm: int, hbm_bw: float, nvlink: float, ib: float
+    name: str, bf16: float, fp8: float | None, fp32: float, hbm: int, hbm_bw: float, nvlink: float, ib: float
 ) -> DeviceProfile:
-    """A GPU from its datasheet: dense peaks in TFLOP/s, HBM bytes, HBM TB/s, NVLink GB/s (total, both
-    directions, as NVIDIA quotes it), InfiniBand Gb/s per GPU."""
-    peaks = {"bf16": bf16 * TB, "fp16": bf16 * TB}
+    """A GPU from its datasheet: dense peaks in TFLOP/s (fp32: the plain vector rate, not TF32), HBM bytes, HBM
+    TB/s, NVLink GB/s (total, both directions, as NVIDIA quotes it), InfiniBand Gb/s per GPU."""
+    peaks = {"bf16": bf16 * TB, "fp16": bf16 * TB, "fp32": fp32 * TB}
     if fp8:
         peaks["fp8"] = fp8 * TB
     return DeviceProfile(
@@ -100,6 +100,7 @@ def _gpu(
     )
 
 
+# (fp32 vector peaks as in metrics/mfu.py's table: H100/H200 66.9, A100 19.5, HGX B200 80 TFLOPS.)
 # H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 989.4 TFLOPS dense (1,979 with sparsity), FP8
 # 1,979 dense (3,958 sparse), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s; DGX/HGX H100 pair each GPU with one
 # ConnectX-7 400 Gb/s NDR InfiniBand port (DGX H100 datasheet).
@@ -113,10 +114,10 @@ def _gpu(
 # Memory in GiB as the device reports it (torch.cuda total_memory): the "80 GB" parts have 80 GiB of HBM (79.6 GiB
 # visible), an H200 reports ~140 GiB of its 141 GB, a B200 ~179 GiB.
 GPUS: dict[str, DeviceProfile] = {
-    "h100": _gpu("NVIDIA H100 SXM5 80GB", 989.4, 1978.9, 80 * GiB, 3.35, 900, 400),
-    "h200": _gpu("NVIDIA H200 SXM 141GB", 989.4, 1978.9, 140 * GiB, 4.8, 900, 400),
-    "a100": _gpu("NVIDIA A100 SXM4 80GB", 312.0, None, 80 * GiB, 2.039, 600, 200),
-    "b200": _gpu("NVIDIA B200 (HGX)", 2250.0, 4500.0, 179 * GiB, 8.0, 1800, 400),
+    "h100": _gpu("NVIDIA H100 SXM5 80GB", 989.4, 1978.9, 66.9, 80 * GiB, 3.35, 900, 400),
+    "h200": _gpu("NVIDIA H200 SXM 141GB", 989.4, 1978.9, 66.9, 140 * GiB, 4.8, 900, 400),
+    "a100": _gpu("NVIDIA A100 SXM4 80GB", 312.0, None, 19.5, 80 * GiB, 2.039, 600, 200),
+    "b200": _gpu("NVIDIA B200 (HGX)", 2250.0, 4500.0, 80.0, 179 * GiB, 8.0, 1800, 400),
 }
 # A CPU until calibrated: a modest figure so that plans run (a calibrated profile replaces every one of these).
 DEFAULT_CPU = DeviceProfile(

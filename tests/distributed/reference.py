@@ -343,6 +343,7 @@ def _facts(run: Run) -> dict:
             for p in g["params"]
         ),
         "numel": sum(p.numel() for p in inner.parameters()),
+        "comm_bytes": run.pm.comm.total / len(run.losses),  # data-parallel bytes per step (parallel/comm.py)
     }
 
 

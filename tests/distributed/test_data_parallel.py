@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
-from tests.distributed.reference import PARAM_ATOL, check_equivalent, run_layouts
+from tests.distributed.reference import PARAM_ATOL, check_equivalent, full_model, run_layouts, tiny_args
 
 LAYOUTS_2 = {
     "ddp": dict(data_parallel="ddp"),
@@ -21,6 +21,7 @@ LAYOUTS_2 = {
 LAYOUTS_4 = {
     "fsdp": dict(data_parallel="fsdp"),
     "hsdp": dict(data_parallel="hsdp", dp_replicate=2, dp_shard=2),
+    "fsdp_reshard_2": dict(data_parallel="fsdp", reshard_after_forward=2),
 }
 
 
@@ -75,3 +76,14 @@ def test_hsdp_2x2_matches_reference(results_4):
         assert facts["wq_local_numel"] * 2 == facts["wq_numel"]
         # The replicate dim's shards stayed bitwise equal, and one ulp on one replica would have been seen.
         assert facts["replica_check_catches"] is True
+
+
+def test_fsdp_reshard_to_pairs_matches_reference(results_4):
+    """parallel.reshard_after_forward = 2: between forward and backward each block stays sharded over pairs, so
+    its backward all-gather sends 1/2 instead of 3/4 of the block from each rank (counted: parallel/comm.py)."""
+    pairs, full = check_equivalent(results_4, "fsdp_reshard_2"), check_equivalent(results_4, "fsdp")
+    blocks = list(full_model(tiny_args()).layers.values())[:-1]  # the last block is never resharded
+    resharded = sum(p.numel() for b in blocks for p in b.parameters()) * 4  # fp32 bytes
+    micro = 2  # the local batch of 2 in micro-batches of 1: two backward all-gathers per step
+    for got, ref in zip(pairs, full, strict=True):
+        assert ref["comm_bytes"] - got["comm_bytes"] == micro * (3 / 4 - 1 / 2) * resharded
