@@ -241,9 +241,13 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> _Parser:
 
 
 def _add_bench_command(commands: argparse._SubParsersAction) -> _Parser:
-    bench = commands.add_parser("bench", help="time config switches beside the plain config, alternating rounds")
+    bench = commands.add_parser(
+        "bench", help="time config switches beside the plain config, alternating rounds"
+    )
     bench.add_argument("--config")
-    bench.add_argument("--variants", nargs="+", required=True, help='e.g. "training.precision=bf16" "a.b=1,c.d=2"')
+    bench.add_argument(
+        "--variants", nargs="+", required=True, help='e.g. "training.precision=bf16" "a.b=1,c.d=2"'
+    )
     bench.add_argument("--nproc", type=int, default=1, help="local worker processes of every run")
     bench.add_argument("--steps", type=int, default=20, help="steps of each run")
     bench.add_argument("--rounds", type=int, default=3, help="rounds of (plain, variant 1, variant 2, ...)")
