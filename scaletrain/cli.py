@@ -230,7 +230,9 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> _Parser:
     plan.add_argument("--device", help="h100, h200, a100, b200 or cpu (the calibrated profile if any)")
     plan.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (tp stays inside one)")
     plan.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (the search)")
-    plan.add_argument("--global-batch-tokens", type=int, default=0, help="tokens per step (0: seq-len x devices)")
+    plan.add_argument(
+        "--global-batch-tokens", type=int, default=0, help="tokens per step (0: seq-len x devices)"
+    )
     plan.add_argument("--top", type=int, default=10, help="plans to show")
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.add_argument("--config", help="--config FILE: estimate that config's layout")
