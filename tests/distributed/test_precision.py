@@ -1,5 +1,5 @@
 """bf16 (autocast, and FSDP2's MixedPrecisionPolicy) and fp16 (dynamic loss scaling) follow fp32 over 30 steps,
-on one process and under fsdp x 2; an fp16 overflow injected into one rank's gradient shard skips exactly that step
+on one process and under fsdp x 2, pp 2, tp 2 and cp 2; an fp16 overflow injected into one rank's gradient shard skips exactly that step
 on every rank, lowers the scale, and a run resumed from a checkpoint taken after it continues bit for bit.
 
 The model is the debug preset's shape scaled down (tiny_args, 2 layers): on this CPU (no bf16 matrix units) the
@@ -99,12 +99,13 @@ def _inject_inf(model, step_of, at: int, rank: int) -> None:
 
 def _build(spec: dict, world_size: int, rank: int):
     single = spec["layout"] == "single"
-    pcfg = ParallelConfig(data_parallel="ddp" if single else "fsdp")
+    pcfg = ParallelConfig(**LAYOUTS[spec["layout"]])
     dims = ParallelDims() if single else ParallelDims.from_config(pcfg, world_size)
     if not single and dims.mesh is None:
         dims.build_mesh("cpu")
+    m = 2 if pcfg.pp > 1 else 1  # pipeline micro-batches: the schedule's loss_fn carries the fp16 scale
     tcfg = TrainingConfig(
-        micro_batch=GLOBAL_BATCH // dims.dp_size,
+        micro_batch=GLOBAL_BATCH // dims.dp_size // m,
         precision=spec["precision"],
         mixed_precision=spec.get("mixed_precision", "auto"),
         loss_scale_init=1024.0,
@@ -116,7 +117,7 @@ def _build(spec: dict, world_size: int, rank: int):
     if "inject" in spec:
         _inject_inf(model, lambda: step["i"], spec["inject"], rank)
     precision = resolve_precision(tcfg, fsdp_applies(dims, pcfg.data_parallel), "cpu")
-    pm = parallelize(model, dims, pcfg, device=CPU, n_microbatches=1, precision_policy=precision)
+    pm = parallelize(model, dims, pcfg, device=CPU, n_microbatches=m, precision_policy=precision)
     build = optimizer_builder(OPT, pcfg.data_parallel, dims.submesh("dp_cp"), CPU)
     optimizers = Optimizers(pm.parts, build, OPT, spec.get("steps", STEPS))
     runner = build_step_runner(pm, dims, pcfg, tcfg, CPU, precision=precision)
@@ -182,6 +183,14 @@ def precision_case(rank: int, world_size: int, spec: dict) -> dict:
     return {"facts": {"whole": whole, "resumed": resumed}}
 
 
+# The layouts a case names; pp and tp run with fsdp inside (ddp cannot hold DTensors or run in stages).
+LAYOUTS = {
+    "single": dict(data_parallel="ddp"),
+    "fsdp": dict(data_parallel="fsdp"),
+    "pp2": dict(pp=2, pp_schedule="1f1b", data_parallel="fsdp"),
+    "tp2": dict(tp=2, data_parallel="fsdp"),
+    "cp2": dict(cp=2, data_parallel="fsdp"),  # fsdp over the cp ranks: the FSDP2 policy applies
+}
 CASES = {
     "single_fp32": dict(layout="single", precision="fp32", rank=0),
     "single_bf16": dict(layout="single", precision="bf16", rank=1),
@@ -190,6 +199,12 @@ CASES = {
     "fsdp_bf16_autocast": dict(layout="fsdp", precision="bf16", mixed_precision="autocast"),
     "fsdp_bf16_policy": dict(layout="fsdp", precision="bf16"),  # auto: the FSDP2 policy
     "fsdp_fp16_policy": dict(layout="fsdp", precision="fp16"),
+    "pp2_fp16": dict(layout="pp2", precision="fp16"),
+    "pp2_bf16": dict(layout="pp2", precision="bf16"),
+    "tp2_fp16": dict(layout="tp2", precision="fp16"),
+    "tp2_bf16": dict(layout="tp2", precision="bf16"),
+    "cp2_fp16": dict(layout="cp2", precision="fp16"),
+    "cp2_bf16": dict(layout="cp2", precision="bf16"),
 }
 
 
@@ -227,6 +242,12 @@ def _max_rel(a: list[float], b: list[float]) -> float:
         ("fsdp_bf16_autocast", "fsdp_fp32"),
         ("fsdp_bf16_policy", "fsdp_fp32"),
         ("fsdp_fp16_policy", "fsdp_fp32"),
+        ("pp2_fp16", "single_fp32"),
+        ("pp2_bf16", "single_fp32"),
+        ("tp2_fp16", "single_fp32"),
+        ("tp2_bf16", "single_fp32"),
+        ("cp2_fp16", "single_fp32"),
+        ("cp2_bf16", "single_fp32"),
     ],
 )
 def test_low_precision_losses_follow_fp32(results, name, ref):
