@@ -7,3 +7,23 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SCALETRAIN_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "tests"))
+
+
+# make test runs two xdist workers, one file at a time each, handed out in collection order: the longest files go
+# first, so that neither worker is left with one of them while the other has finished.
+SLOW_FIRST = (
+    "e2e/test_checkpoint_layouts.py",
+    "distributed/test_hybrid_layouts.py",
+    "e2e/test_resilience.py",
+    "distributed/test_pipeline.py",
+    "e2e/test_parity.py",
+    "distributed/test_recompute.py",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    def rank(item) -> int:
+        path = Path(str(item.fspath)).as_posix()
+        return next((i for i, name in enumerate(SLOW_FIRST) if path.endswith(name)), len(SLOW_FIRST))
+
+    items.sort(key=rank)  # stable: the order within a file stays
