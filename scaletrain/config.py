@@ -52,6 +52,46 @@ class ModelConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts (docs/moe.md). The shape fields, when set, override the preset's (a dense preset has
+    n_experts 0); the rest are training choices."""
+
+    n_experts: int | None = None
+    """Routed experts per MoE layer; 0: a dense model (no MoE). Unset: the preset's."""
+    top_k: int | None = None
+    """Experts each token is routed to."""
+    hidden: int | None = None
+    """SwiGLU hidden size of each expert (and of each shared expert)."""
+    shared_experts: int | None = None
+    """Experts every token goes through besides its routed ones (DeepSeek-MoE); 0: none."""
+    router: Literal["softmax", "sigmoid"] | None = None
+    """Router scores: softmax over the experts (Mixtral, Switch) or independent sigmoids (DeepSeek-V3)."""
+    norm_topk: bool | None = None
+    """Divide each token's top-k weights by their sum (Mixtral; always with the sigmoid router)."""
+    every: int | None = None
+    """MoE on every k-th block (blocks k-1, 2k-1, ...; 1: all, 2: every other), dense SwiGLU elsewhere."""
+    first_dense: int | None = None
+    """The first N blocks stay dense whatever `every` says (DeepSeek-MoE keeps block 0 dense)."""
+    capacity_factor: float = 0.0
+    """0: dropless (every routed token is computed). > 0: each expert takes at most ceil(factor x seq_len x top_k /
+    n_experts) tokens of each sequence, the first ones in order; the rest of its tokens are dropped (they keep only
+    the residual and their other experts) and counted in moe_dropped."""
+    aux_loss_coef: float = 0.01
+    """Load-balancing loss (Switch/GShard form: n_experts x sum_e f_e P_e per sequence), added to the training loss
+    with this weight; 0: off."""
+    z_loss_coef: float = 0.0
+    """Router z-loss (ST-MoE: mean squared logsumexp of the router logits) weight; 0: off."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing bias moves by this much
+    towards the mean load (up if under-loaded, down if over); the bias only selects experts, never weights them.
+    0: off."""
+    imbalance_threshold: float = 2.0
+    """A `moe_imbalance` event when some layer's max/mean tokens per expert stays above this ..."""
+    imbalance_steps: int = 20
+    """... for this many consecutive steps (again only after it has come back under)."""
+
+
+@dataclass
 class SourceConfig:
     path: str = ""
     """A file, a directory (all files below it) or a glob."""
@@ -178,6 +218,10 @@ class ParallelConfig:
     """Stages per rank for interleaved_1f1b and interleaved_zb (zbv and dualpipev always use 2)."""
     cp: int = 1
     """Context-parallel ranks: each sequence is split over them and attention runs as ring attention."""
+    ep: int = 1
+    """Expert-parallel ranks: each MoE layer's experts are split over ep ranks carved from dp_shard, and tokens go to
+    their experts' ranks by all-to-all. Needs data_parallel fsdp (experts are then sharded over the dp_shard / ep
+    ranks that hold the same experts); must divide moe.n_experts and dp_shard."""
     cp_load_balance: bool = True
     """Zig-zag chunk order so that every context-parallel rank does the same causal-attention work."""
     grad_sync: Literal["step", "micro_batch"] = "step"
@@ -364,6 +408,7 @@ class RunConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

@@ -29,4 +29,4 @@ def model_args(cfg: Config) -> ModelArgs:
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
     except UserError:
         vocab = None
-    return resolve_model_args(cfg.model, vocab, cfg.data.seq_len)
+    return resolve_model_args(cfg.model, vocab, cfg.data.seq_len, moe=cfg.moe)

@@ -18,6 +18,7 @@ from scaletrain.parallel.pipeline import (
     resolve_microbatches,
     stages_per_rank,
 )
+from scaletrain.planner.moe import ffn_shape
 
 GiB = 2**30
 # CUDA context (~0.5 GiB), NCCL buffers and caching-allocator fragmentation: what a GPU rank loses before the
@@ -57,10 +58,11 @@ def compute_bytes(training: TrainingConfig) -> int:
 
 def block_parameters(args: ModelArgs) -> tuple[int, int]:
     """(split by tp, replicated) parameters of one transformer block: the matrices of attention and SwiGLU are
-    split by tensor parallel, the two RMSNorm weights are replicated."""
+    split by tensor parallel, the two RMSNorm weights are replicated. Under MoE, the average block's dense part
+    (shared experts and router included); its routed experts are `ffn_shape(args).routed`, split by ep."""
     kv = args.n_kv_heads * args.head_dim
     attention = 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * kv
-    return attention + 3 * args.dim * args.ffn_hidden, 2 * args.dim
+    return attention + ffn_shape(args).dense, 2 * args.dim
 
 
 def _zero_shards(p: ParallelConfig, dims: ParallelDims) -> int:
@@ -100,7 +102,11 @@ def layer_activation_bytes(
     - selective: 5h + 2kv + 2f + a (the matmul and SDPA outputs, and the block input).
     - full: h (the block input). every_k: the mean of full and none over the layers it recomputes (1 in k)."""
     s = seq_len / p.cp * micro  # tokens of one micro-batch on this rank
-    h, kv, f, a, tp = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_heads, p.tp
+    ffn = ffn_shape(
+        args
+    )  # MoE: the experts a token passes, and the dispatched copies (2 x top_k x h) it adds
+    h, kv, f, a, tp = args.dim, args.n_kv_heads * args.head_dim, ffn.active_hidden, args.n_heads, p.tp
+    s_moe = ffn.moe_share * 2 * getattr(args, "top_k", 0) * h * (recompute != "full")
     sp = tp if p.sequence_parallel else 1  # what sequence parallel splits
     if recompute == "full":
         per_token = h / sp
@@ -108,7 +114,7 @@ def layer_activation_bytes(
         per_token = 3 * h / sp + (2 * h + 2 * kv + 2 * f + a) / tp
     else:
         per_token = (4 * h + 2) / sp + 2 * h + (2 * h + 2 * kv + a + 4 * f) / tp
-    return s * per_token * elt
+    return s * (per_token + s_moe) * elt
 
 
 def activation_bytes(
@@ -167,6 +173,7 @@ def pp_rank_bytes(
     micro = math.ceil(local_batch / n_micro) if p.pp > 1 and local_batch else training.micro_batch
     counts = layers_per_stage(args.n_layers, p.pp * v)
     block_split, block_rep = block_parameters(args)
+    routed, ep = ffn_shape(args).routed, getattr(p, "ep", 1)
     vocab_rows = args.vocab_size * args.dim
     shards, elt = _zero_shards(p, dims), compute_bytes(training)
     # fsdp/hsdp under a zero-bubble schedule keep the stage's weights gathered, as zero2 does.
@@ -183,6 +190,10 @@ def pp_rank_bytes(
         tables = first + (last and not (args.tie_embeddings and first))
         n = (layers * block_split + tables * vocab_rows) / p.tp + layers * block_rep + last * args.dim
         part = _state_bytes(mode, n, shards, (block_split / p.tp + block_rep), elt)
+        if routed:  # MoE: this rank's experts, sharded by ZeRO over the ranks that hold the same ones
+            experts = _state_bytes(mode, layers * routed / ep, max(shards // ep, 1), routed / ep, elt)
+            part = {k: part[k] + experts[k] for k in part}
+            n += layers * routed / ep
         sharded = p.data_parallel in ("zero2", "fsdp", "hsdp") and shards > 1
         if sharded and p.pp == 1 and p.grad_sync == "step":
             if (local_batch or training.micro_batch) > training.micro_batch:  # accumulating: unsharded grads

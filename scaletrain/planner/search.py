@@ -28,6 +28,7 @@ LAYOUT_KEYS = (
     "tp",
     "pp",
     "cp",
+    "ep",
     "data_parallel",
     "sequence_parallel",
     "pp_schedule",
@@ -78,7 +79,7 @@ class Plan:
     def describe(self) -> str:
         lay = self.layout()
         sizes = " ".join(
-            f"{k}={lay[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if lay[k] != 1
+            f"{k}={lay[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep") if lay[k] != 1
         )
         extra = f" {lay['pp_schedule']} m={lay['pp_microbatches']}" if lay["pp"] > 1 else ""
         sp = " sp" if lay["sequence_parallel"] else ""
@@ -138,9 +139,13 @@ def _divisors(n: int, cap: int) -> list[int]:
     return [d for d in (2**i for i in range(0, 20)) if d <= cap and n % d == 0]
 
 
-def _ep_sizes(cfg: Config) -> list[int]:
-    """Expert-parallel sizes to try: a hook for when parallel.ep and MoE blocks exist (they do not yet)."""
-    return [1]
+def _ep_sizes(args: ModelArgs, dp: int, mode: str) -> list[int]:
+    """Expert-parallel sizes to try: 1, and under fsdp (the mode ep runs with) every power of two dividing both the
+    experts and the data-parallel ranks it is carved from."""
+    experts = getattr(args, "n_experts", 0)
+    return [1] + (
+        [e for e in _divisors(dp, dp) if e > 1 and experts % e == 0] if experts and mode == "fsdp" else []
+    )
 
 
 def _layouts(cfg: Config, args: ModelArgs, world: int, node: int) -> Iterator[ParallelConfig]:
@@ -153,15 +158,16 @@ def _layouts(cfg: Config, args: ModelArgs, world: int, node: int) -> Iterator[Pa
         if world % (tp * cp * pp):
             continue
         dp = world // (tp * cp * pp)
-        for mode, _ep in itertools.product(MODES if dp * cp > 1 else ("ddp",), _ep_sizes(cfg)):
+        for mode in MODES if dp * cp > 1 else ("ddp",):
             reps = [1]
             if mode == "hsdp":  # shard within a node, replicate across nodes
                 shard = max(1, node // (tp * cp))
                 reps = [dp // shard] if dp % shard == 0 and 1 < shard < dp else []
-            for rep, sched in itertools.product(reps, SCHEDULES if pp > 1 else (base.pp_schedule,)):
+            scheds = SCHEDULES if pp > 1 else (base.pp_schedule,)
+            for rep, sched, ep in itertools.product(reps, scheds, _ep_sizes(args, dp, mode)):
                 yield dataclasses.replace(
                     base, tp=tp, cp=cp, pp=pp, dp_replicate=rep, dp_shard=-1, data_parallel=mode,
-                    sequence_parallel=tp > 1, pp_schedule=sched, pp_microbatches=0,
+                    sequence_parallel=tp > 1, pp_schedule=sched, pp_microbatches=0, ep=ep,
                 )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.pipeline import resolve_microbatches, stages_per_rank
 from scaletrain.planner.hardware import DeviceProfile
 from scaletrain.planner.memory import block_parameters, layer_activation_bytes
+from scaletrain.planner.moe import dispatch_bytes, ffn_shape
 
 # Share of a block's element-wise forward that selective recompute runs again in backward: the norms, RoPE,
 # SiLU and the gate multiply (the matmuls and attention are kept), about a third of its element-wise traffic.
@@ -128,7 +129,7 @@ def _block_times(
         h=args.dim,
         q=args.n_heads * args.head_dim / p.tp,
         kv=args.n_kv_heads * args.head_dim / p.tp,
-        f=args.ffn_hidden / p.tp,
+        f=ffn_shape(args).active_hidden / p.tp,  # MoE: the experts one token passes (top_k + shared)
     )
     flops = _matmuls(shape)
     slow = GPU_ATTENTION_SHARE if profile.kind != "cpu" else 1.0
@@ -174,6 +175,7 @@ def _links(profile: DeviceProfile, dims: ParallelDims, gpus_per_node: int) -> di
         "dp_replicate": link(rep, shard * cp * tp),
         "dp_cp": link(rep * shard * cp, tp),
         "pp": link(dims.pp, rep * shard * cp * tp),
+        "ep": link(getattr(dims, "ep", 1), cp * tp),  # ep is dp_shard's innermost part
     }
 
 
@@ -226,14 +228,15 @@ def step_time(
     out = _compute_parts(args, p, training, memory, profile, b, m, micro, seq_len, layers, share)
     comm = _comm_parts(args, p, dims, profile, links, b, out, m, micro, seq_len, layers, precision, memory)
     out.update(comm)
-    busy = out["compute_s"] + out["tp_comm_s"] + out["cp_comm_s"] + out["pp_p2p_s"]
+    busy = out["compute_s"] + out["tp_comm_s"] + out["cp_comm_s"] + out["ep_comm_s"] + out["pp_p2p_s"]
     out["bubble_s"] = pipeline_bubble(p.pp_schedule, p.pp, m, v) * busy
     n_local = _local_params(args, p, dims)
     out["optimizer_s"] = n_local * ADAM_TRAFFIC / (profile.memory_bw * share)
     out["overhead_s"] = (
         profile.step_overhead_s / min(1.0, share * profile.threads) if profile.kind == "cpu" else 0
     )
-    keys = ("compute_s", "tp_comm_s", "cp_comm_s", "pp_p2p_s", "dp_comm_exposed_s", "bubble_s", "optimizer_s")
+    keys = ("compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_p2p_s", "dp_comm_exposed_s", "bubble_s",
+            "optimizer_s")  # fmt: skip
     out["step_time_s"] = sum(out[k] for k in keys) + out["overhead_s"]
     tokens = global_batch * seq_len
     out["tokens_per_s"] = tokens / out["step_time_s"]
@@ -254,9 +257,12 @@ def _peak(profile: DeviceProfile, precision: str, share: float) -> float:
 
 
 def _non_embedding_params(args: ModelArgs) -> int:
+    """The N of 6N: under MoE the active parameters (a token's top_k routed experts, not all of them)."""
     split, rep = block_parameters(args)
+    ffn = ffn_shape(args)
+    active_routed = ffn.routed * getattr(args, "top_k", 0) / max(getattr(args, "n_experts", 0), 1)
     out = 0 if args.tie_embeddings else args.vocab_size * args.dim
-    return int(args.n_layers * (split + rep) + args.dim + out)
+    return int(args.n_layers * (split + rep + active_routed) + args.dim + out)
 
 
 def _local_params(args: ModelArgs, p: ParallelConfig, dims: ParallelDims) -> float:
@@ -264,9 +270,12 @@ def _local_params(args: ModelArgs, p: ParallelConfig, dims: ParallelDims) -> flo
     split, rep = block_parameters(args)
     tables = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) / p.pp
     n = (args.n_layers / p.pp) * (split / p.tp + rep) + tables / p.tp
+    ep = getattr(p, "ep", 1)
+    experts = (args.n_layers / p.pp) * ffn_shape(args).routed / ep
     if p.data_parallel == "ddp":
-        return n
-    return n / (dims.dp_shard * dims.cp if p.data_parallel == "hsdp" else dims.dp_size * dims.cp)
+        return n + experts
+    shards = dims.dp_shard * dims.cp if p.data_parallel == "hsdp" else dims.dp_size * dims.cp
+    return n / shards + experts / max(shards // ep, 1)
 
 
 def recompute_share(memory: MemoryConfig) -> float:
@@ -354,6 +363,13 @@ def _comm_parts(
     v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
     hop = p2p_s(act, links["pp"]) if p.pp > 1 else 0.0
     out["pp_p2p_s"] = 2 * (hop + (call if p.pp > 1 else 0.0)) * ((p.pp - 1) * v if gpu else m * v)
+    # EP: each MoE layer's dispatch and combine all-to-all in forward, their gradients in backward (full
+    # recompute repeats the forward's); on the critical path (the experts wait for their tokens).
+    ep, share = getattr(p, "ep", 1), ffn_shape(args).moe_share
+    out["ep_comm_s"] = 0.0
+    if ep > 1 and share:
+        one = all_to_all_s(ep, dispatch_bytes(args, micro * seq_len / p.cp, elt), links["ep"]) + call
+        out["ep_comm_s"] = m * layers * share * 2 * (2 + recompute_share(memory)) * one
     out.update(_dp_comm(args, p, dims, profile, links, compute, layers, elt, gpu, m))
     return out
 
@@ -378,7 +394,7 @@ def _dp_comm(
     if n <= 1:
         return {"dp_comm_s": 0.0, "dp_comm_exposed_s": 0.0}
     split, rep = block_parameters(args)
-    block = split / p.tp + rep
+    block = split / p.tp + rep + ffn_shape(args).routed / getattr(p, "ep", 1)
     tables = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) / p.pp / p.tp
     local = layers * block + tables  # parameters of this rank before ZeRO sharding
     mode, link = p.data_parallel, links["dp_cp"]

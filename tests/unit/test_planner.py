@@ -228,3 +228,47 @@ def test_train_dry_run_prints_the_estimate_and_starts_nothing(tmp_path):
     assert "global 8 sequences x 64 tokens = 512 tokens per step" in out
     assert "peak memory (fullest rank)" in out and "step time" in out and "MFU" in out
     assert not run.exists()
+
+
+def test_moe_experts_split_over_ep_and_flops_count_the_active_parameters():
+    # Mixtral 8x7B: 46.7B parameters, 12.9B active per token (2 of 8 experts). The state per rank is the ZeRO
+    # formula of all of them whatever ep (ep shards the experts, fsdp the rest of dp_shard); what ep changes is the
+    # experts one block gathers (1/ep of them) and the all-to-alls it adds.
+    args = resolve_model_args(ModelConfig(preset="mixtral_8x7b"), None, 4096)
+    n = count_parameters(build_meta_model(args))
+    t, world = TrainingConfig(micro_batch=1), 64
+    by_ep = {
+        ep: per_rank_bytes(args, ParallelConfig(data_parallel="fsdp", ep=ep), t, 4096, world) for ep in (1, 8)
+    }
+    for e in by_ep.values():
+        assert e["parameters"] == pytest.approx(n["total"] * 4 / world)
+    assert (
+        by_ep[8]["gathered"] < by_ep[1]["gathered"] / 3
+    )  # a block's 8 experts gathered at ep 1, one at ep 8
+    times = {
+        ep: step_time(
+            args,
+            ParallelConfig(data_parallel="fsdp", ep=ep),
+            t,
+            MemoryConfig(),
+            4096,
+            world,
+            GPUS["h100"],
+            global_batch=world,
+        )  # fmt: skip
+        for ep in (1, 8)
+    }
+    assert times[1]["ep_comm_s"] == 0 < times[8]["ep_comm_s"]
+    # 6N + attention with N = the active parameters without the embedding (as train.py's MFU).
+    active = n["active"]
+    assert times[1]["flops_per_token"] == pytest.approx(6 * active + 12 * 32 * 4096 * 4096, rel=1e-3)
+
+
+def test_the_search_tries_expert_parallel_for_moe_models_and_its_plans_validate():
+    cfg = _search_cfg("deepseek_moe_16b", 4096, 4096 * 64)
+    args = resolve_model_args(cfg.model, None, 4096, moe=cfg.moe)
+    plans, _, _ = search(cfg, args, 16, GPUS["h100"], 8)
+    eps = {p.cfg.parallel.ep for p in plans}
+    assert 1 in eps and max(eps) > 1
+    for p in plans[:20]:
+        assert layout_problems(p.cfg, 16, args) == []
