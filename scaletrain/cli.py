@@ -108,7 +108,7 @@ def build_parser() -> _Parser:
     parity.set_defaults(run=_parity)
 
     convert = commands.add_parser(
-        "convert", overrides=False, help="checkpoint to/from Hugging Face Llama, or quantised"
+        "convert", overrides=False, help="checkpoint to/from Hugging Face Llama or Mixtral, or quantised"
     )
     direction = convert.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to", choices=["hf"], help="--to hf RUN_OR_CHECKPOINT OUT_DIR")

@@ -1,6 +1,6 @@
-"""`scaletrain convert`: a run's newest checkpoint to a Hugging Face Llama directory or (`--quantize`) to a real
-int8/int4 quantised model, and an HF Llama directory to a config that starts training from its weights
-(`model.init_from = "hf:DIR"`)."""
+"""`scaletrain convert`: a run's newest checkpoint to a Hugging Face Llama (or, for an MoE, Mixtral) directory or
+(`--quantize`) to a real int8/int4 quantised model, and an HF Llama or Mixtral directory to a config that starts
+training from its weights (`model.init_from = "hf:DIR"`)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ import tomli_w
 import torch.distributed.checkpoint as dcp
 
 from scaletrain.checkpoint.hf import (
+    architecture,
     args_from_hf_config,
     export_hf,
     hf_dir_problems,
     read_hf_config,
     verify_with_transformers,
 )
+from scaletrain.checkpoint.hf_moe import config_sections
 from scaletrain.checkpoint.integrity import COMMIT, verify
 from scaletrain.checkpoint.manager import checkpoint_root, read_run_id
 from scaletrain.checkpoint.safe_load import make_reader
@@ -71,7 +73,9 @@ def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, Path]:
         raise UserError(f"{run_dir} has no config.toml; give a run directory or a checkpoint inside one")
     cfg = _run_config(run_dir)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    model = build_meta_model(resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len))
+    model = build_meta_model(
+        resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
+    )
     model.to_empty(device="cpu")
     model.init_weights()
     dcp.load({"model": ModelState([model])}, storage_reader=make_reader(str(ckpt)), no_dist=True)
@@ -84,7 +88,7 @@ def to_hf(src: Path, out: Path) -> str:
     export_hf(model.eval(), out, tok_file, tokenizer.eod_id)
     diff = verify_with_transformers(model, out)
     checked = (
-        f"transformers.LlamaForCausalLM logits match (max abs diff {diff:.1e})"
+        f"transformers.{architecture(model.args)} logits match (max abs diff {diff:.1e})"
         if diff is not None
         else "not checked against transformers (not installed)"
     )
@@ -99,13 +103,21 @@ def from_hf(hf_dir: Path, out_toml: Path) -> str:
     problems = hf_dir_problems(hf_dir)
     if problems:
         raise ConfigError(problems)
-    model = {"preset": "debug", **args_from_hf_config(cfg_json), "init_from": f"hf:{hf_dir}"}
+    fields, moe = config_sections(args_from_hf_config(cfg_json))
+    model = {"preset": "debug", **fields, "init_from": f"hf:{hf_dir}"}
     data = {"tokenizer": str(hf_dir / "tokenizer.json")} if (hf_dir / "tokenizer.json").exists() else {}
+    kind = "Mixtral" if moe else "Llama"
     header = (
-        "# Start training from the Hugging Face Llama weights in " + str(hf_dir) + ".\n"
-        "# The model fields below come from its config.json and override the preset.\n"
+        f"# Start training from the Hugging Face {kind} weights in {hf_dir}.\n"
+        f"# The model{' and moe' if moe else ''} fields below come from its config.json and override the preset.\n"
     )
-    out_toml.write_text(header + tomli_w.dumps({"model": model, **({"data": data} if data else {})}))
+    if moe and cfg_json.get("router_jitter_noise"):
+        header += (
+            f"# Not reproduced: router_jitter_noise {cfg_json['router_jitter_noise']} (training-time noise on the "
+            "router input; our router has none).\n"
+        )
+    sections = {"model": model, **({"moe": moe} if moe else {}), **({"data": data} if data else {})}
+    out_toml.write_text(header + tomli_w.dumps(sections))
     return f"wrote {out_toml}; train with: scaletrain train --config {out_toml}"
 
 
@@ -154,7 +166,9 @@ def load_quantized(out: Path) -> Transformer:
     cfg = _run_config(out)
     state, meta = load_quantized_state(out / WEIGHTS_FILE)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    model = build_meta_model(resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len))
+    model = build_meta_model(
+        resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
+    )
     model.to_empty(device="cpu")
     model.init_weights()  # the RoPE buffer; every parameter is replaced below
     convert_qat(

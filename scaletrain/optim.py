@@ -24,14 +24,25 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": part, "weight_decay": wd}
+        for ps, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        for part in _by_mesh(ps)
     ]
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters split by the DTensor mesh they live on (expert parallel's experts and the dense weights differ):
+    foreach/fused AdamW runs one kernel over a group, and a DTensor op refuses operands on different meshes. One
+    mesh (every other layout): the one list, as it was."""
+    by: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        by.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return list(by.values()) if len(by) > 1 else [params]
 
 
 def lr_factor(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

@@ -19,8 +19,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from scaletrain.config import ParallelConfig, TrainingConfig
 from scaletrain.models.attention import document_ids
 from scaletrain.models.loss import cross_entropy
+from scaletrain.models.moe import set_aux_loss_scale
 from scaletrain.parallel.comm import CommMeter
 from scaletrain.parallel.context_parallel import cp_shard_batch
+from scaletrain.parallel.expert_parallel import clip_grad_norm_mixed, meshes_mixed
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import ParallelModel
 from scaletrain.parallel.pipeline import clip_grad_norm_pp
@@ -58,12 +60,14 @@ class StepRunner:
             assert self.eod_id is None, "validate refuses data.document_mask with pp > 1"
             # The schedule calls the stage modules itself: autocast must wrap the whole step. Under context parallel
             # each stage gets its tokens' positions from apply_cp's hook.
+            self._scale_aux_losses(self.pipeline.schedule._n_microbatches)  # no public accessor (torch 2.13)
             with self.autocast:
                 loss = self.pipeline.step(inputs, targets)  # under fp16 the schedule's loss_fn scaled it
             return loss / self.scaler.scale if self.scaler is not None else loss
         model = self.parts[0]
         xs, ys = inputs.split(self.micro_batch), targets.split(self.micro_batch)
         n = len(xs)
+        self._scale_aux_losses(n)
         loss_sum = torch.zeros((), device=inputs.device)
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             with self._grad_sync(model, last=i == n - 1), self.loss_context():
@@ -72,6 +76,11 @@ class StepRunner:
                 (self.scaler.scale_loss(share) if self.scaler is not None else share).backward()
             loss_sum += _local(loss.detach())
         return loss_sum / n
+
+    def _scale_aux_losses(self, n_micro: int) -> None:
+        """MoE's aux and z losses reach backward with the LM loss's factor, 1/n_micro (x the fp16 loss scale), so
+        their weight is the same in every layout (models/moe.py's _AuxLossScaler reads it)."""
+        set_aux_loss_scale((self.scaler.scale if self.scaler is not None else 1.0) / n_micro)
 
     def _grad_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients over data-parallel ranks after the last micro-batch only: DDP's no_sync, and FSDP2's
@@ -104,6 +113,8 @@ class StepRunner:
         if self.scaler is not None:
             self.scaler.unscale_([p.grad for p in params])
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        if meshes_mixed(params):  # expert parallel: experts and dense weights on different meshes
+            return clip_grad_norm_mixed(params, max_norm, self.pp_mesh)
         if self.pp_mesh is not None:
             return clip_grad_norm_pp(params, max_norm, self.pp_mesh)
         return _local(nn.utils.clip_grad_norm_(params, max_norm, foreach=True))

@@ -20,7 +20,7 @@ from scaletrain.checkpoint import CheckpointManager, LoaderState, ModelState, Tr
 from scaletrain.checkpoint.hf import load_hf_weights
 from scaletrain.config import Config, TrainingConfig
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
-from scaletrain.metrics import MetricsWriter, StepMeter
+from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
 from scaletrain.models import build_model, count_parameters, resolve_model_args
 from scaletrain.optim import Optimizers
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
@@ -28,7 +28,7 @@ from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.mesh import all_reduce_mean, main_first, setup_process
 from scaletrain.parallel.parallelize import fsdp_applies, parallelize
 from scaletrain.parallel.pipeline import resolve_microbatches
-from scaletrain.precision import Precision, cpu_precision_warning, resolve_precision
+from scaletrain.precision import resolve_precision
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.goodput import final_goodput
 from scaletrain.resilience.guard import Guard
@@ -68,6 +68,7 @@ def train(cfg: Config) -> dict:
                 overflow = job.runner.loss_scale_overflow(loss, grad_norm)
                 decision = "skip" if overflow else job.guard.check(step, loss, grad_norm)
                 job.optimizers.step(skip=decision != "ok")
+                job.moe.step_done(step, applied=decision == "ok")  # MoE: routing biases, load watch
                 back = job.guard.rollback(step, job.ckpt, job.loader) if decision == "rollback" else None
                 if back is not None:
                     step = back
@@ -120,6 +121,7 @@ class Job:
     meter: StepMeter
     tokens_per_step: int
     info: dict  # what the start event says of the setup
+    moe: MoEMonitor  # MoE: expert load, routing-bias updates, moe_* metrics (inert for a dense model)
     evals: dict[int, float] = field(default_factory=dict)
 
     def resume(self) -> int:
@@ -161,7 +163,7 @@ def build(cfg: Config) -> Job:
     )
 
     # -- Model: built on meta, materialised with a fixed seed, then parallelised (and wrapped) from outside.
-    args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len)
+    args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
     model = build_model(args, cfg.training.seed, env.device)
     if cfg.model.init_from.startswith("hf:"):
         load_hf_weights(model, Path(cfg.model.init_from[3:]))
@@ -187,7 +189,8 @@ def build(cfg: Config) -> Job:
     state = dict(
         model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state
     )
-    state.update(runner.resumable())  # fp16: the loss scaler (its scale and counters)
+    moe = MoEMonitor.for_model(pm.parts, args.n_layers, args.n_experts, cfg.moe, dims, writer.event)
+    state.update(runner.resumable() | moe.resumable())  # fp16: the loss scaler; MoE: imbalance streaks
     state["comm"] = pm.comm  # PowerSGD's error feedback and Q factors (parallel.grad_compression); else empty
     layout = dims.describe(cfg.parallel)
     ckpt = build_checkpointing(
@@ -212,30 +215,14 @@ def build(cfg: Config) -> Job:
         lambda: metrics.device_peak_flops(env.device, precision.mfu_peak, cfg.metrics.peak_tflops, cache)
     )
     tokens_per_step = global_batch * cfg.data.seq_len
-    flops_tok = metrics.flops_per_token(n_params["non_embedding"], args.n_layers, args.dim, cfg.data.seq_len)
+    flops_tok = metrics.flops_per_token(n_params["active"], args.n_layers, args.dim, cfg.data.seq_len)
     meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device, cfg.training.compile)
-    _announce(cfg, env, n_params, layout, global_batch, tokens_per_step, peak_source, precision)
+    metrics.announce(cfg, env, n_params, layout, global_batch, tokens_per_step, peak_source, precision)
     info = dict(world_size=env.world_size, precision=cfg.training.precision, device=env.device.type, layout=layout,
                 parameters=n_params["total"], peak_flops_source=peak_source)  # fmt: skip
     parts = (cfg, env, dims, run_dir, writer, loader, runner, optimizers, train_state, ckpt, guard)
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)
-    return Job(*parts, Preemption(dims.control), limits, meter, tokens_per_step, info)
-
-
-def _announce(
-    cfg: Config, env: DistEnv, n: dict, layout: str, batch: int, tokens: int, peak: str, precision: Precision
-) -> None:
-    t, mode = cfg.training, "deterministic" if cfg.training.deterministic else "non-deterministic"
-    if warning := cpu_precision_warning(t.precision, env.device.type):
-        log.warning(warning)
-    log.info(
-        f"model {cfg.model.preset}: {n['total']:,} parameters ({n['non_embedding']:,} without the embedding)"
-    )
-    log.info(
-        f"layout {layout}; precision {precision.describe()} on {env.device.type} x{env.world_size} ({mode}); "
-        "global batch "
-        f"{batch} sequences = {tokens} tokens, micro-batch {t.micro_batch}; MFU peak: {peak}"
-    )
+    return Job(*parts, Preemption(dims.control), limits, meter, tokens_per_step, info, moe)
 
 
 def _is_eval_step(step: int, t: TrainingConfig) -> bool:
@@ -252,6 +239,7 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
         **job.meter.read(),
         **job.runner.comm.read(),  # comm_bytes: what this rank's data-parallel collectives sent per step
         **job.runner.scale_metrics(),  # fp16: loss_scale, overflow_skipped
+        **job.moe.metrics(),  # MoE: max/mean expert load per layer, dropped fraction, aux and z losses
     }
     if _is_eval_step(step, job.cfg.training):
         val = job.evaluate(step)

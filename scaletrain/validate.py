@@ -20,6 +20,7 @@ from scaletrain.config import (
     Config,
     DataConfig,
     ModelConfig,
+    MoEConfig,
     OptimizerConfig,
     ParallelConfig,
     ResilienceConfig,
@@ -33,6 +34,7 @@ from scaletrain.memory.offload import offload_problems
 from scaletrain.metrics.profile import profile_problems
 from scaletrain.metrics.writer import wandb_problem
 from scaletrain.models.llama import ModelArgs
+from scaletrain.models.moe import is_moe_layer
 from scaletrain.models.presets import PRESETS, resolve_model_args
 from scaletrain.parallel.comm import comm_problems
 from scaletrain.parallel.mesh import ParallelDims, validate_parallel
@@ -49,9 +51,14 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems = _model(cfg.model)
     vocab = _tokenizer_vocab(cfg.data.tokenizer)
     # The shape checks need a known preset and sizes >= 1; _model reported what is wrong otherwise.
-    args = resolve_model_args(cfg.model, vocab, cfg.data.seq_len) if _resolvable(cfg.model) else None
+    args = (
+        resolve_model_args(cfg.model, vocab, cfg.data.seq_len, moe=cfg.moe)
+        if _resolvable(cfg.model)
+        else None
+    )
     if args is not None:
         problems += _model_shape(args, cfg.model, vocab)
+        problems += _moe(cfg.moe, args, cfg.model.preset)
         problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp, compute=cfg.training.precision)
     problems += _data(cfg.data)
     dp_size = _dp_size(cfg.parallel, world_size)
@@ -188,6 +195,7 @@ def _parallel(cfg: Config, world_size: int, dp_size: int, args: ModelArgs) -> li
         ffn_hidden=args.ffn_hidden,
         seq_len=cfg.data.seq_len,
         tie_embeddings=args.tie_embeddings,
+        n_experts=args.n_experts,
     )
     if p.cp > 1:
         chunks = 2 * p.cp if p.cp_load_balance else p.cp
@@ -323,6 +331,57 @@ def _model_shape(args: ModelArgs, m: ModelConfig, tokenizer_vocab: int | None) -
             f"{field('vocab_size')} is smaller than the tokenizer's {tokenizer_vocab} tokens, so some token ids "
             f"have no embedding row; set model.vocab_size >= {tokenizer_vocab}, or leave it unset with a preset "
             "that takes the tokenizer's (debug)"
+        )
+    return problems
+
+
+_MOE_SHAPE = ("top_k", "hidden", "shared_experts", "router", "norm_topk", "every", "first_dense")
+
+
+def _moe(moe: MoEConfig, args: ModelArgs, preset: str) -> list[str]:
+    """The MoE shape as resolved (moe.* over the preset) and the MoE training knobs."""
+
+    def field(name: str, value: object) -> str:
+        origin = "" if getattr(moe, name) is not None else f" (from model.preset '{preset}')"
+        return f"moe.{name} {value}{origin}"
+
+    problems = [
+        f"moe.{name} must be >= 0, got {getattr(moe, name)}"
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate")
+        if getattr(moe, name) < 0
+    ]
+    e, k = args.n_experts, args.top_k
+    if e < 0:
+        return problems + [f"moe.n_experts must be >= 0 (0: a dense model), got {e}"]
+    if e == 0:
+        # Refused rather than ignored: a knob that silently does nothing hides a typo'd preset or a lost line.
+        unused = [f"moe.{n}" for n in _MOE_SHAPE if getattr(moe, n) is not None]
+        unused += ["moe.capacity_factor"] if moe.capacity_factor > 0 else []
+        unused += ["moe.bias_update_rate"] if moe.bias_update_rate > 0 else []
+        if unused:
+            one = len(unused) == 1
+            presets = ", ".join(p for p in PRESETS if p != "debug" and PRESETS[p].get("n_experts"))
+            problems.append(
+                f"{', '.join(unused)} {'is' if one else 'are'} set, but the model is dense "
+                f"({field('n_experts', 0)}), so {'it has' if one else 'they have'} no effect; set "
+                f"moe.n_experts > 0 or a MoE preset ({presets}), or remove {'it' if one else 'them'}"
+            )
+        return problems
+    if k < 1 or k > e:
+        problems.append(
+            f"{field('top_k', k)} must be between 1 and {field('n_experts', e)}: each token goes to top_k "
+            f"distinct experts; set moe.top_k to at most {e}"
+        )
+    for name, value in (("hidden", args.moe_hidden), ("every", args.moe_every)):
+        if value < 1 and getattr(moe, name) is not None:
+            problems.append(f"{field(name, value)} must be >= 1")
+    for name, value in (("shared_experts", args.shared_experts), ("first_dense", args.first_dense)):
+        if value < 0:
+            problems.append(f"{field(name, value)} must be >= 0")
+    if args.moe_every >= 1 and not any(is_moe_layer(args, i) for i in range(args.n_layers)):
+        problems.append(
+            f"no block is MoE: {field('first_dense', args.first_dense)} and {field('every', args.moe_every)} "
+            f"leave all {args.n_layers} blocks dense; lower moe.first_dense or moe.every, or set moe.n_experts 0"
         )
     return problems
 

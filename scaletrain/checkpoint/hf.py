@@ -1,6 +1,7 @@
-"""Hugging Face Llama interchange: export our weights as config.json + safetensors (loadable by
-`transformers.LlamaForCausalLM`), and import HF safetensors into our model. Our attention uses HF's rotate-half RoPE
-layout, so the weights map one to one; only the names differ. Import reads safetensors only (never pickles).
+"""Hugging Face Llama and Mixtral interchange: export our weights as config.json + safetensors (loadable by
+`transformers.LlamaForCausalLM`, or `MixtralForCausalLM` for an MoE model: checkpoint/hf_moe.py), and import HF
+safetensors into our model. Our attention uses HF's rotate-half RoPE layout, so the weights map one to one; only
+the names differ. Import reads safetensors only (never pickles).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from scaletrain.checkpoint import hf_moe
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.llama import ModelArgs, Transformer
 
@@ -63,9 +65,14 @@ def from_hf_name(name: str) -> str:
     return f"layers.{m['i']}.{reverse[m['module']]}.{m['leaf']}"
 
 
+def architecture(args: ModelArgs) -> str:
+    """The transformers class an export of this model loads into."""
+    return hf_moe.ARCHITECTURE if args.n_experts > 0 else "LlamaForCausalLM"
+
+
 def hf_config(args: ModelArgs, eod_id: int | None = None) -> dict:
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [architecture(args)],
         "model_type": "llama",
         "vocab_size": args.vocab_size,
         "hidden_size": args.dim,
@@ -93,12 +100,16 @@ def hf_config(args: ModelArgs, eod_id: int | None = None) -> dict:
         }
     if eod_id is not None:
         cfg["eos_token_id"] = eod_id
+    if args.n_experts > 0:
+        del cfg["mlp_bias"], cfg["attention_bias"]  # not Mixtral fields (it has no biases)
+        cfg |= hf_moe.config_json(args)
     return cfg
 
 
 def args_from_hf_config(cfg: dict) -> dict:
-    """model.* config fields from an HF Llama config.json; ConfigError naming every field our model would compute
-    differently (biases, another activation or head size, a RoPE it does not implement)."""
+    """ModelArgs fields from an HF Llama or Mixtral config.json (for Llama they are all model.* config fields; for
+    Mixtral hf_moe.config_sections splits off the [moe] ones); ConfigError naming every field our model would
+    compute differently (biases, another activation or head size, a RoPE it does not implement)."""
     fields, problems = _read_hf_config(cfg)
     if problems:
         raise ConfigError(problems)
@@ -107,11 +118,12 @@ def args_from_hf_config(cfg: dict) -> dict:
 
 def _read_hf_config(cfg: dict) -> tuple[dict, list[str]]:
     """(model.* fields, problems) of a config.json."""
-    if cfg.get("model_type") != "llama":
-        return {}, [f"config.json has model_type '{cfg.get('model_type')}'; only Llama checkpoints import"]
+    kind = cfg.get("model_type")
+    if kind not in ("llama", "mixtral"):
+        return {}, [f"config.json has model_type '{kind}'; only Llama and Mixtral checkpoints import"]
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
-        return {}, [f"config.json lacks {', '.join(missing)}; is it a complete Llama config?"]
+        return {}, [f"config.json lacks {', '.join(missing)}; is it a complete {kind.title()} config?"]
     problems = [
         f"config.json: {flag} is true, but our Llama has no biases, so they would be dropped; only bias-free "
         "Llama checkpoints import"
@@ -128,7 +140,7 @@ def _read_hf_config(cfg: dict) -> tuple[dict, list[str]]:
             f"config.json: head_dim {cfg['head_dim']} is not hidden_size / num_attention_heads = {head_dim}, "
             "which our model always uses"
         )
-    rope, rope_problems = _rope_from_hf(cfg)
+    rope, rope_problems = _rope_from_hf(cfg, hf_moe.DEFAULT_ROPE_THETA if hf_moe.is_mixtral(cfg) else 10000.0)
     fields = {
         "dim": cfg["hidden_size"],
         "n_layers": cfg["num_hidden_layers"],
@@ -140,16 +152,20 @@ def _read_hf_config(cfg: dict) -> tuple[dict, list[str]]:
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         **rope,
     }
+    if hf_moe.is_mixtral(cfg):
+        moe, moe_problems = hf_moe.read_config(cfg)
+        fields |= moe
+        problems += moe_problems
     return fields, problems + rope_problems
 
 
-def _rope_from_hf(cfg: dict) -> tuple[dict, list[str]]:
+def _rope_from_hf(cfg: dict, default_theta: float) -> tuple[dict, list[str]]:
     """(model.rope_* fields, problems). transformers >= 5 writes rope_parameters (rope_theta inside it); earlier
     versions, and our export, write rope_theta and rope_scaling. Accepted is what our model computes identically:
     plain RoPE, and Llama 3.1's scaling with its low_freq_factor 1 and high_freq_factor 4 (models/llama.py)."""
     key = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
     rope = dict(cfg.get(key) or {})
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", default_theta))
     fields = {"rope_theta": float(theta), "rope_scaling": "none"}
     kind = rope.get("rope_type", rope.get("type", "default"))
     supported = (
@@ -177,9 +193,13 @@ def _rope_from_hf(cfg: dict) -> tuple[dict, list[str]]:
     return fields, problems
 
 
-def _expected_names(n_layers: int) -> set[str]:
-    per_layer = [f"{m}.weight" for m in _LAYER_NAMES.values()]
-    return set(_GLOBAL_NAMES) | {f"model.layers.{i}.{n}" for i in range(n_layers) for n in per_layer}
+def _expected_names(n_layers: int, n_experts: int = 0, names: set[str] = frozenset()) -> set[str]:
+    """A Llama's tensor names, or with n_experts a Mixtral's (each layer's experts in the layout `names` has)."""
+    per_layer = [f"{m}.weight" for m in _LAYER_NAMES.values() if not (n_experts and m.startswith("mlp."))]
+    expected = set(_GLOBAL_NAMES) | {f"model.layers.{i}.{n}" for i in range(n_layers) for n in per_layer}
+    for i in range(n_layers if n_experts else 0):
+        expected |= hf_moe.layer_names(i, n_experts, hf_moe.is_fused(names, i))
+    return expected
 
 
 def _few(names: list[str]) -> str:
@@ -187,15 +207,16 @@ def _few(names: list[str]) -> str:
     return shown + (f" ({len(names)} in all)" if len(names) > _FEW else "")
 
 
-def tensor_problems(names: list[str], n_layers: int, layers_from: str) -> list[str]:
+def tensor_problems(names: list[str], n_layers: int, layers_from: str, n_experts: int = 0) -> list[str]:
     """What in a checkpoint's tensor names our model has no place for: biases, layers at or beyond `n_layers`
-    (`layers_from` names where that count comes from), anything else unexpected. Dropping them would load a
-    different model than the one saved."""
-    expected = _expected_names(n_layers)
+    (`layers_from` names where that count comes from), experts at or beyond `n_experts` (0: a Llama), anything
+    else unexpected. Dropping them would load a different model than the one saved."""
+    expected = _expected_names(n_layers, n_experts, set(names))
     extra = [n for n in names if n not in expected and "rotary_emb" not in n]  # old HF saved RoPE's inv_freq
     biases = [n for n in extra if n.endswith(".bias")]
     beyond = [n for n in extra if n not in biases and (m := _LAYER.fullmatch(n)) and int(m["i"]) >= n_layers]
-    other = [n for n in extra if n not in biases and n not in beyond]
+    experts = hf_moe.experts_beyond([n for n in extra if n not in beyond], n_experts) if n_experts else []
+    other = [n for n in extra if n not in biases and n not in beyond and n not in experts]
     problems = []
     if biases:
         problems.append(
@@ -207,9 +228,14 @@ def tensor_problems(names: list[str], n_layers: int, layers_from: str) -> list[s
             f"tensor(s) of layer {', '.join(map(str, layers))}, beyond {layers_from} {n_layers}: {_few(beyond)}; "
             "they would be dropped"
         )
+    if experts:
+        problems.append(
+            f"tensor(s) of experts beyond the model's {n_experts} experts: {_few(experts)}; they would be dropped"
+        )
     if other:
         problems.append(
-            f"unexpected tensor(s) {_few([repr(n) for n in other])}: not weights of a Llama causal LM"
+            f"unexpected tensor(s) {_few([repr(n) for n in other])}: not weights of a "
+            f"{'Mixtral' if n_experts else 'Llama'} causal LM"
         )
     return problems
 
@@ -225,7 +251,12 @@ def hf_dir_problems(path: Path) -> list[str]:
     fields, problems = _read_hf_config(cfg)
     if "n_layers" in fields:
         names = _tensor_names(path)
-        problems += tensor_problems(names, fields["n_layers"], "config.json's num_hidden_layers")
+        n_layers, n_experts = fields["n_layers"], fields.get("n_experts", 0)
+        problems += tensor_problems(names, n_layers, "config.json's num_hidden_layers", n_experts)
+        expected = _expected_names(n_layers, n_experts, set(names))
+        missing = sorted(expected - set(names) - ({"lm_head.weight"} if fields["tie_embeddings"] else set()))
+        if missing:
+            problems.append(f"the weights lack {_few(missing)}, which config.json says the model has")
     return [f"{path}: {p}" for p in problems]
 
 
@@ -234,10 +265,17 @@ def export_hf(
 ) -> None:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty; choose a new output directory")
+    state = model.state_dict()
+    if model.args.n_experts > 0:
+        problems = hf_moe.export_problems(model.args, state)
+        if problems:
+            raise ConfigError([f"cannot export as {hf_moe.ARCHITECTURE}: {p}" for p in problems])
     out.mkdir(parents=True, exist_ok=True)
-    sd = {
-        to_hf_name(k): v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()
-    }
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        v = v.detach().to("cpu", torch.float32).contiguous()
+        moe = hf_moe.to_hf_tensors(k, v)
+        sd |= moe if moe is not None else {to_hf_name(k): v}
     if model.args.tie_embeddings:
         sd.pop("lm_head.weight", None)  # HF re-ties it from the embedding
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -291,8 +329,14 @@ def _args_problems(args: ModelArgs, hf: dict) -> list[str]:
     keys = ["rope_theta", "rope_scaling", "norm_eps", "tie_embeddings"]
     if hf.get("rope_scaling") == "llama3":
         keys += ["rope_scaling_factor", "rope_original_max_len"]
+    # An MoE's routing and window (capacity and the balance loss are training choices, left to the config).
+    hf = {"n_experts": 0, **hf}
+    keys += ["n_experts", "window", "window_every"]
+    if hf["n_experts"]:
+        keys += ["top_k", "moe_hidden", "shared_experts", "router", "norm_topk", "moe_every", "first_dense"]
+    names = {k: f"moe.{hf_moe.MOE_FIELDS[k]}" if k in hf_moe.MOE_FIELDS else f"model.{k}" for k in keys}
     return [
-        f"model.{k} is {getattr(args, k)!r} but config.json has {hf[k]!r}; set model.{k} = {hf[k]!r} (as "
+        f"{names[k]} is {getattr(args, k)!r} but config.json has {hf[k]!r}; set {names[k]} = {hf[k]!r} (as "
         "`scaletrain convert --from hf` writes it)"
         for k in keys
         if k in hf and getattr(args, k) != hf[k]
@@ -305,10 +349,12 @@ def load_hf_weights(model: Transformer, path: Path) -> None:
     cfg, weights = read_hf_dir(path)
     fields, problems = _read_hf_config(cfg)
     problems += _args_problems(model.args, fields)
-    problems += tensor_problems(list(weights), model.args.n_layers, "model.n_layers")
+    n_layers, n_experts = model.args.n_layers, model.args.n_experts
+    problems += tensor_problems(list(weights), n_layers, "model.n_layers", n_experts)
     if problems:
         raise ConfigError([f"{path}: {p}" for p in problems])
-    ours = {from_hf_name(k): v for k, v in weights.items() if "rotary_emb" not in k}
+    moe = hf_moe.from_hf_tensors(weights, n_layers, n_experts) if n_experts else {}
+    ours = moe | {from_hf_name(k): v for k, v in weights.items() if "rotary_emb" not in k}
     if model.args.tie_embeddings:
         # Tied: the embedding is the one weight; a saved copy of it as lm_head must not overwrite it.
         ours["output.weight"] = ours.get("tok_embeddings.weight")
@@ -333,7 +379,8 @@ def verify_with_transformers(model: Transformer, out: Path, atol: float = 1e-5) 
         import transformers
     except ImportError:
         return None
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    cls = getattr(transformers, architecture(model.args))
+    hf = cls.from_pretrained(str(out), torch_dtype=torch.float32).eval()
     x = torch.randint(
         0,
         model.args.vocab_size,

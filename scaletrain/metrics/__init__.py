@@ -1,4 +1,5 @@
-"""Run metrics: FLOPs and MFU, peak memory, the JSON-lines/TensorBoard writer and the rank-0 progress display."""
+"""Run metrics: FLOPs and MFU, peak memory, the JSON-lines/TensorBoard writer, the rank-0 progress display and the
+mixture-of-experts load monitor."""
 
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ from scaletrain.metrics.mfu import (
     measure_matmul_flops,
     mfu,
 )
+from scaletrain.metrics.moe import MoEMonitor
 from scaletrain.metrics.profile import Profiler
-from scaletrain.metrics.progress import Progress, log_line, print_summary, run_summary
+from scaletrain.metrics.progress import Progress, announce, log_line, print_summary, run_summary
 from scaletrain.metrics.writer import MetricsWriter
 
 __all__ = [
     "GPU_PEAK_TFLOPS",
     "MetricsWriter",
+    "MoEMonitor",
     "Profiler",
     "Progress",
     "StepMeter",
+    "announce",
     "cpu_features",
     "cpu_model_name",
     "device_peak_flops",

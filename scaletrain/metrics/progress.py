@@ -5,9 +5,21 @@ Without a terminal (a log file, CI) no bar is drawn; the train loop's log lines 
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 import rich.progress as rp
 from rich.console import Console
 from rich.table import Table
+
+from scaletrain.precision import cpu_precision_warning
+
+if TYPE_CHECKING:
+    from scaletrain.config import Config
+    from scaletrain.parallel import DistEnv
+    from scaletrain.precision import Precision
+
+log = logging.getLogger("scaletrain")
 
 
 def _si(value: float) -> str:
@@ -115,3 +127,24 @@ def run_summary(step: int, last: dict, evals: dict[int, float], **extra: object)
         "mfu": last.get("mfu"),
         **extra,
     }
+
+
+def announce(
+    cfg: Config, env: DistEnv, n: dict, layout: str, batch: int, tokens: int, peak: str, precision: Precision
+) -> None:
+    """The job's setup in two log lines (after the CPU precision warning, if any)."""
+    t, mode = cfg.training, "deterministic" if cfg.training.deterministic else "non-deterministic"
+    if warning := cpu_precision_warning(t.precision, env.device.type):
+        log.warning(warning)
+    # Under MoE a token uses only its top_k experts: the active count is what MFU's FLOPs are made of.
+    sparse = n.get("active", n["non_embedding"]) != n["non_embedding"]
+    active = f", {n['active']:,} active per token" if sparse else ""
+    log.info(
+        f"model {cfg.model.preset}: {n['total']:,} parameters ({n['non_embedding']:,} without the embedding"
+        f"{active})"
+    )
+    log.info(
+        f"layout {layout}; precision {precision.describe()} on {env.device.type} x{env.world_size} ({mode}); "
+        "global batch "
+        f"{batch} sequences = {tokens} tokens, micro-batch {t.micro_batch}; MFU peak: {peak}"
+    )

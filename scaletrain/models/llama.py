@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.models.attention import AttentionKernel, attention_masks, document_positions
+from scaletrain.models.moe import MoE, is_moe_layer
 
 if TYPE_CHECKING:
     from scaletrain.models.kv_cache import KVCache, LayerCache
@@ -40,6 +41,18 @@ class ModelArgs:
     attention: str = "auto"  # models.attention.AttentionBackend
     window: int = 0  # sliding-window attention: query i sees keys i - window < j <= i; 0 = off
     window_every: int = 1  # the window on layers 0, k, 2k, ... (1: every layer)
+    # Mixture of experts (models/moe.py, docs/moe.md); n_experts 0 is the dense model.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_hidden: int = 0  # each expert's SwiGLU hidden size; 0: ffn_hidden
+    shared_experts: int = 0  # DeepSeek-MoE's always-on experts, as one SwiGLU of moe_hidden x shared_experts
+    router: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    norm_topk: bool = True
+    moe_every: int = 1  # MoE on blocks k-1, 2k-1, ...
+    first_dense: int = 0  # the first blocks stay dense
+    capacity_factor: float = 0.0  # 0: dropless
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -152,6 +165,14 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def build_feed_forward(args: ModelArgs, layer_id: int) -> FeedForward | MoE:
+    """The dense SwiGLU, or on MoE layers (`is_moe_layer`) the routed experts with their shared SwiGLU."""
+    if not is_moe_layer(args, layer_id):
+        return FeedForward(args.dim, args.ffn_hidden)
+    hidden = (args.moe_hidden or args.ffn_hidden) * args.shared_experts
+    return MoE(args, shared=FeedForward(args.dim, hidden) if hidden > 0 else None)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
@@ -159,7 +180,7 @@ class TransformerBlock(nn.Module):
         # Fixed at construction, so a pipeline stage keeps each layer's own window.
         self.attention = Attention(args, layer_window(args, layer_id))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        self.feed_forward = build_feed_forward(args, layer_id)
 
     def forward(
         self,
@@ -235,18 +256,22 @@ class Transformer(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight, std=args.init_std)
         depth_std = args.init_std / math.sqrt(2 * args.n_layers)
         for layer in self.layers.values():
+            ff = layer.feed_forward
+            moe = isinstance(ff, MoE)
+            # Dense blocks draw from the RNG in the same order as before MoE existed (golden losses stay equal).
             for lin in (
                 layer.attention.wq,
                 layer.attention.wk,
                 layer.attention.wv,
-                layer.feed_forward.w1,
-                layer.feed_forward.w3,
+                *(() if moe else (ff.w1, ff.w3)),
             ):
                 nn.init.trunc_normal_(
                     lin.weight, std=args.init_std, a=-3 * args.init_std, b=3 * args.init_std
                 )
-            for lin in (layer.attention.wo, layer.feed_forward.w2):
+            for lin in (layer.attention.wo, *(() if moe else (ff.w2,))):
                 nn.init.trunc_normal_(lin.weight, std=depth_std, a=-3 * depth_std, b=3 * depth_std)
+            if moe:
+                ff.init_weights(args.init_std, depth_std)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
         if self.norm is not None:
@@ -257,9 +282,16 @@ class Transformer(nn.Module):
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
-    """Total, and without the input embedding (the N of the 6N FLOPs rule). Works on meta models."""
+    """Total, without the input embedding (the N of the 6N FLOPs rule), and active: what one token uses, i.e.
+    non_embedding less the routed experts it is not sent to (top_k of E). Works on meta models."""
     total = sum(p.numel() for p in model.parameters())
     emb = model.tok_embeddings.weight.numel() if getattr(model, "tok_embeddings", None) is not None else 0
     tied = getattr(model, "args", None) is not None and model.args.tie_embeddings
     # A tied table is also the output projection, whose matmul costs FLOPs: keep it in N.
-    return {"total": total, "non_embedding": total if tied else total - emb}
+    non_embedding = total if tied else total - emb
+    idle = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            routed = sum(p.numel() for p in m.experts.parameters())
+            idle += routed - routed * m.top_k // m.n_experts
+    return {"total": total, "non_embedding": non_embedding, "active": non_embedding - idle}

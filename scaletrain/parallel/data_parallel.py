@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.config import OptimizerConfig
+from scaletrain.models.moe import MoE
 from scaletrain.optim import build_optimizer
 from scaletrain.parallel.comm import set_prefetch
 
@@ -86,6 +87,7 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     prefetch: int = 0,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """FSDP2 `fully_shard`: one unit per transformer block plus the root (embedding, final norm, output), so one
     block's parameters are gathered at a time. Parameters, gradients and optimizer state are sharded (ZeRO-3).
@@ -93,7 +95,12 @@ def apply_fsdp(
     reshard_after_forward=False keeps each block's gathered parameters from its forward until its backward: no
     second all-gather, at the memory cost of a whole unsharded model — ZeRO-2. An int N keeps them sharded over N
     ranks in between (FSDP2's reshard to a smaller mesh). A 2-D mesh (replicate, shard) gives HSDP: sharded inside
-    a group, gradients all-reduced across groups. prefetch: parallel.fsdp_prefetch (comm.set_prefetch)."""
+    a group, gradients all-reduced across groups. prefetch: parallel.fsdp_prefetch (comm.set_prefetch).
+
+    expert_mesh (expert parallel: the dp_mod_ep ranks that hold the same experts): each MoE block's experts become
+    their own unit over it, inside their block's unit (which then leaves them out). Their gradients are divided by
+    the dense mesh's size, not theirs: each expert shard's gradient already sums its ep peers' tokens (the
+    all-to-all's backward), so summing over dp_mod_ep gives the whole data-parallel sum, as for dense weights."""
     # CPUOffloadPolicy (memory.optimizer_offload) keeps parameters, gradients and AdamW state on the host.
     kw = {
         "mesh": mesh,
@@ -104,7 +111,17 @@ def apply_fsdp(
     for i, block in enumerate(blocks):
         # The last block's backward runs right after the forward: resharding it would only re-gather it.
         last = i == len(blocks) - 1
-        fully_shard(block, reshard_after_forward=False if last else reshard_after_forward, **kw)
+        reshard = False if last else reshard_after_forward
+        if expert_mesh is not None and isinstance(block.feed_forward, MoE):
+            # An int (reshard to N ranks) is a size of the dense mesh; the experts' smaller mesh just reshards.
+            experts = fully_shard(block.feed_forward.experts, **{**kw, "mesh": expert_mesh},
+                                  reshard_after_forward=reshard if isinstance(reshard, bool) else True)  # fmt: skip
+            experts.set_gradient_divide_factor(float(mesh.size()))
+            # A factor other than the group size would reduce with PREMUL_SUM, which gloo lacks: sum, then
+            # divide (one path on CPU and GPU). Not on one rank (ep = dp_shard), where FSDP2 (torch 2.13)
+            # sends nothing and divides its copy by the factor, and forcing the sum would divide a second time.
+            experts.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
+        fully_shard(block, reshard_after_forward=reshard, **kw)
     # FSDP keeps the root's parameters gathered after forward whatever the flag (backward needs them at once).
     fully_shard(model, reshard_after_forward=bool(reshard_after_forward), **kw)
     set_prefetch(blocks, prefetch)

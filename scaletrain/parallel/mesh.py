@@ -110,6 +110,10 @@ FLAT_DIMS = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+# Expert parallel splits dp_shard in two, ep innermost (neighbouring ranks for its all-to-all, as tp):
+#   ep        — the ranks that hold different experts of one MoE block and exchange tokens;
+#   dp_mod_ep — the ranks that hold the same experts (dp_shard / ep of them): FSDP shards the experts over it.
+EP_DIMS = ("dp_mod_ep", "ep")
 
 
 @dataclass
@@ -121,6 +125,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # carved from dp_shard (not a factor of the world size): dp_shard = dp_mod_ep x ep
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     control: dist.ProcessGroup | None = field(default=None, init=False, repr=False, compare=False)
     """The control plane: one gloo group over the world for CPU tensors and objects (flags, RNG rows, run
@@ -134,14 +139,18 @@ class ParallelDims:
         problems = _size_problems(pcfg, world_size)
         if problems:
             raise ConfigError(problems)
-        return cls(pcfg.dp_replicate, _resolved_dp_shard(pcfg, world_size), pcfg.cp, pcfg.tp, pcfg.pp)
+        return cls(
+            pcfg.dp_replicate, _resolved_dp_shard(pcfg, world_size), pcfg.cp, pcfg.tp, pcfg.pp, pcfg.ep
+        )
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     def size(self, name: str) -> int:
-        """Size of a mesh dim or a flattened one ("dp", "dp_shard_cp", "dp_cp")."""
+        """Size of a mesh dim or a flattened one ("dp", "dp_shard_cp", "dp_cp"), or of "ep" and "dp_mod_ep"."""
+        if name == "dp_mod_ep":
+            return self.dp_shard // self.ep
         return math.prod(getattr(self, d) for d in FLAT_DIMS.get(name, (name,)))
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
@@ -157,13 +166,19 @@ class ParallelDims:
         # Kept here rather than sliced back out of the root mesh by name (PyTorch deprecates that for flattened
         # dims).
         self._flat = {name: mesh[dims]._flatten(mesh_dim_name=name) for name, dims in FLAT_DIMS.items()}
+        if self.ep > 1:
+            # The same world re-split with dp_shard unflattened (one root mesh: FSDP joins the experts' dp_mod_ep
+            # and ep dims into one 2-D mesh for their DTensors).
+            sizes = (self.dp_shard // self.ep, self.ep)
+            experts = mesh._unflatten(MESH_DIMS.index("dp_shard"), sizes, EP_DIMS)
+            self._flat.update({name: experts[name] for name in EP_DIMS})
         self.mesh = mesh
         return mesh
 
     def submesh(self, name: str) -> DeviceMesh | None:
         """The 1-D mesh of one dim or flattened dim, or None on one process (e.g. `all_reduce_mean(loss,
-        dims.submesh("dp_cp"))`)."""
-        if self.mesh is None:
+        dims.submesh("dp_cp"))`); "ep" and "dp_mod_ep" exist only when ep > 1 (None otherwise)."""
+        if self.mesh is None or (name in EP_DIMS and name not in self._flat):
             return None
         return self._flat[name] if name in self._flat else self.mesh[name]
 
@@ -194,6 +209,7 @@ class ParallelDims:
         extra = [pcfg.data_parallel] if self.dp_size * self.cp > 1 else []
         extra += [pcfg.pp_schedule] if self.pp > 1 else []
         extra += ["sequence-parallel"] if pcfg.sequence_parallel else []
+        extra += [f"ep{self.ep}"] if self.ep > 1 else []
         return " x ".join(sizes) + (f" ({', '.join(extra)})" if extra else "")
 
     @property
@@ -203,6 +219,10 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.local_rank("dp")
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -227,7 +247,7 @@ def _resolved_dp_shard(pcfg: ParallelConfig, world_size: int) -> int:
 def _size_problems(pcfg: ParallelConfig, world_size: int) -> list[str]:
     bad = [
         f"parallel.{n} must be >= 1, got {getattr(pcfg, n)}"
-        for n in ("dp_replicate", "tp", "pp", "cp")
+        for n in ("dp_replicate", "tp", "pp", "cp", "ep")
         if getattr(pcfg, n) < 1
     ]
     if pcfg.dp_shard < 1 and pcfg.dp_shard != -1:
@@ -262,9 +282,13 @@ def validate_parallel(
     ffn_hidden: int | None = None,
     seq_len: int | None = None,
     tie_embeddings: bool = False,
+    n_experts: int = 0,
 ) -> list[str]:
-    """Every problem of the parallel layout at once, each with its fix; [] when the layout runs."""
+    """Every problem of the parallel layout at once, each with its fix; [] when the layout runs. n_experts: the
+    model's routed experts (0: a dense model)."""
     problems = _size_problems(pcfg, world_size)
+    if not problems:
+        problems += _moe_problems(pcfg, _resolved_dp_shard(pcfg, world_size), n_experts)
     mode = pcfg.data_parallel
     if pcfg.dp_replicate > 1 and mode != "hsdp":
         problems.append(
@@ -327,6 +351,47 @@ def validate_parallel(
         problems.append(
             "parallel.sequence_parallel splits the norms' activations over the tensor-parallel ranks and "
             "needs tp > 1; set parallel.tp > 1 or sequence_parallel = false"
+        )
+    return problems
+
+
+def _moe_problems(pcfg: ParallelConfig, dp_shard: int, n_experts: int) -> list[str]:
+    """Expert parallel and the layouts a MoE model trains equivalently in (tested in
+    tests/distributed/test_expert_parallel.py); the others are refused, each with its reason."""
+    problems, ep = [], pcfg.ep
+    if n_experts > 0 and pcfg.cp > 1:
+        problems.append(
+            f"a MoE model cannot use parallel.cp = {pcfg.cp}: its balance loss and expert capacity are computed "
+            "per whole sequence, and context parallel splits every sequence over ranks; set parallel.cp = 1"
+        )
+    if n_experts > 0 and pcfg.tp > 1:
+        problems.append(
+            f"a MoE model cannot use parallel.tp = {pcfg.tp} yet: the MoE blocks are not tensor-parallel "
+            "(their experts would need splitting or replicating over tp); set parallel.tp = 1 and use "
+            "parallel.ep to split the experts"
+        )
+    if ep == 1:
+        return problems
+    if n_experts == 0:
+        problems.append(
+            f"parallel.ep = {ep} splits the experts of a MoE model, but this model is dense (n_experts = 0); "
+            "set parallel.ep = 1 or moe.n_experts > 0"
+        )
+    elif n_experts % ep:
+        problems.append(
+            f"parallel.ep = {ep} must divide moe.n_experts {n_experts} (each rank holds the same number of "
+            "whole experts); choose an ep that divides it"
+        )
+    if dp_shard % ep:
+        problems.append(
+            f"parallel.ep = {ep} is carved from dp_shard and must divide it, but dp_shard = {dp_shard}; "
+            "choose an ep that divides dp_shard (or more processes)"
+        )
+    if pcfg.data_parallel != "fsdp":
+        problems.append(
+            f"parallel.ep = {ep} needs parallel.data_parallel = 'fsdp' (the experts are sharded over the "
+            f"ranks that hold the same experts, the dense weights over all dp_shard ranks); "
+            f"'{pcfg.data_parallel}' is not supported with expert parallel"
         )
     return problems
 

@@ -1,14 +1,17 @@
 """Apply every configured parallelism and memory technique to a built model, in one fixed order, and say what ran.
 
-Order (as in torchtitan): pipeline split -> QAT -> tensor/sequence parallel -> context parallel -> recompute ->
-compile -> activation offload -> data parallel. The pipeline goes first so that each stage is then parallelised on
-its own. QAT swaps each block's nn.Linear for torchao's FakeQuantizedLinear (a subclass, same parameter names), so
+Order (as in torchtitan): pipeline split -> QAT -> tensor/sequence parallel -> expert parallel -> context parallel
+-> recompute -> compile -> activation offload -> data parallel. The pipeline goes first so that each stage is then
+parallelised on its own. QAT swaps each block's nn.Linear for torchao's FakeQuantizedLinear (a subclass, same parameter names), so
 everything after it wraps the swapped modules; TP's parallelize_module cannot shard them (validate refuses tp > 1
 with QAT), FSDP shards their weights like any Linear's.
 Tensor parallel comes before FSDP because FSDP shards the DTensors that TP made along the data-parallel dim (a 2-D
 layout); the reverse is not supported. Context parallel only swaps the attention kernel, so it can sit anywhere
-before the wrapping. Recompute wraps each block's forward after TP/CP have installed their hooks and kernels, so a
-recomputed block repeats exactly what the forward ran (TP's redistributions and ring attention included). Compile
+before the wrapping. Expert parallel comes after TP (it leaves the MoE blocks alone) and before FSDP for the
+same reason as TP: FSDP then shards each rank's expert DTensors over the ranks holding the same experts (a 2-D
+dp_mod_ep x ep layout); and before recompute and compile, so that a recomputed or compiled block repeats its
+all-to-alls like any other op of its forward. Recompute wraps each block's forward after TP/CP have installed
+their hooks and kernels, so a recomputed block repeats exactly what the forward ran (TP's redistributions and ring attention included). Compile
 comes after recompute so that each compiled block contains its checkpoint (torch.compile traces it as one region)
 and before FSDP, whose hooks stay outside the graphs. Activation offload wraps the whole stage's forward, outside
 the compiled blocks (torch.compile cannot trace saved-tensor hooks). FSDP comes last and wraps the recomputed,
@@ -82,7 +85,7 @@ def apply_data_parallel(
     reshard = reshards_after_forward(mode, dims.pp, pcfg.pp_schedule) if choice == "auto" else choice
     offload = fsdp_offload_policy(mem)
     model = apply_fsdp(model, mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload,
-                       prefetch=pcfg.fsdp_prefetch)  # fmt: skip
+                       prefetch=pcfg.fsdp_prefetch, expert_mesh=dims.submesh("dp_mod_ep"))  # fmt: skip
     count_fsdp(model, comm or CommMeter(), replicas=dims.size("dp_replicate") if mode == "hsdp" else 1)
     return model
 
@@ -114,8 +117,9 @@ def parallelize(
     `precision_policy` (training.precision: the FSDP2 mixed-precision policy, fp8 layers, fp16's scaled pipeline
     loss) defaults to fp32."""
     loss_parallel = dims.tp_enabled and not dims.pp_enabled  # a pipeline's loss runs inside the schedule
-    # Only data-parallel traffic is counted: with tp, pp or cp sending too, comm_bytes is not reported.
-    comm = CommMeter(counted=not (dims.tp_enabled or dims.pp_enabled or dims.cp_enabled))
+    # Only data-parallel traffic is counted: with tp, pp, cp or ep (its all-to-alls) sending too, comm_bytes is not
+    # reported.
+    comm = CommMeter(counted=not (dims.tp_enabled or dims.pp_enabled or dims.cp_enabled or dims.ep_enabled))
     mp_policy = precision_policy.mp_policy() if precision_policy is not None else None
     loss_fn = precision_policy.loss_fn(cross_entropy) if precision_policy is not None else cross_entropy
 
@@ -130,6 +134,10 @@ def parallelize(
             m = apply_tp(
                 m, dims.submesh("tp"), sequence_parallel=pcfg.sequence_parallel, loss_parallel=loss_parallel
             )
+        if dims.ep_enabled:
+            from scaletrain.parallel.expert_parallel import apply_ep
+
+            m = apply_ep(m, dims.submesh("ep"))
         if dims.cp_enabled:
             from scaletrain.parallel.context_parallel import apply_cp
 

@@ -15,11 +15,14 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
+
+from scaletrain.models.moe import MoE
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,20 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
             plan[p + f"attention.{w}"] = ColwiseParallel()
         plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq, use_local_output=local)
         plan[p + "ffn_norm"] = norm_style()
+        if isinstance(model.layers[name].feed_forward, MoE):
+            # MoE blocks are replicated over tp (ep splits the experts): every tp rank routes and computes the
+            # same tokens with the same plain weights, so their gradients agree without any reduction. Under SP
+            # the normed sequence is gathered in and the output split back onto the sequence.
+            if sequence_parallel:
+                plan[p + "feed_forward"] = PrepareModuleInputOutput(
+                    input_layouts=(seq,),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,
+                    output_layouts=(Replicate(),),
+                    desired_output_layouts=(seq,),
+                    use_local_output=False,
+                )
+            continue
         if sequence_parallel:
             plan[p + "feed_forward"] = PrepareModuleInput(
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True

@@ -63,7 +63,7 @@ def test_debug_preset_is_about_one_million_parameters():
     args = resolve_model_args(ModelConfig(), tokenizer_vocab=257, max_seq_len=64)
     assert args.vocab_size == 320  # 257 rounded up to a multiple of 64
     assert 0.5e6 < count_parameters(build_meta_model(args))["total"] < 1.5e6
-    assert set(PRESETS) == {"debug", "125M", "1B", "8B", "70B", "405B"}
+    assert set(PRESETS) >= {"debug", "125M", "1B", "8B", "70B", "405B"}
 
 
 def test_config_fields_override_the_preset():

@@ -157,3 +157,62 @@ def test_pipeline_x_context_parallel_needs_sharded_data_parallel():
         None, ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.data_parallel", "fsdp"], world_size=4
     )
     assert (cfg.parallel.pp, cfg.parallel.cp) == (2, 2)
+
+
+# -- Mixture of experts and expert parallel (tests/distributed/test_expert_parallel.py trains what passes) ---------
+
+
+def moe_check(world: int, n_experts: int = 8, **fields) -> list[str]:
+    return validate_parallel(ParallelConfig(**fields), world, **MODEL, n_experts=n_experts)
+
+
+@pytest.mark.parametrize(
+    "world, fields",
+    [
+        (4, dict(data_parallel="fsdp", ep=2)),
+        (4, dict(data_parallel="fsdp", ep=4)),
+        (4, dict(data_parallel="fsdp", pp=2, ep=2)),
+        (4, dict(data_parallel="ddp")),  # MoE without expert parallel: any data-parallel mode
+    ],
+)
+def test_expert_parallel_layouts_pass(world, fields):
+    assert moe_check(world, **fields) == []
+
+
+@pytest.mark.parametrize(
+    "world, n_experts, fields, words",
+    [
+        (4, 6, dict(data_parallel="fsdp", ep=4), "must divide moe.n_experts 6"),
+        (4, 8, dict(data_parallel="fsdp", dp_shard=2, pp=2, ep=4), "must divide it, but dp_shard = 2"),
+        (4, 0, dict(data_parallel="fsdp", ep=2), "this model is dense (n_experts = 0)"),
+        (4, 8, dict(data_parallel="ddp", ep=2), "needs parallel.data_parallel = 'fsdp'"),
+        (4, 8, dict(data_parallel="zero2", ep=2), "'zero2' is not supported with expert parallel"),
+        (4, 8, dict(data_parallel="fsdp", cp=2), "balance loss and expert capacity are computed per whole"),
+        (4, 8, dict(data_parallel="fsdp", tp=2), "the MoE blocks are not tensor-parallel"),
+        (4, 8, dict(ep=0), "parallel.ep must be >= 1"),
+    ],
+)
+def test_expert_parallel_refusals_name_the_reason(world, n_experts, fields, words):
+    (msg,) = moe_check(world, n_experts, **fields)
+    assert words in msg, msg
+
+
+def test_hsdp_with_expert_parallel_is_refused():
+    problems = moe_check(8, data_parallel="hsdp", dp_replicate=2, ep=2)
+    assert any("'hsdp' is not supported with expert parallel" in p for p in problems), problems
+
+
+def test_expert_parallel_is_carved_from_dp_shard():
+    dims = ParallelDims.from_config(ParallelConfig(data_parallel="fsdp", pp=2, ep=2), 8)
+    assert (dims.world_size, dims.dp_shard, dims.ep) == (8, 4, 2)
+    assert (dims.size("ep"), dims.size("dp_mod_ep")) == (2, 2)
+    assert dims.describe(ParallelConfig(data_parallel="fsdp", pp=2, ep=2)).endswith("(fsdp, 1f1b, ep2)")
+    assert ParallelDims.from_config(ParallelConfig(), 1).submesh("ep") is None
+
+
+def test_the_whole_config_check_refuses_expert_parallel_on_a_dense_model():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--parallel.ep", "2", "--parallel.data_parallel", "fsdp"], world_size=2)
+    assert any("this model is dense" in p for p in e.value.problems), e.value.problems
+    cfg = load_config("configs/debug_moe.toml", ["--parallel.ep", "2", "--parallel.data_parallel", "fsdp"], 2)
+    assert cfg.parallel.ep == 2

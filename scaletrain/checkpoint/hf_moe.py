@@ -1,0 +1,224 @@
+"""Hugging Face Mixtral interchange: the mixture-of-experts half of checkpoint/hf.py (which keeps the attention,
+norm and embedding names and the file handling). A Mixtral block is our Llama block with `feed_forward` an MoE:
+softmax router, top-k weights renormalised, no shared experts, dropless, and on every layer.
+
+Names on disk: every Hub checkpoint, and what `save_pretrained` writes by default, keep one 2-D tensor per expert
+(`block_sparse_moe.experts.{e}.w1/w2/w3.weight`, `block_sparse_moe.gate.weight`). transformers >= 5 fuses them
+in memory (`mlp.experts.gate_up_proj` [E, 2H, D] = w1 then w3, `mlp.experts.down_proj` [E, D, H]) and converts
+on load; `save_pretrained(save_original_format=False)` writes that layout. We write the Hub layout and read both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from scaletrain.config import MoEConfig
+from scaletrain.errors import UserError
+from scaletrain.models.llama import ModelArgs
+from scaletrain.models.presets import _MOE_FIELDS
+
+ARCHITECTURE = "MixtralForCausalLM"
+# MixtralConfig's RoPE base when config.json names none (transformers' default_theta for Mixtral).
+DEFAULT_ROPE_THETA = 1e6
+# ModelArgs field -> its [moe] config field (the inverse of resolve_model_args' mapping); the rest of ModelArgs
+# comes from [model].
+MOE_FIELDS = {
+    _MOE_FIELDS.get(f.name, f.name): f.name
+    for f in dataclasses.fields(MoEConfig)
+    if _MOE_FIELDS.get(f.name, f.name) in {a.name for a in dataclasses.fields(ModelArgs)}
+}
+_HUB = "block_sparse_moe"
+_OURS = re.compile(
+    r"layers\.(?P<i>\d+)\.feed_forward\.(?P<leaf>router\.gate\.weight|router\.expert_bias|experts\.w[123])"
+)
+_EXPERT = re.compile(
+    r"model\.layers\.(?P<i>\d+)\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.weight"
+)
+
+
+def is_mixtral(cfg: dict) -> bool:
+    return cfg.get("model_type") == "mixtral"
+
+
+# -- export ---------------------------------------------------------------------------------------------------------
+
+
+def export_problems(args: ModelArgs, state: dict[str, torch.Tensor]) -> list[str]:
+    """Every field of an MoE model that MixtralForCausalLM cannot represent, so an export would load as another
+    model: each says which field and why."""
+    mx = ARCHITECTURE
+    checks = [
+        (
+            args.shared_experts != 0,
+            f"moe.shared_experts is {args.shared_experts}; {mx} has no shared experts",
+        ),
+        (
+            args.router != "softmax",
+            f"moe.router is {args.router!r}; {mx} routes by a softmax over the experts",
+        ),
+        (not args.norm_topk, f"moe.norm_topk is false; {mx} always divides the top-k weights by their sum"),
+        (args.moe_every != 1, f"moe.every is {args.moe_every}; {mx} has an MoE feed-forward on every layer"),
+        (args.first_dense != 0, f"moe.first_dense is {args.first_dense}; {mx} has no dense layers"),
+        (
+            args.capacity_factor > 0,
+            f"moe.capacity_factor is {args.capacity_factor}; {mx} is dropless, so tokens this model drops would "
+            "reach their experts there (set moe.capacity_factor = 0 and train on, or export another run)",
+        ),
+        (
+            args.window > 0 and args.window_every != 1,
+            f"model.window_every is {args.window_every}; {mx}'s sliding_window applies to every layer",
+        ),
+    ]
+    problems = [msg for bad, msg in checks if bad]
+    biased = [k for k, v in state.items() if k.endswith("router.expert_bias") and bool(v.ne(0).any())]
+    if biased:
+        layers = ", ".join(_OURS.fullmatch(k)["i"] for k in biased)
+        problems.append(
+            f"the routing bias (moe.bias_update_rate balancing) is nonzero in layer(s) {layers}; {mx} selects "
+            "experts by the router scores alone, so tokens would reach other experts"
+        )
+    return problems
+
+
+def config_json(args: ModelArgs) -> dict:
+    """The Mixtral entries of config.json, over the Llama ones (hf.hf_config)."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "mixtral",
+        "intermediate_size": args.moe_hidden or args.ffn_hidden,
+        "num_local_experts": args.n_experts,
+        "num_experts_per_tok": args.top_k,
+        "sliding_window": args.window or None,
+        "router_aux_loss_coef": aux_coef_to_hf(args.aux_loss_coef, args.top_k, args.n_layers),
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+    }
+
+
+def aux_coef_from_hf(coef: float, top_k: int, n_layers: int) -> float:
+    """Our moe.aux_loss_coef for the same balance-loss weight as Mixtral's router_aux_loss_coef. HF's loss is
+    E sum_e (count_e / T) P_e over all layers' tokens at once (load_balancing_loss_func): top_k times our per-layer
+    sum_e f_e P_e (f_e divides by top_k), and counted once where ours is added for every layer."""
+    return coef * top_k / n_layers
+
+
+def aux_coef_to_hf(coef: float, top_k: int, n_layers: int) -> float:
+    return coef * n_layers / top_k
+
+
+def to_hf_tensors(name: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The Hub-layout tensors of one of our MoE state-dict entries (the routing bias has none: export_problems
+    refuses it unless zero); None for a name outside the MoE feed-forward."""
+    m = _OURS.fullmatch(name)
+    if m is None:
+        return None
+    prefix = f"model.layers.{m['i']}.{_HUB}"
+    leaf = m["leaf"]
+    if leaf == "router.gate.weight":
+        return {f"{prefix}.gate.weight": value}
+    if leaf == "router.expert_bias":
+        return {}
+    w = leaf.split(".")[1]
+    return {f"{prefix}.experts.{e}.{w}.weight": value[e].contiguous() for e in range(value.shape[0])}
+
+
+# -- import ---------------------------------------------------------------------------------------------------------
+
+
+def read_config(cfg: dict) -> tuple[dict, list[str]]:
+    """(ModelArgs fields, problems) of the MoE and sliding-window entries of a Mixtral config.json."""
+    missing = [k for k in ("num_local_experts", "num_experts_per_tok") if k not in cfg]
+    if missing:
+        return {}, [f"config.json lacks {', '.join(missing)}; is it a complete Mixtral config?"]
+    top_k, n_layers = int(cfg["num_experts_per_tok"]), int(cfg["num_hidden_layers"])
+    fields = {
+        "n_experts": int(cfg["num_local_experts"]),
+        "top_k": top_k,
+        "moe_hidden": int(cfg["intermediate_size"]),
+        "shared_experts": 0,
+        "router": "softmax",
+        "norm_topk": True,
+        "moe_every": 1,
+        "first_dense": 0,
+        "capacity_factor": 0.0,
+        # A training choice, not the weights' (MixtralConfig's default when unset).
+        "aux_loss_coef": aux_coef_from_hf(float(cfg.get("router_aux_loss_coef", 0.001)), top_k, n_layers),
+        # Same rule as ours: query i sees keys i - window < j <= i (transformers' sliding_window_overlay).
+        "window": int(cfg.get("sliding_window") or 0),
+        "window_every": 1,
+    }
+    problems = []
+    if not 1 <= top_k <= fields["n_experts"]:
+        problems.append(
+            f"config.json: num_experts_per_tok {top_k} is not between 1 and num_local_experts {fields['n_experts']}"
+        )
+    return fields, problems
+
+
+def layer_names(i: int, n_experts: int, fused: bool) -> set[str]:
+    """The HF names of layer i's MoE tensors, in the Hub (one per expert) or the fused layout."""
+    if fused:
+        return {
+            f"model.layers.{i}.mlp.{n}" for n in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
+        }
+    prefix = f"model.layers.{i}.{_HUB}"
+    experts = {f"{prefix}.experts.{e}.{w}.weight" for e in range(n_experts) for w in ("w1", "w2", "w3")}
+    return {f"{prefix}.gate.weight"} | experts
+
+
+def is_fused(names: list[str] | set[str], i: int) -> bool:
+    """Layer i of a checkpoint is in transformers' in-memory (fused) layout."""
+    return f"model.layers.{i}.mlp.experts.gate_up_proj" in names
+
+
+def from_hf_tensors(
+    weights: dict[str, torch.Tensor], n_layers: int, n_experts: int
+) -> dict[str, torch.Tensor]:
+    """Our MoE entries (router gate, zero routing bias, stacked experts) from the HF tensors, which are removed
+    from `weights`; UserError naming the HF tensors that are missing."""
+    missing = sorted(
+        n
+        for i in range(n_layers)
+        for n in layer_names(i, n_experts, is_fused(weights, i))
+        if n not in weights
+    )
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" ({len(missing)} in all)" if len(missing) > 3 else "")
+        raise UserError(f"the Hugging Face Mixtral checkpoint lacks {shown}")
+    ours: dict[str, torch.Tensor] = {}
+    for i in range(n_layers):
+        ff = f"layers.{i}.feed_forward"
+        if is_fused(weights, i):
+            gate = weights.pop(f"model.layers.{i}.mlp.gate.weight")
+            w1, w3 = weights.pop(f"model.layers.{i}.mlp.experts.gate_up_proj").chunk(2, dim=1)
+            w2 = weights.pop(f"model.layers.{i}.mlp.experts.down_proj")
+        else:
+            prefix = f"model.layers.{i}.{_HUB}"
+            gate = weights.pop(f"{prefix}.gate.weight")
+            w1, w2, w3 = (
+                torch.stack([weights.pop(f"{prefix}.experts.{e}.{w}.weight") for e in range(n_experts)])
+                for w in ("w1", "w2", "w3")
+            )
+        ours |= {
+            f"{ff}.router.gate.weight": gate,
+            f"{ff}.router.expert_bias": torch.zeros(gate.shape[0]),
+            f"{ff}.experts.w1": w1,
+            f"{ff}.experts.w2": w2,
+            f"{ff}.experts.w3": w3,
+        }
+    return ours
+
+
+def experts_beyond(names: list[str], n_experts: int) -> list[str]:
+    """The expert tensors among `names` numbered at or beyond n_experts (num_local_experts)."""
+    return [n for n in names if (m := _EXPERT.fullmatch(n)) and int(m["e"]) >= n_experts]
+
+
+def config_sections(fields: dict) -> tuple[dict, dict]:
+    """ModelArgs fields split into the [model] and [moe] sections of a config file."""
+    model = {k: v for k, v in fields.items() if k not in MOE_FIELDS}
+    moe = {MOE_FIELDS[k]: v for k, v in fields.items() if k in MOE_FIELDS}
+    return model, moe

@@ -1,0 +1,207 @@
+"""MoEMonitor on one process: the bias update (DeepSeek-V3), the moe_* metrics from constructed load buffers, the
+moe_imbalance event's episodes, its state across a resume, and the metrics of a short debug_moe run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.config import MoEConfig
+from scaletrain.metrics.moe import MoEMonitor, moe_layers
+from scaletrain.models.llama import ModelArgs
+from scaletrain.models.moe import MoE
+from tests.helpers import QUICK, ROOT, events, read_jsonl
+
+E = 4
+
+
+class _Block(nn.Module):
+    def __init__(self, ff: nn.Module):
+        super().__init__()
+        self.feed_forward = ff
+
+
+def _model(moe_ids: tuple[int, ...] = (1, 3), n_layers: int = 4, n_experts: int = E) -> nn.Module:
+    """A stand-in model: `layers.N.feed_forward` is an MoE on `moe_ids`, a Linear elsewhere (as llama.py names it)."""
+    args = ModelArgs(dim=8, n_experts=n_experts, top_k=2, moe_hidden=8)
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleDict(
+        {str(i): _Block(MoE(args) if i in moe_ids else nn.Linear(8, 8)) for i in range(n_layers)}
+    )
+    for i in moe_ids:
+        model.layers[str(i)].feed_forward.init_weights(0.02, 0.02)
+    return model
+
+
+def _monitor(model: nn.Module, n_experts: int = E, **cfg) -> tuple[MoEMonitor, list[dict]]:
+    seen: list[dict] = []
+    mon = MoEMonitor(
+        moe_layers([model]),
+        len(model.layers),
+        n_experts,
+        MoEConfig(**cfg),
+        event=lambda kind, **f: seen.append({"kind": kind, **f}),
+    )
+    return mon, seen
+
+
+def _fill(m: MoE, counts, dropped=0.0, aux=0.0, z=0.0, forwards=1.0) -> None:
+    m.tokens_per_expert.copy_(torch.tensor(counts, dtype=torch.float32))
+    m.routed_tokens.fill_(float(sum(counts)))
+    m.dropped_tokens.fill_(dropped)
+    m.aux_loss_sum.fill_(aux)
+    m.z_loss_sum.fill_(z)
+    m.forwards.fill_(forwards)
+
+
+def _ff(model: nn.Module, i: int) -> MoE:
+    return model.layers[str(i)].feed_forward
+
+
+def test_moe_layers_are_found_by_layer_id_through_wrappers():
+    model = _model()
+    wrapped = nn.Module()
+    wrapped._orig_mod = (
+        model  # torch.compile's and checkpoint_wrapper's prefixes leave the layer id in the name
+    )
+    assert sorted(moe_layers([wrapped])) == [1, 3]
+    assert moe_layers([wrapped])[3] is _ff(model, 3)
+
+
+def test_metrics_from_constructed_buffers_and_buffers_reset():
+    model = _model()
+    mon, _ = _monitor(model)
+    _fill(_ff(model, 1), [4, 4, 4, 4], dropped=2, aux=2.0, z=0.4, forwards=2)
+    _fill(_ff(model, 3), [8, 0, 4, 4], dropped=0, aux=3.3, z=0.9, forwards=3)
+    mon.step_done(1)
+    m = mon.metrics()
+    assert set(m) == {
+        "moe_load_max_mean/layer1",
+        "moe_load_max_mean/layer3",
+        "moe_load_max_mean",
+        "moe_dropped",
+        "moe_aux_loss",
+        "moe_z_loss",
+    }
+    assert m["moe_load_max_mean/layer1"] == pytest.approx(1.0)
+    assert m["moe_load_max_mean/layer3"] == pytest.approx(2.0)  # max 8 over mean 4
+    assert m["moe_load_max_mean"] == pytest.approx(2.0)  # the worst layer
+    assert m["moe_dropped"] == pytest.approx(2 / 32)  # over both layers' routed assignments
+    assert m["moe_aux_loss"] == pytest.approx((2.0 / 2 + 3.3 / 3) / 2)  # per forward, averaged over layers
+    assert m["moe_z_loss"] == pytest.approx((0.4 / 2 + 0.9 / 3) / 2)
+    for i in (1, 3):
+        assert float(_ff(model, i).tokens_per_expert.sum()) == 0.0
+        assert float(_ff(model, i).forwards) == 0.0
+
+
+def test_bias_moves_each_expert_towards_the_mean_by_the_rate():
+    model = _model()
+    mon, _ = _monitor(model, bias_update_rate=0.01)
+    start = torch.tensor([0.1, -0.2, 0.0, 0.3])
+    for i in (1, 3):
+        _ff(model, i).router.expert_bias.copy_(start)
+    _fill(_ff(model, 1), [10, 2, 5, 3])  # mean 5: over, under, even, under
+    _fill(_ff(model, 3), [1, 1, 1, 9])  # mean 3
+    mon.step_done(1)
+    torch.testing.assert_close(
+        _ff(model, 1).router.expert_bias, start + 0.01 * torch.tensor([-1.0, 1.0, 0.0, 1.0])
+    )
+    torch.testing.assert_close(
+        _ff(model, 3).router.expert_bias, start + 0.01 * torch.tensor([1.0, 1.0, 1.0, -1.0])
+    )
+
+
+def test_no_bias_update_when_off_or_on_a_skipped_step():
+    model = _model()
+    off, _ = _monitor(model, bias_update_rate=0.0)
+    _fill(_ff(model, 1), [10, 2, 5, 3])
+    off.step_done(1)
+    assert torch.count_nonzero(_ff(model, 1).router.expert_bias) == 0
+    on, _ = _monitor(model, bias_update_rate=0.01)
+    _fill(_ff(model, 1), [10, 2, 5, 3])
+    on.step_done(2, applied=False)  # a skipped step: its batch moves nothing, and its counts are cleared
+    assert torch.count_nonzero(_ff(model, 1).router.expert_bias) == 0
+    assert float(_ff(model, 1).tokens_per_expert.sum()) == 0.0
+
+
+def _route(model: nn.Module, skewed: bool, seed: int) -> None:
+    """One forward of layer 1 with gradients on: all tokens to experts 0 and 1 (skewed), else a random router."""
+    m = _ff(model, 1)
+    with torch.no_grad():
+        m.router.expert_bias.copy_(torch.tensor([5.0, 5.0] + [0.0] * (E - 2)) if skewed else torch.zeros(E))
+    x = torch.randn(4, 64, 8, generator=torch.Generator().manual_seed(seed))
+    m(x)
+
+
+def test_imbalance_event_fires_after_exactly_n_steps_once_per_episode():
+    model = _model(moe_ids=(1,))
+    mon, seen = _monitor(model, imbalance_threshold=1.5, imbalance_steps=3)
+    pattern = [True] * 6 + [False] + [True] * 3  # an episode of 6 steps, a recovery, then a new episode
+    for step, skewed in enumerate(pattern, start=1):
+        _route(model, skewed, step)
+        mon.step_done(step)
+        ratio = mon.metrics()["moe_load_max_mean/layer1"]
+        assert (
+            ratio == pytest.approx(2.0) if skewed else ratio < 1.5
+        )  # all tokens on 2 of 4 experts: 2x the mean
+    assert [(e["kind"], e["step"], e["layer"]) for e in seen] == [
+        ("moe_imbalance", 3, 1),
+        ("moe_imbalance", 10, 1),
+    ]
+    assert seen[0]["load_max_mean"] == pytest.approx(2.0) and seen[0]["threshold"] == 1.5
+
+
+def test_state_round_trip_continues_the_streak():
+    model = _model(moe_ids=(1,))
+    mon, _ = _monitor(model, imbalance_threshold=1.5, imbalance_steps=3)
+    for step in (1, 2):
+        _route(model, True, step)
+        mon.step_done(step)
+    saved = {k: v.clone() for k, v in mon.state_dict().items()}
+    assert saved["streak"].tolist() == [0, 2, 0, 0]
+    resumed, seen = _monitor(model, imbalance_threshold=1.5, imbalance_steps=3)
+    resumed.load_state_dict(saved)
+    saved["streak"].zero_()  # the monitor holds its own copy
+    _route(model, True, 3)
+    resumed.step_done(3)
+    assert [e["step"] for e in seen] == [3]  # the third consecutive step, counted across the resume
+    assert resumed.state_dict()["alerted"].tolist() == [0, 1, 0, 0]
+
+
+def test_a_dense_model_has_no_moe_state_or_metrics():
+    model = _model(moe_ids=())
+    mon, _ = _monitor(model, n_experts=0)
+    mon.step_done(1)
+    assert not mon.active and mon.metrics() == {} and mon.resumable() == {}
+
+
+@pytest.mark.skipif(
+    not (ROOT / "configs" / "debug_moe.toml").is_file(), reason="configs/debug_moe.toml not there"
+)
+def test_debug_moe_run_writes_moe_metrics(tmp_path: Path):
+    from scaletrain.config_io import load_config
+    from scaletrain.models.moe import is_moe_layer
+    from scaletrain.models.presets import resolve_model_args
+    from scaletrain.train import train
+
+    overrides = ["--training.steps", "4", "--training.eval_interval", "0", "--metrics.log_interval", "2"]
+    overrides += ["--moe.bias_update_rate", "0.001", "--moe.imbalance_threshold", "1.0"]
+    overrides += ["--moe.imbalance_steps", "2", "--run.dir", str(tmp_path / "run"), *QUICK]
+    cfg = load_config(ROOT / "configs" / "debug_moe.toml", overrides)
+    train(cfg)
+    args = resolve_model_args(cfg.model, 257, cfg.data.seq_len, moe=cfg.moe)
+    ids = [i for i in range(args.n_layers) if is_moe_layer(args, i)]
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        per_layer = [r[f"moe_load_max_mean/layer{i}"] for i in ids]
+        assert all(v >= 1.0 for v in per_layer) and r["moe_load_max_mean"] == pytest.approx(max(per_layer))
+        assert r["moe_dropped"] == 0.0  # dropless by default
+        assert r["moe_aux_loss"] > 0
+    # A threshold of 1.0 is exceeded by any imbalance at all: each MoE layer's episode fires once, at step 2.
+    fired = events(tmp_path / "run", "moe_imbalance")
+    assert sorted(e["layer"] for e in fired) == ids and {e["step"] for e in fired} == {2}
