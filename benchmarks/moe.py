@@ -5,8 +5,9 @@ Three modes, each measured in one run:
 - `throughput` (default): tokens/s of a training step (forward, backward, AdamW) of the debug MoE beside the dense
   model with the same active parameters (ffn_hidden = top_k x moe_hidden, + the shared experts), rounds
   interleaved so the machine's drift hits both alike; median and min-max of the repeats.
-- `--balance`: the debug MoE trained by the real loop for 200 steps three ways (no balancing, aux loss 0.01, the
-  bias method at 0.001) from the same seed and data; the max/mean expert load (worst layer) at the start and end.
+- `--balance`: the debug MoE trained by the real loop for 200 steps from the same seed and data without balancing,
+  with the aux loss at 0.01, and with the bias method at 0.001 (DeepSeek-V3's rate) and 0.01; the max/mean expert
+  load (worst block) at the start and the end.
 - `--a2a`: two gloo processes train the debug MoE at parallel.ep = 2 (the real build and step); every all-to-all
   of the dispatch (the counts, the rows out, the rows back, and both again in backward) is timed, and its share of
   the step time reported.
@@ -117,8 +118,9 @@ def balance(a: argparse.Namespace) -> None:
     ways = {
         "no balancing": ["--moe.aux_loss_coef", "0", "--moe.bias_update_rate", "0"],
         "aux loss 0.01": ["--moe.aux_loss_coef", "0.01", "--moe.bias_update_rate", "0"],
-        "bias 0.001": ["--moe.aux_loss_coef", "0", "--moe.bias_update_rate", "0.001"],
     }
+    for rate in a.bias_rates:  # DeepSeek-V3's 0.001, and a faster one for a run this short
+        ways[f"bias {rate:g}"] = ["--moe.aux_loss_coef", "0", "--moe.bias_update_rate", str(rate)]
     common = ["--training.steps", str(a.steps), "--metrics.log_interval", "1"]
     common += ["--training.threads", str(a.threads)]
     w = a.window
@@ -267,6 +269,7 @@ def main() -> None:
     ap.add_argument(
         "--window", type=int, default=10, help="--balance: steps averaged at the start and the end"
     )
+    ap.add_argument("--bias-rates", type=float, nargs="+", default=[0.001, 0.01], help="--balance: bias runs")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     print(cpu_features())

@@ -18,7 +18,7 @@ import torch
 from scaletrain.config import MoEConfig
 from scaletrain.errors import UserError
 from scaletrain.models.llama import ModelArgs
-from scaletrain.models.presets import _MOE_FIELDS
+from scaletrain.models.presets import MOE_FIELDS
 
 ARCHITECTURE = "MixtralForCausalLM"
 # MixtralConfig's RoPE base when config.json names none (transformers' default_theta for Mixtral).
@@ -26,9 +26,9 @@ DEFAULT_ROPE_THETA = 1e6
 # ModelArgs field -> its [moe] config field (the inverse of resolve_model_args' mapping); the rest of ModelArgs
 # comes from [model].
 MOE_FIELDS = {
-    _MOE_FIELDS.get(f.name, f.name): f.name
+    MOE_FIELDS.get(f.name, f.name): f.name
     for f in dataclasses.fields(MoEConfig)
-    if _MOE_FIELDS.get(f.name, f.name) in {a.name for a in dataclasses.fields(ModelArgs)}
+    if MOE_FIELDS.get(f.name, f.name) in {a.name for a in dataclasses.fields(ModelArgs)}
 }
 _HUB = "block_sparse_moe"
 _OURS = re.compile(

@@ -76,8 +76,12 @@ class MoEMonitor:
     ) -> MoEMonitor:
         """The monitor of this rank's parts, summing over the data-parallel and pipeline ranks of `dims`."""
         pp = dims.submesh("pp") if dims.pp_enabled else None
-        device = next(p.device for part in parts for p in part.parameters())
         layers = moe_layers(parts)
+        # The mesh's device type (the current CUDA device on GPUs), not a parameter's: offloaded parameters live
+        # on the host while the buffers and the collectives stay on the accelerator.
+        device = next((m.tokens_per_expert.device for m in layers.values()), torch.device("cpu"))
+        if dims.mesh is not None:
+            device = torch.device(dims.mesh.device_type)
         return cls(
             layers, n_layers, n_experts, cfg, dp_cp=dims.submesh("dp_cp"), pp=pp, event=event, device=device
         )

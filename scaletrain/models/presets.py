@@ -102,7 +102,7 @@ PRESETS: dict[str, dict] = {
 }
 
 # MoEConfig field -> ModelArgs field where the names differ; the rest keep their name.
-_MOE_FIELDS = {"hidden": "moe_hidden", "every": "moe_every"}
+MOE_FIELDS = {"hidden": "moe_hidden", "every": "moe_every"}
 
 
 def pad_vocab(n: int, multiple: int = 64) -> int:
@@ -121,7 +121,7 @@ def resolve_model_args(
             values[f.name] = v
     if moe is not None:
         for f in dataclasses.fields(moe):
-            name, v = _MOE_FIELDS.get(f.name, f.name), getattr(moe, f.name)
+            name, v = MOE_FIELDS.get(f.name, f.name), getattr(moe, f.name)
             if v is not None and name in {x.name for x in dataclasses.fields(ModelArgs)}:
                 values[name] = v
     if values.get("vocab_size") is None:

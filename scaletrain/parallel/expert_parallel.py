@@ -36,8 +36,7 @@ class _Dispatch:
     The state between the two hooks is one forward's: the hooks run back to back around the experts' forward
     (also when activation recompute runs it again)."""
 
-    def __init__(self, mesh: DeviceMesh):
-        self.mesh = mesh
+    def __init__(self) -> None:
         self.state: tuple | None = None
 
     def before(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -81,7 +80,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     the block stay replicated over ep: they are data parallel like any dense weight."""
     blocks = moe_blocks(model)
     for moe in blocks:
-        dispatch = _Dispatch(ep_mesh)
+        dispatch = _Dispatch()
 
         def shard(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
             for pname, p in list(module.named_parameters(recurse=False)):

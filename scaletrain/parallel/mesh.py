@@ -284,11 +284,9 @@ def validate_parallel(
     tie_embeddings: bool = False,
     n_experts: int = 0,
 ) -> list[str]:
-    """Every problem of the parallel layout at once, each with its fix; [] when the layout runs. n_experts: the
-    model's routed experts (0: a dense model)."""
+    """Every problem of the parallel layout at once, each with its fix; [] when the layout runs (n_experts 0: dense)."""
     problems = _size_problems(pcfg, world_size)
-    if not problems:
-        problems += _moe_problems(pcfg, _resolved_dp_shard(pcfg, world_size), n_experts)
+    problems += [] if problems else _moe_problems(pcfg, _resolved_dp_shard(pcfg, world_size), n_experts)
     mode = pcfg.data_parallel
     if pcfg.dp_replicate > 1 and mode != "hsdp":
         problems.append(
@@ -363,12 +361,6 @@ def _moe_problems(pcfg: ParallelConfig, dp_shard: int, n_experts: int) -> list[s
         problems.append(
             f"a MoE model cannot use parallel.cp = {pcfg.cp}: its balance loss and expert capacity are computed "
             "per whole sequence, and context parallel splits every sequence over ranks; set parallel.cp = 1"
-        )
-    if n_experts > 0 and pcfg.tp > 1:
-        problems.append(
-            f"a MoE model cannot use parallel.tp = {pcfg.tp} yet: the MoE blocks are not tensor-parallel "
-            "(their experts would need splitting or replicating over tp); set parallel.tp = 1 and use "
-            "parallel.ep to split the experts"
         )
     if ep == 1:
         return problems
