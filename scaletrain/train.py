@@ -183,7 +183,7 @@ def build(cfg: Config) -> Job:
     eod = tokenizer.eod_id if cfg.data.document_mask else None  # masks attention at document ends
     runner = build_step_runner(pm, dims, cfg.parallel, cfg.training, env.device, eod, precision)
 
-    # -- Everything that resumes: one dict of Stateful objects, restored by both checkpoint tiers and rollbacks.
+    # -- What resumes: one dict of Stateful objects, saved and restored by the checkpoint tiers and rollbacks.
     train_state = TrainState(dims.control)
     state = dict(
         model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state

@@ -1,8 +1,10 @@
 """MoEMonitor on one process: the bias update (DeepSeek-V3), the moe_* metrics from constructed load buffers, the
-moe_imbalance event's episodes, its state across a resume, and the metrics of a short debug_moe run."""
+moe_imbalance event's episodes, its state across a resume, and the metrics of a short debug_moe run; and the step's
+aux-loss scale (1/n micro-batches)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -205,3 +207,29 @@ def test_debug_moe_run_writes_moe_metrics(tmp_path: Path):
     # A threshold of 1.0 is exceeded by any imbalance at all: each MoE layer's episode fires once, at step 2.
     fired = events(tmp_path / "run", "moe_imbalance")
     assert sorted(e["layer"] for e in fired) == ids and {e["step"] for e in fired} == {2}
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_aux_losses_weigh_the_same_whatever_the_micro_batch_count(scaled, monkeypatch):
+    """StepRunner sets the aux losses' backward scale to 1/n micro-batches, as the LM loss is divided: the router's
+    gradient from one batch of 4 equals that from 4 micro-batches of 1 (and differs without the scale)."""
+    import contextlib
+
+    from scaletrain.models.presets import build_model
+    from scaletrain.step import StepRunner
+
+    if not scaled:  # what the step would do without it: the aux losses weighed n times
+        monkeypatch.setattr(StepRunner, "_scale_aux_losses", lambda self, n: None)
+    args = ModelArgs(dim=16, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden=32, vocab_size=64, max_seq_len=8)
+    args = dataclasses.replace(args, n_experts=4, top_k=2, moe_hidden=16, aux_loss_coef=0.5, z_loss_coef=0.1)
+    tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for micro in (4, 1):
+        model = build_model(args, 0, "cpu")
+        runner = StepRunner([model], micro, contextlib.nullcontext(), 0.0)
+        runner.forward_backward(tokens[:, :-1], tokens[:, 1:])
+        grads.append(model.layers["1"].feed_forward.router.gate.weight.grad.clone())
+    if scaled:
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+    else:
+        assert not torch.allclose(grads[1], grads[0], rtol=1e-3)
