@@ -10,8 +10,8 @@ os.environ.setdefault("SCALETRAIN_CACHE", str(Path(__file__).resolve().parents[1
 
 
 # The longest files first, so that a worker is not left with one of them while the other has finished. xdist's
-# default reorders files by test count (the 150 s checkpoint chain, one test, went last in the measured run);
-# `--no-loadscope-reorder` in make test keeps this order: the next step, not yet measured on the whole suite.
+# default reorders files by test count (the 150 s checkpoint chain, one test, went last in a measured run), so
+# make test passes `--no-loadscope-reorder`, which keeps this order.
 SLOW_FIRST = (
     "e2e/test_checkpoint_layouts.py",
     "distributed/test_hybrid_layouts.py",
@@ -19,6 +19,7 @@ SLOW_FIRST = (
     "distributed/test_pipeline.py",
     "e2e/test_parity.py",
     "distributed/test_recompute.py",
+    "distributed/test_expert_parallel.py",
 )
 
 

@@ -24,7 +24,6 @@ from scaletrain.models.moe import (
     is_moe_layer,
     set_aux_loss_scale,
 )
-from scaletrain.parity import run_train
 
 DIM, E = 16, 6
 
@@ -322,12 +321,3 @@ def test_validate_refuses_bad_moe_shapes_naming_the_knob():
     dense = config_problems("--model.preset", "debug", "--moe.top_k", "2")
     assert "moe.top_k is set, but the model is dense" in dense
     assert config_problems() == ""
-
-
-def test_debug_moe_config_trains_through_the_cli(tmp_path):
-    # The shipped config through the real single-process path (config, validate, build, step runner, metrics).
-    args = ["--config", "configs/debug_moe.toml", "--training.steps", "4", "--training.eval_interval", "0"]
-    args += ["--checkpoint.enabled", "false", "--metrics.log_interval", "1"]
-    losses = [r["loss"] for r in run_train(args, 1, tmp_path / "run")]
-    assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
-    assert min(losses[1:]) < losses[0] - 0.5

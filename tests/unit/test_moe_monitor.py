@@ -181,9 +181,6 @@ def test_a_dense_model_has_no_moe_state_or_metrics():
     assert not mon.active and mon.metrics() == {} and mon.resumable() == {}
 
 
-@pytest.mark.skipif(
-    not (ROOT / "configs" / "debug_moe.toml").is_file(), reason="configs/debug_moe.toml not there"
-)
 def test_debug_moe_run_writes_moe_metrics(tmp_path: Path):
     from scaletrain.config_io import load_config
     from scaletrain.models.moe import is_moe_layer
