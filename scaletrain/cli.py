@@ -312,7 +312,7 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _add_inference_commands(commands: argparse._SubParsersAction) -> dict[str, _Parser]:
-    """`generate` and `eval`: one process, on a run's newest checkpoint or a Hugging Face Llama directory."""
+    """`generate` and `eval`: one process, on a run's newest checkpoint or a Hugging Face Llama or Mixtral directory."""
     gen = commands.add_parser("generate", overrides=False, help="sample from a run's checkpoint or an HF dir")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens")

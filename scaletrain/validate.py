@@ -59,6 +59,12 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     if args is not None:
         problems += _model_shape(args, cfg.model, vocab)
         problems += _moe(cfg.moe, args, cfg.model.preset)
+        if args.n_experts > 0 and cfg.training.compile:
+            problems.append(
+                "training.compile with MoE blocks is refused: the experts' data-dependent token splits break "
+                "each compiled block into pieces, and compiled MoE has not been tested against eager; set "
+                "training.compile = false"
+            )
         problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp, compute=cfg.training.precision)
     problems += _data(cfg.data)
     dp_size = _dp_size(cfg.parallel, world_size)

@@ -1,5 +1,6 @@
 """One unsharded model for inference, from a run directory (its newest committed checkpoint, in whatever parallel
-layout it was saved: DCP reshards it to one process) or from a Hugging Face Llama directory, with its tokenizer."""
+layout it was saved: DCP reshards it to one process) or from a Hugging Face Llama or Mixtral directory, with its
+tokenizer."""
 
 from __future__ import annotations
 
@@ -49,14 +50,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cpu") -> LoadedModel:
-    """The model of a run directory (or of one checkpoint inside it) or of a Hugging Face Llama directory.
+    """The model of a run directory (or of one checkpoint inside it) or of a Hugging Face Llama or Mixtral directory.
 
     tokenizer: 'byte' or a tokenizer.json, instead of the run's data.tokenizer or the HF directory's tokenizer.json
     (an HF directory without one needs it). device: cpu, cuda or auto. Bad input raises UserError saying what to
     give instead."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path} does not exist; give a run directory or a Hugging Face Llama directory")
+        raise UserError(
+            f"{path} does not exist; give a run directory or a Hugging Face Llama or Mixtral directory"
+        )
     if (path / COMMIT).exists() or (path / "config.toml").is_file():
         with warnings.catch_warnings():
             # DCP's note that it loads on one process: what is meant here.
@@ -67,7 +70,7 @@ def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cp
         loaded = _load_hf(path)
     else:
         raise UserError(
-            f"{path} is neither a run directory (it has no config.toml) nor a Hugging Face Llama directory (no "
+            f"{path} is neither a run directory (it has no config.toml) nor a Hugging Face Llama or Mixtral directory (no "
             "config.json); give the --run.dir of a training run or an export of `scaletrain convert --to hf`"
         )
     if tokenizer is not None:

@@ -320,4 +320,5 @@ def test_validate_refuses_bad_moe_shapes_naming_the_knob():
     assert "moe.capacity_factor must be >= 0" in msg
     dense = config_problems("--model.preset", "debug", "--moe.top_k", "2")
     assert "moe.top_k is set, but the model is dense" in dense
+    assert "training.compile with MoE blocks is refused" in config_problems("--training.compile", "true")
     assert config_problems() == ""
