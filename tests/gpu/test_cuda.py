@@ -27,6 +27,7 @@ from scaletrain.config import CheckpointConfig, OptimizerConfig, ParallelConfig,
 from scaletrain.metrics.memory import peak_memory_mib
 from scaletrain.optim import Optimizers, build_optimizer
 from scaletrain.parallel.data_parallel import apply_fsdp, full_state_dict, optimizer_builder
+from scaletrain.parallel.expert_parallel import apply_ep
 from scaletrain.parallel.mesh import (
     DistEnv,
     ParallelDims,
@@ -91,6 +92,7 @@ def _group_worker(rank: int, world_size: int, device_name: str, out: str) -> Non
         ("process_group", _process_group_facts),
         ("control_plane", _control_plane_facts),
         ("fsdp", _fsdp_facts),
+        ("moe", _moe_facts),
     ):
         facts[name] = _guarded(section, device, Path(out).parent / name)
     Path(out).write_text(json.dumps(facts))
@@ -208,6 +210,32 @@ def _fsdp_facts(device: torch.device, tmp: Path) -> dict:
         "param_diff_fsdp_vs_device": _max_diff(fsdp_state, plain_state),
         "param_diff_device_vs_cpu": _max_diff(plain_state, ref.state),
         "checkpoint": _guarded(_checkpoint_facts, sharded, optimizers, mesh, device, tmp),
+    }
+
+
+def _moe_facts(device: torch.device, tmp: Path) -> dict:
+    """A tiny MoE model (4 experts, top-2, balance loss) from the same CPU-initialised weights three ways: the CPU
+    reference, unsharded on the device (on a Hopper GPU in bf16 the experts would take torch._grouped_mm; here
+    fp32, the segment loop), and with apply_ep's dispatch over a one-rank device mesh: its count and row
+    all-to-alls then carry device tensors over that mesh's backend (NCCL on CUDA), as they do at ep > 1."""
+    args = tiny_args(n_layers=2, n_experts=4, top_k=2, moe_hidden=32, aux_loss_coef=0.01)
+    batches = global_batches(args)
+    ref = reference_run(full_model(args), batches)
+    plain = parallelize(
+        full_model(args).to(device), ParallelDims(), ParallelConfig(), device=device, n_microbatches=1
+    )
+    plain_losses, plain_state, _ = _train(plain, ParallelConfig(), batches, device)
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("ep",))
+    ep = ParallelModel([apply_ep(full_model(args).to(device), mesh)])
+    ep_losses, ep_state, _ = _train(ep, ParallelConfig(), batches, device)
+    w1 = ep.parts[0].layers["0"].feed_forward.experts.w1
+    return {
+        "losses": {"cpu": ref.losses, "device": plain_losses, "ep": ep_losses},
+        "dtensor": isinstance(w1, DTensor),
+        "device": w1.device.type,
+        "mesh": dist.get_backend_config(mesh.get_group()),
+        "param_diff_ep_vs_device": _max_diff(ep_state, plain_state),
+        "param_diff_device_vs_cpu": _max_diff(plain_state, ref.state),
     }
 
 
@@ -336,6 +364,18 @@ def test_fsdp2_on_cuda_matches_the_unsharded_cuda_run_and_the_cpu_reference(grou
     fsdp_diff, cpu_diff = f["param_diff_fsdp_vs_device"], f["param_diff_device_vs_cpu"]
     print(f"largest weight difference: FSDP vs unsharded {fsdp_diff:.1e}, CUDA vs CPU {cpu_diff:.1e}")
     assert fsdp_diff <= 1e-5 and cpu_diff <= 1e-3
+    assert losses["device"][-1] < losses["device"][0]
+
+
+def test_moe_with_its_expert_dispatch_on_cuda_matches_the_cpu_reference(group_facts):
+    """CPU twin: tests/distributed/test_expert_parallel.py (ep 2 and 4 over gloo against the same reference). Here
+    the dispatch's all-to-alls run on CUDA tensors over NCCL, with fused AdamW on the DTensor experts."""
+    f = _ok(group_facts["moe"])
+    assert f["dtensor"] and f["device"] == "cuda" and _backends(f["mesh"])["cuda"] == "nccl"
+    losses = f["losses"]
+    _assert_close(losses["ep"], losses["device"], 1e-5, "MoE with its ep dispatch vs without, both on CUDA")
+    _assert_close(losses["device"], losses["cpu"], 1e-4, "MoE on CUDA vs the CPU reference")
+    assert f["param_diff_ep_vs_device"] <= 1e-5 and f["param_diff_device_vs_cpu"] <= 1e-3
     assert losses["device"][-1] < losses["device"][0]
 
 
