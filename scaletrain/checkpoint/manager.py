@@ -212,8 +212,10 @@ class CheckpointManager:
     def save(self, step: int, *, blocking: bool = False) -> float:
         """Save the state at `step`; return how long training was blocked (seconds). Raises SAVE_ERRORS."""
         t0 = time.perf_counter()
+        in_flight = self.pending is not None
         self.wait()
-        self._save_started = time.perf_counter()
+        # This save's own time starts when the previous one is over (save_seconds estimates one save).
+        self._save_started = time.perf_counter() if in_flight else t0
         path = self.path(step)
         if self.rank == 0:
             self.fs.makedirs(path, exist_ok=True)
@@ -245,6 +247,8 @@ class CheckpointManager:
             dcp.save(self.state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
             self._commit(step)
         stall = time.perf_counter() - t0
+        # A save is not over before save() returns, even if its writes and commit already finished beside it.
+        self.save_seconds = max(self.save_seconds, time.perf_counter() - self._save_started)
         self.stalls[step] = self.stalls.get(step, 0.0) + stall
         if self.pending is None:  # saved synchronously: committed and reported now
             self._report_saved(step, 0.0)
