@@ -2,7 +2,11 @@
 steps through the real CLI and compare rank 0's peak RSS and its fastest 2-step window after the first
 (metrics.jsonl) with what `plan --config` predicts for that rank.
 
-    python benchmarks/planner_validate.py [--cache DIR] [--no-calibrate] [--steps 12] [--only N,...] [--published]
+    python benchmarks/planner_validate.py [--cache DIR] [--no-calibrate] [--steps 12] [--repeats 3] [--only N,...]
+                                          [--published]
+
+Each layout is measured --repeats times, in rounds (every layout once, then again), and compared by the median of
+its runs: on a shared 2-core machine one run's step time moves by up to ±25% from the next. The spread is printed.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -139,6 +144,7 @@ def main() -> None:
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "scaletrain-planner-validate"))
     ap.add_argument("--no-calibrate", action="store_true")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each layout, in alternating rounds")
     ap.add_argument("--only", default="", help="comma-separated row numbers (from 1)")
     ap.add_argument("--published", action="store_true", help="only the comparison with published runs")
     opt = ap.parse_args()
@@ -151,28 +157,36 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--calibrate", "--nproc", "8"], cwd=ROOT, env=env,
                        check=True)  # fmt: skip
     rows = [int(x) for x in opt.only.split(",") if x] or range(1, len(LAYOUTS) + 1)
-    print(f"{'#':>2} {'layout':<34} {'mem pred':>8} {'meas':>6} {'err':>6} {'-base p':>7} {'meas':>6} "
-          f"{'step pred':>9} {'meas':>7} {'err':>6}")  # fmt: skip
-    worst_mem = worst_time = 0.0
+    runs: dict[int, list[dict]] = {i: [] for i in rows}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in rows:
-            n, model, layout = LAYOUTS[i - 1]
-            args = overrides(n, model, layout, opt.steps)
-            plan, profile = plan_one(parse_unvalidated(CONFIG, args), n, "cpu", None)
-            pred_mem = plan.memory_by_pp_rank[0] / 2**20  # rank 0 is what mem_peak_mib reports
-            base = overhead_of(profile, n) / 2**20
-            t0 = time.perf_counter()
-            got = measure(n, args, Path(tmp) / f"run{i}", env)
-            mem_err = pred_mem / got["mem_peak_mib"] - 1
-            time_err = plan.time["step_time_s"] / got["step_time_s"] - 1
-            worst_mem, worst_time = max(worst_mem, abs(mem_err)), max(worst_time, abs(time_err))
-            print(
-                f"{i:>2} {describe(n, model, layout):<34} {pred_mem:>8.0f} {got['mem_peak_mib']:>6.0f} "
-                f"{100 * mem_err:>+5.1f}% {pred_mem - base:>7.1f} {got['mem_peak_mib'] - base:>6.1f} "
-                f"{plan.time['step_time_s']:>9.4f} {got['step_time_s']:>7.4f} {100 * time_err:>+5.1f}%"
-                f"   ({time.perf_counter() - t0:.0f} s)",
-                flush=True,
-            )
+        for r in range(opt.repeats):
+            for i in rows:
+                n, model, layout = LAYOUTS[i - 1]
+                args = overrides(n, model, layout, opt.steps)
+                runs[i].append(measure(n, args, Path(tmp) / f"run{i}-{r}", env))
+            print(f"round {r + 1} of {opt.repeats} done; load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"{'#':>2} {'layout':<34} {'mem pred':>8} {'meas':>6} {'err':>6} {'-base p':>7} {'meas':>6} "
+          f"{'step pred':>9} {'meas':>7} {'err':>6}  {'runs min-max':>13}")  # fmt: skip
+    worst_mem = worst_time = 0.0
+    for i in rows:
+        n, model, layout = LAYOUTS[i - 1]
+        plan, profile = plan_one(
+            parse_unvalidated(CONFIG, overrides(n, model, layout, opt.steps)), n, "cpu", None
+        )
+        pred_mem = plan.memory_by_pp_rank[0] / 2**20  # rank 0 is what mem_peak_mib reports
+        base = overhead_of(profile, n) / 2**20
+        mem = statistics.median(r["mem_peak_mib"] for r in runs[i])
+        times = sorted(r["step_time_s"] for r in runs[i])
+        step = statistics.median(times)
+        mem_err = pred_mem / mem - 1
+        time_err = plan.time["step_time_s"] / step - 1
+        worst_mem, worst_time = max(worst_mem, abs(mem_err)), max(worst_time, abs(time_err))
+        print(
+            f"{i:>2} {describe(n, model, layout):<34} {pred_mem:>8.0f} {mem:>6.0f} {100 * mem_err:>+5.1f}% "
+            f"{pred_mem - base:>7.1f} {mem - base:>6.1f} {plan.time['step_time_s']:>9.4f} {step:>7.4f} "
+            f"{100 * time_err:>+5.1f}%  {times[0]:.3f}-{times[-1]:.3f}",
+            flush=True,
+        )
     print(
         f"worst: memory {100 * worst_mem:.1f}%, step time {100 * worst_time:.1f}%; profile: {profile.source}"
     )

@@ -59,12 +59,14 @@ def measure_matmul(dtype: torch.dtype) -> tuple[float, float]:
     return t0, 1.0 / max(slope, 1e-15)
 
 
-def measure_block(matmul: tuple[float, float]) -> tuple[float, float]:
-    """(fixed seconds per block forward+backward, element-wise bytes/s): a one-block model (dim 256, a vocabulary
-    of 64 so the head is negligible) timed at two sequence lengths; what its matmuls at the fitted rate do not
-    explain is fitted as a + traffic / bandwidth, with the traffic the time model charges (ELEMENTWISE_TRAFFIC x
-    the bytes the block saves)."""
+def measure_block(matmul: tuple[float, float]) -> tuple[float, float, float, float]:
+    """(fixed seconds per block forward+backward, element-wise bytes/s, selective recompute's fixed seconds per
+    block, the share of the element-wise forward it re-runs): a one-block model (dim 256, a vocabulary of 64 so the
+    head is negligible) timed at two sequence lengths. What its matmuls at the fitted rate do not explain is fitted
+    as a + traffic / bandwidth, with the traffic the time model charges (ELEMENTWISE_TRAFFIC x the bytes the block
+    saves); what the same block under selective recompute adds, as a + share x that forward's element-wise time."""
     from scaletrain.config import ParallelConfig
+    from scaletrain.memory.recompute import apply_recompute
     from scaletrain.models.llama import ModelArgs
     from scaletrain.models.presets import build_model
     from scaletrain.planner.memory import layer_activation_bytes
@@ -74,17 +76,21 @@ def measure_block(matmul: tuple[float, float]) -> tuple[float, float]:
         dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=704, vocab_size=64, max_seq_len=512
     )
     model = build_model(args, 0, "cpu")
+    selective = apply_recompute(build_model(args, 0, "cpu"), "selective")
     t0, rate = matmul
-    xs, ys = [], []
+    xs, ys, extra = [], [], []
     for seq in (64, 512):
         tokens = torch.randint(0, 64, (1, seq))
         took = _best(partial(_forward_backward, model, tokens), budget_s=0.4)
+        extra.append(_best(partial(_forward_backward, selective, tokens), budget_s=0.4) - took)
         shape = _Shape(seq, seq, args.dim, args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden)
         mm = sum(3 * (t0 + f / rate) for f in _matmuls(shape))
         xs.append(ELEMENTWISE_TRAFFIC * layer_activation_bytes(args, ParallelConfig(), 1, seq, 4))
         ys.append(max(took - mm, 1e-9))
     a, b = fit_line(xs, ys)
-    return a, 1.0 / max(b, 1e-15)
+    ew_fwd = [(a + x * b) / 3 for x in xs]  # the time model's element-wise forward of the block
+    sel_a, sel_share = fit_line(ew_fwd, [max(e, 0.0) for e in extra])
+    return a, 1.0 / max(b, 1e-15), sel_a, max(sel_share, 0.0)
 
 
 def _forward_backward(model: torch.nn.Module, tokens: torch.Tensor) -> None:
@@ -200,13 +206,14 @@ def run_from_small_parent(cmd: list[str], env: dict, **kw) -> subprocess.Complet
     return subprocess.run([sys.executable, "-S", "-c", hop, *cmd], env=env, **kw)
 
 
-def _tiny_run(n: int, env: dict) -> dict:
+def _tiny_run(n: int, env: dict, extra: tuple[str, ...] = ()) -> dict:
     """The tiny model trained for a few steps on n local processes: its peak RSS, and the fastest window's step
     time after the first (the window least disturbed by other processes, as every calibration figure here)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "scaletrain", "train", "--nproc", str(n), *TINY, "--run.dir", f"{d}/run"]
+        cmd = [sys.executable, "-m", "scaletrain", "train", "--nproc", str(n), *TINY, *extra]
+        cmd += ["--run.dir", f"{d}/run"]
         run_from_small_parent(cmd, env, check=True, capture_output=True)
         records = [
             json.loads(x) for x in Path(f"{d}/run/metrics.jsonl").read_text().splitlines() if x.strip()
@@ -214,41 +221,64 @@ def _tiny_run(n: int, env: dict) -> dict:
     return {**records[-1], "step_time_s": min(r["step_time_s"] for r in records[1:])}
 
 
-def measure_framework(profile: DeviceProfile, cache_dir: Path, log) -> DeviceProfile:
-    """The constants only a real run shows, from a tiny model trained through the CLI on two processes (fsdp,
-    workers forked by the launcher) and then on one: peak RSS less the model's predicted bytes is the framework's
-    memory; the one-process step time less the predicted work is the loop's fixed cost per step; what the
-    two-process step adds beyond the prediction, per collective call, is the fixed cost of a call."""
+def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int = 2) -> DeviceProfile:
+    """The constants only a real run shows, from a tiny model trained through the CLI: on one process; with fsdp
+    on 2, 4 and 8 (up to nproc; workers forked by the launcher); with tp 2, without and with sequence parallel;
+    with cp 2. Peak RSS less the model's predicted bytes is the framework's memory; the one-process step time less
+    the predicted work is the loop's fixed cost per step; what each fsdp run adds beyond the prediction, per
+    collective call, is a call's fixed cost at that many processes (on a CPU it grows with the ranks sharing the
+    cores); what the tp, sp and cp runs add, per block, is their dispatch cost (DTensor, the ring's chunk loop)."""
     env = {**os.environ, "SCALETRAIN_CACHE": str(cache_dir)}
     # Tokenise the data first (and let the two-process launcher index it): a run that prepares the data in its own
     # process counts that in its peak RSS.
     subprocess.run(
         [sys.executable, "-m", "scaletrain", "prepare-data", *TINY], env=env, check=True, capture_output=True
     )
-    two, one = _tiny_run(2, env), _tiny_run(1, env)
+    one, two = _tiny_run(1, env), _tiny_run(2, env)
     cfg = parse_unvalidated(None, TINY)
     args = model_args(cfg)
     bare = dataclasses.replace(profile, overhead_bytes=0, worker_overhead_bytes=0, step_overhead_s=0.0)
     solo = estimate(cfg, args, 1, bare)
     step = max(one["step_time_s"] - solo.time["step_time_s"], 0.0)
-    # Step time is linear in the per-call cost: two predictions give the number of calls.
-    fixed = dataclasses.replace(bare, step_overhead_s=step)
-    t0 = estimate(cfg, args, 2, fixed).time["step_time_s"]
-    calls = estimate(cfg, args, 2, dataclasses.replace(fixed, collective_call_s=1.0)).time["step_time_s"] - t0
-    call = max(two["step_time_s"] - t0, 0.0) / max(calls, 1.0)
+    fitted = dataclasses.replace(bare, step_overhead_s=step)
+    # Each constant is fitted on the run that shows it, in this order (a later fit counts the earlier ones):
+    # FSDP's per-call cost with 2, 4, 8 processes, then tp's and ring attention's per-block cost.
+    by_ranks = {}
+    for n in (2, 4, 8):
+        if n <= nproc:
+            batch = ["--training.global_batch", str(max(4, n)), "--training.micro_batch", str(max(1, 4 // n))]
+            got = two if n == 2 else _tiny_run(n, env, batch)
+            layout = parse_unvalidated(None, [*TINY, *batch])
+            by_ranks[str(n)] = _fit(layout, n, fitted, got, call_by_ranks={str(n): 1.0})
+    fitted = dataclasses.replace(fitted, call_by_ranks=by_ranks, collective_call_s=by_ranks.get("2", 0.0))
+    tp2 = ["--parallel.tp", "2", "--model.n_kv_heads", "2"]  # tp needs whole key/value heads
+    sp = [*tp2, "--parallel.sequence_parallel", "true"]
+    runs = (("tp_block_s", tp2), ("sp_block_s", sp), ("cp_block_s", ["--parallel.cp", "2"]))
+    for field, extra in runs:
+        if nproc >= 2:
+            layout = parse_unvalidated(None, [*TINY, *extra])
+            got = _tiny_run(2, env, extra)
+            fitted = dataclasses.replace(fitted, **{field: _fit(layout, 2, fitted, got, **{field: 1.0})})
     base1 = int(one["mem_peak_mib"] * 2**20 - solo.memory["total"])
     base2 = int(two["mem_peak_mib"] * 2**20 - estimate(cfg, args, 2, bare).memory["total"])
+    calls = ", ".join(f"{v * 1e3:.2f} ms over {k}" for k, v in by_ranks.items())
     log(
         f"framework: {base1 / 2**20:.0f} MiB per process, {base2 / 2**20:.0f} MiB per forked worker; "
-        f"{step * 1e3:.1f} ms fixed per step; {call * 1e3:.2f} ms per collective call ({calls:.0f} calls a step)"
+        f"{step * 1e3:.1f} ms fixed per step; per collective call {calls}; per block tp "
+        f"{fitted.tp_block_s * 1e3:.2f} ms (sequence parallel +{fitted.sp_block_s * 1e3:.2f} ms), ring attention "
+        f"{fitted.cp_block_s * 1e3:.2f} ms"
     )
-    return dataclasses.replace(
-        profile,
-        overhead_bytes=base1,
-        worker_overhead_bytes=base2,
-        step_overhead_s=step,
-        collective_call_s=call,
-    )
+    return dataclasses.replace(fitted, overhead_bytes=base1, worker_overhead_bytes=base2)
+
+
+def _fit(cfg, n: int, profile: DeviceProfile, got: dict, **unit) -> float:
+    """The value of the one profile constant named in `unit` that makes the predicted step time of `cfg` on n
+    ranks equal the measured one. Step time is linear in it: predictions at 0 and at `unit` give its weight."""
+    args = model_args(cfg)
+    zero = {k: (dict.fromkeys(v, 0.0) if isinstance(v, dict) else 0.0) for k, v in unit.items()}
+    t0 = estimate(cfg, args, n, dataclasses.replace(profile, **zero)).time["step_time_s"]
+    weight = estimate(cfg, args, n, dataclasses.replace(profile, **unit)).time["step_time_s"] - t0
+    return max(got["step_time_s"] - t0, 0.0) / max(weight, 1e-12)
 
 
 def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Path]:
@@ -259,8 +289,11 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
     log(
         f"matmul fp32: t0 {fp32[0] * 1e6:.1f} us, {fp32[1] / 1e9:.2f} GFLOP/s per thread; bf16 {bf16[1] / 1e9:.2f}"
     )
-    op_overhead, elementwise_bw = measure_block(fp32)
-    log(f"block: {op_overhead * 1e3:.2f} ms fixed, element-wise {elementwise_bw / 1e9:.2f} GB/s")
+    op_overhead, elementwise_bw, sel_fixed, sel_share = measure_block(fp32)
+    log(
+        f"block: {op_overhead * 1e3:.2f} ms fixed, element-wise {elementwise_bw / 1e9:.2f} GB/s; selective "
+        f"recompute {sel_fixed * 1e3:.2f} ms fixed + {sel_share:.2f} of the element-wise forward"
+    )
     adam_bw = measure_adam_bandwidth()
     step_overhead = measure_step_overhead(op_overhead)
     collectives = {}
@@ -281,6 +314,8 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
         memory_bw=mem_bw,
         overhead_bytes=rss,
         op_overhead_s=op_overhead,
+        selective_block_s=sel_fixed,
+        selective_share=sel_share,
         step_overhead_s=step_overhead,
         cores=os.cpu_count() or 1,
         threads=1,
@@ -289,5 +324,5 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
         intra_latency=collectives.get("all_reduce@2", (DEFAULT_CPU.intra_latency, 0))[0],
         source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} with {nproc} gloo ranks; {sys.platform}",
     )
-    profile = measure_framework(profile, cache_dir, log)
+    profile = measure_framework(profile, cache_dir, log, nproc)
     return profile, save_profile(profile, cache_dir)

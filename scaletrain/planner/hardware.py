@@ -53,8 +53,19 @@ class DeviceProfile:
     worker_overhead_bytes: int = 0
     op_overhead_s: float = 0.0  # fixed time per block forward+backward (dispatch of its ~40 ops), CPUs only
     step_overhead_s: float = 0.0  # fixed time per optimizer step (loader, clipping, logging), CPUs only
-    collective_call_s: float = (
-        0.0  # fixed time per collective call in a training step, CPUs only (calibrated)
+    # CPUs only, calibrated from tiny real runs (calibrate.measure_framework): the fixed time of one collective call
+    # in a training step (FSDP's copy-in/out and hooks, DTensor dispatch, the ranks' scheduling around it), and
+    # per group size ("2", "4", ...: measured with that many processes on the host) where calibration measured it.
+    collective_call_s: float = 0.0
+    call_by_ranks: dict[str, float] = field(default_factory=dict)
+    tp_block_s: float = 0.0  # tensor parallel's fixed cost per block forward+backward (DTensor dispatch)
+    sp_block_s: float = (
+        0.0  # what sequence parallel adds to that (the norms' and the sequence's redistributions)
+    )
+    cp_block_s: float = 0.0  # ring attention's fixed cost per block forward+backward
+    selective_block_s: float = 0.0  # selective recompute's fixed cost per block (its dispatch mode, every op)
+    selective_share: float = (
+        0.0  # share of the element-wise forward selective recompute re-runs (0: the model's)
     )
     cores: int = 0  # CPU cores shared by the local processes (0: a GPU, one device per process)
     threads: int = (

@@ -92,7 +92,7 @@ class Plan:
 def device_bytes(profile: DeviceProfile, world_size: int) -> int:
     """Memory one rank may use: the device's, or on a CPU this process's share of the host (as validate does)."""
     if profile.kind == "cpu":
-        return profile.memory_bytes // max(1, min(world_size, profile.devices_per_node))
+        return profile.memory_bytes // max(1, world_size)  # every rank is a process on this host
     return profile.memory_bytes
 
 

@@ -80,6 +80,25 @@ def pipeline_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
     return 0.0 if m >= 2 * pp else (pp - 1) / (2 * m) / 3
 
 
+def _slowdown(profile: DeviceProfile, share: float) -> float:
+    """How many times longer a rank's fixed CPU work (dispatch, hooks) takes than on cores of its own: 1 on a GPU;
+    on a CPU, more processes than cores share them."""
+    return 1.0 / min(1.0, share * profile.threads) if profile.kind == "cpu" else 1.0
+
+
+def _call_s(profile: DeviceProfile, n: int, slow: float) -> float:
+    """The fixed seconds of one collective call over n ranks in a training step on a CPU (0 on a GPU, or n = 1):
+    calibrated with as many processes as the nearest group size measured (so at that run's sharing of the cores),
+    rescaled to this run's `slow`."""
+    if profile.kind != "cpu" or n <= 1:
+        return 0.0
+    if not profile.call_by_ranks:
+        return profile.collective_call_s * slow
+    near = min(map(int, profile.call_by_ranks), key=lambda k: (abs(math.log(k / n)), -k))
+    measured_slow = max(1.0, near * profile.threads / (profile.cores or 1))
+    return profile.call_by_ranks[str(near)] / measured_slow * slow
+
+
 def _cpu_share(profile: DeviceProfile, procs: int, threads: int) -> float:
     """How many of the profile's measured thread-rates one rank gets: 1 on a GPU; on a CPU its threads, capped at
     its share of the cores, over the threads the profile was measured with."""
@@ -138,7 +157,7 @@ def _block_times(
     bwd = sum(2 * (t0 + f / r) for f, r in zip(flops, rates))  # two matmuls per forward one: dX and dW
     saved = layer_activation_bytes(args, p, micro, seq_len, compute_bytes_of(precision))
     elementwise = ELEMENTWISE_TRAFFIC * saved / (profile.memory_bw * share)
-    overhead = profile.op_overhead_s / min(1.0, share * profile.threads) if profile.kind == "cpu" else 0.0
+    overhead = profile.op_overhead_s * _slowdown(profile, share) if profile.kind == "cpu" else 0.0
     return {
         "fwd": fwd,
         "bwd": bwd,
@@ -210,7 +229,8 @@ def step_time(
     mfu. `global_batch` in sequences. Raises ConfigError if the layout does not tile the world."""
     p, dims = parallel, ParallelDims.from_config(parallel, world_size)
     node = gpus_per_node or profile.devices_per_node
-    procs = min(world_size, node)
+    # The ranks sharing one machine: on a CPU every rank is a local process on this host's cores.
+    procs = world_size if profile.kind == "cpu" else min(world_size, node)
     threads = training.threads or max(1, (profile.cores or 1) // procs)
     share = _cpu_share(profile, procs, threads)
     precision = str(getattr(training, "precision", "fp32"))
@@ -226,15 +246,16 @@ def step_time(
     b = _block_times(args, p, profile, precision, micro, seq_len, share)
     links = _links(profile, dims, node)
     out = _compute_parts(args, p, training, memory, profile, b, m, micro, seq_len, layers, share)
-    comm = _comm_parts(args, p, dims, profile, links, b, out, m, micro, seq_len, layers, precision, memory)
+    slow = _slowdown(profile, share)
+    comm = _comm_parts(
+        args, p, dims, profile, links, b, out, m, micro, seq_len, layers, precision, memory, slow
+    )
     out.update(comm)
     busy = out["compute_s"] + out["tp_comm_s"] + out["cp_comm_s"] + out["ep_comm_s"] + out["pp_p2p_s"]
     out["bubble_s"] = pipeline_bubble(p.pp_schedule, p.pp, m, v) * busy
     n_local = _local_params(args, p, dims)
     out["optimizer_s"] = n_local * ADAM_TRAFFIC / (profile.memory_bw * share)
-    out["overhead_s"] = (
-        profile.step_overhead_s / min(1.0, share * profile.threads) if profile.kind == "cpu" else 0
-    )
+    out["overhead_s"] = profile.step_overhead_s * _slowdown(profile, share) if profile.kind == "cpu" else 0
     keys = ("compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_p2p_s", "dp_comm_exposed_s", "bubble_s",
             "optimizer_s")  # fmt: skip
     out["step_time_s"] = sum(out[k] for k in keys) + out["overhead_s"]
@@ -302,7 +323,12 @@ def _compute_parts(
     output head on the last stage (counted on every rank: the pipeline's slowest stage sets the pace)."""
     policy, extra = memory.recompute, recompute_share(memory)
     ew_fwd = b["elementwise"] / 3  # forward's share of the element-wise work
-    recompute = extra * (b["fwd"] + ew_fwd) + (SELECTIVE_SHARE * ew_fwd if policy == "selective" else 0.0)
+    recompute = extra * (b["fwd"] + ew_fwd)
+    if (
+        policy == "selective"
+    ):  # a CPU's calibration measures the share it re-runs and its dispatch mode's cost
+        fixed = profile.selective_block_s * _slowdown(profile, share) if profile.kind == "cpu" else 0.0
+        recompute += (profile.selective_share or SELECTIVE_SHARE) * ew_fwd + fixed
     t0, rate = _matmul_rate(profile, str(getattr(t, "precision", "fp32")))
     head_flops = 2 * micro * seq_len / p.cp * args.dim * args.vocab_size / p.tp
     head = 3 * (t0 + head_flops / (rate * share))  # forward, input gradient, weight gradient
@@ -331,8 +357,10 @@ def _comm_parts(
     layers: float,
     precision: str,
     memory: MemoryConfig,
+    slow: float,
 ) -> dict[str, float]:
-    """Each parallelism's communication per step and the share of it on the critical path."""
+    """Each parallelism's communication per step and the share of it on the critical path. On a CPU each call
+    also costs a calibrated fixed time (`_call_s`), and tp and cp a fixed dispatch cost per block."""
     elt = compute_bytes_of(precision)
     gpu = profile.kind != "cpu"  # gloo on a few shared CPU cores overlaps nothing: all of it is exposed
     act = micro * seq_len / p.cp * args.dim * elt  # one micro-batch's hidden states on this rank
@@ -345,10 +373,11 @@ def _comm_parts(
         one /= 2
     else:
         one = all_reduce_s(dims.tp, act, links["tp"])
-    # On a CPU every collective call also costs a fixed time (calibrated: the ranks' scheduling on shared cores,
-    # DTensor/FSDP dispatch around it); `call` is that per call, 0 on a GPU.
-    call = 0.0 if gpu else profile.collective_call_s
-    out["tp_comm_s"] = m * layers * tp_per_block * (one + (call if dims.tp > 1 else 0.0))
+    again = 1 + recompute_share(memory) / 3  # full recompute repeats the forward's third of the dispatch
+    tp_fixed = 0.0
+    if not gpu and dims.tp > 1:
+        tp_fixed = (profile.tp_block_s + (profile.sp_block_s if p.sequence_parallel else 0.0)) * slow * again
+    out["tp_comm_s"] = m * layers * (tp_per_block * (one + _call_s(profile, dims.tp, slow)) + tp_fixed)
     # CP ring attention: cp-1 exchanges of a K/V chunk per block in forward, K/V and their gradients in backward;
     # each step overlaps the attention of the chunk in hand on a GPU.
     kv = micro * seq_len / p.cp * 2 * args.n_kv_heads * args.head_dim / p.tp * elt
@@ -356,21 +385,26 @@ def _comm_parts(
     if dims.cp > 1:
         step_comm = 3 * p2p_s(kv, links["cp"])  # forward K/V, backward K/V and dK/dV
         step_attn = b["attention"] / dims.cp
-        ring = (dims.cp - 1) * (max(0.0, step_comm - step_attn) if gpu else step_comm + 3 * call)
+        if gpu:
+            ring = (dims.cp - 1) * max(0.0, step_comm - step_attn)
+        else:
+            call = _call_s(profile, dims.cp, slow)
+            ring = (dims.cp - 1) * (step_comm + 3 * call) + profile.cp_block_s * slow * again
     out["cp_comm_s"] = m * layers * ring
     # PP: each micro-batch's hidden states forward and their gradient back at every stage boundary of this rank;
     # on a GPU the sends overlap the next micro-batch except in the warm-up and cool-down.
     v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
     hop = p2p_s(act, links["pp"]) if p.pp > 1 else 0.0
-    out["pp_p2p_s"] = 2 * (hop + (call if p.pp > 1 else 0.0)) * ((p.pp - 1) * v if gpu else m * v)
+    out["pp_p2p_s"] = 2 * (hop + _call_s(profile, p.pp, slow)) * ((p.pp - 1) * v if gpu else m * v)
     # EP: each MoE layer's dispatch and combine all-to-all in forward, their gradients in backward (full
     # recompute repeats the forward's); on the critical path (the experts wait for their tokens).
     ep, share = getattr(p, "ep", 1), ffn_shape(args).moe_share
     out["ep_comm_s"] = 0.0
     if ep > 1 and share:
-        one = all_to_all_s(ep, dispatch_bytes(args, micro * seq_len / p.cp, elt), links["ep"]) + call
+        one = all_to_all_s(ep, dispatch_bytes(args, micro * seq_len / p.cp, elt), links["ep"])
+        one += _call_s(profile, ep, slow)
         out["ep_comm_s"] = m * layers * share * 2 * (2 + recompute_share(memory)) * one
-    out.update(_dp_comm(args, p, dims, profile, links, compute, layers, elt, gpu, m))
+    out.update(_dp_comm(args, p, dims, profile, links, compute, layers, elt, m, slow))
     return out
 
 
@@ -383,14 +417,14 @@ def _dp_comm(
     compute: dict[str, float],
     layers: float,
     elt: int,
-    gpu: bool,
     m: int,
+    slow: float,
 ) -> dict[str, float]:
     """Data-parallel traffic per step (fp32 gradients reduced, parameters gathered in the compute dtype) and its
     exposed share. DDP all-reduces bucket by bucket during the last backward (exposed: the last bucket and what
     outlasts that backward); zero1 adds the broadcast of updated shards; FSDP/zero2 gather each block before use
     and reduce-scatter after its backward, overlapping all but the first gather and the last reduce-scatter."""
-    n = dims.dp_size * dims.cp
+    n, gpu = dims.dp_size * dims.cp, profile.kind != "cpu"
     if n <= 1:
         return {"dp_comm_s": 0.0, "dp_comm_exposed_s": 0.0}
     split, rep = block_parameters(args)
@@ -403,7 +437,7 @@ def _dp_comm(
         total = _calibrated(profile, "all_reduce", n, local * 4, link)
         bucket = _calibrated(profile, "all_reduce", n, min(p.ddp_bucket_mb * 2**20, local * 4), link)
         calls = math.ceil(local * 4 / (p.ddp_bucket_mb * 2**20)) + (mode == "zero1")
-        total += calls * (0.0 if gpu else profile.collective_call_s)
+        total += calls * _call_s(profile, n, slow)
         exposed = bucket + max(0.0, total - bucket - backward_last) if gpu else total
         if mode == "zero1":  # ZeroRedundancyOptimizer broadcasts each rank's updated shard: an all-gather
             gather = _calibrated(profile, "all_gather", n, local * 4, link)
@@ -425,7 +459,8 @@ def _dp_comm(
             profile, "all_reduce", dims.dp_replicate, local * 4 / shard_n, links["dp_replicate"]
         )
     if not gpu:
-        total += profile.collective_call_s * (layers * (gathers + reduces) + min(gathers, 2) + reduces)
+        calls = layers * (gathers + reduces) + min(gathers, 2) + reduces
+        total += _call_s(profile, shard_n, slow) * calls
         return {"dp_comm_s": total, "dp_comm_exposed_s": total}
     hidden = max(0.0, total - ag - rs - tables_t)
     exposed = ag + rs + tables_t + max(0.0, hidden - compute["compute_s"])
