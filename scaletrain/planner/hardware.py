@@ -51,6 +51,10 @@ class DeviceProfile:
     # CPU: the peak RSS of a worker forked from the launcher's warm fork server (`--nproc N`), which counts only the
     # library pages it touches, less than a process that imported everything itself (0: as overhead_bytes).
     worker_overhead_bytes: int = 0
+    # CPU: resident bytes beyond the live tensors per byte of activations (glibc keeps freed activation memory and
+    # the backward's transients in its heap; calibrated from two runs with small and large activations; 0 on a GPU,
+    # where the allocator's slack is inside overhead_bytes).
+    activation_slack: float = 0.0
     op_overhead_s: float = 0.0  # fixed time per block forward+backward (dispatch of its ~40 ops), CPUs only
     step_overhead_s: float = 0.0  # fixed time per optimizer step (loader, clipping, logging), CPUs only
     # CPUs only, calibrated from tiny real runs (calibrate.measure_framework): the fixed time of one collective call

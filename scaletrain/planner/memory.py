@@ -163,6 +163,7 @@ def pp_rank_bytes(
     local_batch: int | None = None,
     overhead_bytes: int = GPU_OVERHEAD_BYTES,
     memory: MemoryConfig | None = None,
+    activation_slack: float = 0.0,
 ) -> list[dict[str, float]]:
     """per_rank_bytes of every pipeline rank, in pp-rank order (one entry without a pipeline)."""
     p, dims, mem = parallel, ParallelDims.from_config(parallel, world_size), memory or MemoryConfig()
@@ -208,7 +209,7 @@ def pp_rank_bytes(
         # all-reduce in flight. FSDP's reduce-scatter buffers are one block's: counted in "gathered".
         ddp_like = p.data_parallel in ("ddp", "zero1") and dims.dp_size * dims.cp > 1
         part["buckets"] = p.ddp_bucket_mb * 2**20 if ddp_like else 0.0
-        part["overhead"] = overhead_bytes
+        part["overhead"] = overhead_bytes + activation_slack * part["activations"]
         if getattr(mem, "optimizer_offload", False):
             # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and AdamW state live on the host; the device
             # keeps the gathered blocks (copied in per block) and the activations.

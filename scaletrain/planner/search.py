@@ -119,6 +119,7 @@ def estimate(
         local_batch=max(gb // dp, 1),
         overhead_bytes=overhead_of(profile, world_size),
         memory=cfg.memory,
+        activation_slack=profile.activation_slack,
     )
     worst = max(ranks, key=lambda e: e["total"])
     time = step_time(

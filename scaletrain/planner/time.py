@@ -141,7 +141,7 @@ def _block_times(
 ) -> dict[str, float]:
     """Seconds of one block's forward, backward and element-wise work for one micro-batch on one rank."""
     t0, rate = _matmul_rate(profile, precision)
-    rate *= share
+    t0, rate = t0 * _slowdown(profile, share), rate * share  # a shared core dispatches slower too
     shape = _Shape(
         tokens=micro * seq_len / p.cp,
         seq=seq_len,
@@ -331,7 +331,7 @@ def _compute_parts(
         recompute += (profile.selective_share or SELECTIVE_SHARE) * ew_fwd + fixed
     t0, rate = _matmul_rate(profile, str(getattr(t, "precision", "fp32")))
     head_flops = 2 * micro * seq_len / p.cp * args.dim * args.vocab_size / p.tp
-    head = 3 * (t0 + head_flops / (rate * share))  # forward, input gradient, weight gradient
+    head = 3 * (t0 * _slowdown(profile, share) + head_flops / (rate * share))  # forward, dX, dW
     per_micro = layers * (b["fwd"] + b["bwd"] + b["elementwise"]) + head
     return {
         "forward_s": m * layers * b["fwd"],

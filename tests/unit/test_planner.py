@@ -133,6 +133,88 @@ def test_a_dp_group_spanning_nodes_is_slower():
     assert two_nodes["dp_comm_s"] > 2 * one_node["dp_comm_s"]
 
 
+# A 2-core CPU profile as calibration writes it: devices_per_node is the core count, which must not cap the ranks
+# that share the cores (every rank of a CPU run is a process on this host).
+CPU2 = dataclasses.replace(
+    load_profile("cpu"), cores=2, threads=1, devices_per_node=2, op_overhead_s=1e-3, step_overhead_s=5e-3
+)
+SMALL = resolve_model_args(
+    ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256), None, 128
+)
+
+
+def _cpu_time(profile, p, world, recompute="none", batch=8):
+    t = TrainingConfig(micro_batch=max(1, batch // world), threads=1)
+    return step_time(SMALL, p, t, MemoryConfig(recompute=recompute), 128, world, profile, global_batch=batch)
+
+
+def test_cpu_ranks_beyond_the_cores_share_them():
+    # 4 processes on 2 cores: each gets half a core, so the same tokens per rank take twice as long as with 2
+    # processes on whole cores, and so do its fixed costs (per step, per block).
+    ddp = ParallelConfig(data_parallel="ddp")
+    two, four = _cpu_time(CPU2, ddp, 2, batch=4), _cpu_time(CPU2, ddp, 4, batch=8)
+    assert four["micro_batch"] == two["micro_batch"] == 2
+    assert four["forward_s"] == pytest.approx(2 * two["forward_s"])
+    assert four["overhead_s"] == pytest.approx(2 * two["overhead_s"])
+    # Memory on a CPU: the host's over every process.
+    from scaletrain.planner.search import device_bytes
+
+    assert device_bytes(CPU2, 8) == CPU2.memory_bytes // 8
+
+
+def test_calibrated_call_costs_scale_with_the_ranks_sharing_the_cores():
+    from scaletrain.planner.time import _call_s
+
+    prof = dataclasses.replace(CPU2, call_by_ranks={"2": 2e-3, "4": 8e-3})
+    assert _call_s(prof, 1, 1.0) == 0.0  # nothing to call
+    assert _call_s(prof, 2, 1.0) == pytest.approx(2e-3)
+    assert _call_s(prof, 4, 2.0) == pytest.approx(8e-3)  # measured with 4 processes on 2 cores: as is
+    assert _call_s(prof, 8, 4.0) == pytest.approx(16e-3)  # the nearest measured (4), at twice the sharing
+    assert _call_s(prof, 2, 2.0) == pytest.approx(4e-3)  # a 2-rank group inside a 4-process run
+    assert _call_s(GPUS["h100"], 8, 1.0) == 0.0  # GPUs: the link formulas only
+
+
+def test_tp_sp_cp_and_selective_constants_land_where_they_belong():
+    fsdp = ParallelConfig(data_parallel="fsdp")
+    base = dataclasses.replace(CPU2, call_by_ranks={"2": 2e-3})
+    costs = dict(
+        tp_block_s=0.01, sp_block_s=0.004, cp_block_s=0.02, selective_block_s=0.003, selective_share=0.5
+    )
+    prof = dataclasses.replace(base, **costs)
+    tp = ParallelConfig(data_parallel="fsdp", tp=2)
+    sp = ParallelConfig(data_parallel="fsdp", tp=2, sequence_parallel=True)
+    cp = ParallelConfig(data_parallel="fsdp", cp=2)
+    for layout, key, per_block in (
+        (tp, "tp_comm_s", 0.01),
+        (sp, "tp_comm_s", 0.014),
+        (cp, "cp_comm_s", 0.02),
+    ):
+        got, without = _cpu_time(prof, layout, 2), _cpu_time(base, layout, 2)
+        blocks = got["microbatches"] * SMALL.n_layers
+        assert got[key] - without[key] == pytest.approx(blocks * per_block), layout
+    plain = _cpu_time(prof, fsdp, 1)
+    sel, sel_base = _cpu_time(prof, fsdp, 1, "selective"), _cpu_time(base, fsdp, 1, "selective")
+    blocks = sel["microbatches"] * SMALL.n_layers
+    want = blocks * (0.003 + 0.5 * plain["elementwise_s"] / blocks / 3)
+    assert sel["recompute_s"] == pytest.approx(want) and sel_base["recompute_s"] < want
+
+
+def test_calibration_fits_the_constant_that_reproduces_the_measured_step():
+    from scaletrain.planner.calibrate import TINY, _fit
+    from scaletrain.planner.inputs import model_args, parse_unvalidated
+    from scaletrain.planner.search import estimate
+
+    cfg = parse_unvalidated(None, [*TINY, "--parallel.tp", "2", "--model.n_kv_heads", "2"])
+    truth = dataclasses.replace(CPU2, call_by_ranks={"2": 2e-3}, tp_block_s=0.0123)
+    measured = {"step_time_s": estimate(cfg, model_args(cfg), 2, truth).time["step_time_s"]}
+    start = dataclasses.replace(truth, tp_block_s=0.0)
+    assert _fit(cfg, 2, start, measured, tp_block_s=1.0) == pytest.approx(0.0123)
+    fsdp4 = parse_unvalidated(None, [*TINY, "--training.global_batch", "4", "--training.micro_batch", "1"])
+    truth4 = dataclasses.replace(CPU2, call_by_ranks={"4": 7e-3})
+    measured = {"step_time_s": estimate(fsdp4, model_args(fsdp4), 4, truth4).time["step_time_s"]}
+    assert _fit(fsdp4, 4, CPU2, measured, call_by_ranks={"4": 1.0}) == pytest.approx(7e-3)
+
+
 def test_a_calibrated_profile_is_saved_and_picked_for_cpu(tmp_path):
     assert load_profile("cpu", tmp_path).source == "default"
     prof = dataclasses.replace(load_profile("cpu"), name="measured", source="calibrated test")
