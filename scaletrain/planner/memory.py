@@ -206,9 +206,10 @@ def pp_rank_bytes(
         # fp32 logits and the log-softmax saved for backward, split by vocabulary under tp (loss parallel).
         part["logits"] = last * 2 * micro * (seq_len / p.cp) * args.vocab_size * 4 / p.tp
         # DDP's gradients are views into its buckets (gradient_as_bucket_view): one bucket of scratch for the
-        # all-reduce in flight. FSDP's reduce-scatter buffers are one block's: counted in "gathered".
+        # all-reduce in flight, no larger than the gradients it holds. FSDP's reduce-scatter buffers are one
+        # block's: counted in "gathered".
         ddp_like = p.data_parallel in ("ddp", "zero1") and dims.dp_size * dims.cp > 1
-        part["buckets"] = p.ddp_bucket_mb * 2**20 if ddp_like else 0.0
+        part["buckets"] = min(p.ddp_bucket_mb * 2**20, n * GRAD_BYTES) if ddp_like else 0.0
         part["overhead"] = overhead_bytes + activation_slack * part["activations"]
         if getattr(mem, "optimizer_offload", False):
             # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and AdamW state live on the host; the device

@@ -199,6 +199,21 @@ def test_tp_sp_cp_and_selective_constants_land_where_they_belong():
     assert sel["recompute_s"] == pytest.approx(want) and sel_base["recompute_s"] < want
 
 
+def test_a_cpus_allocator_slack_is_a_share_of_the_activations():
+    from scaletrain.planner.inputs import parse_unvalidated
+    from scaletrain.planner.search import estimate
+
+    cfg = parse_unvalidated(None, ["--model.dim", "64", "--model.n_layers", "2", "--data.seq_len", "128"])
+    args = resolve_model_args(cfg.model, None, 128)
+    tight, slack = (
+        estimate(cfg, args, 1, CPU2).memory,
+        estimate(cfg, args, 1, dataclasses.replace(CPU2, activation_slack=0.5)).memory,
+    )
+    assert tight["activations"] > 0 and slack["activations"] == tight["activations"]
+    assert slack["overhead"] - tight["overhead"] == pytest.approx(0.5 * tight["activations"])
+    assert slack["total"] - tight["total"] == pytest.approx(0.5 * tight["activations"])
+
+
 def test_calibration_fits_the_constant_that_reproduces_the_measured_step():
     from scaletrain.planner.calibrate import TINY, _fit
     from scaletrain.planner.inputs import model_args, parse_unvalidated
