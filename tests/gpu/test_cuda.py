@@ -185,16 +185,23 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def _fsdp_facts(device: torch.device, tmp: Path) -> dict:
-    """The tiny model three ways from the same CPU-initialised weights: the CPU reference, unsharded on the device
-    (what parallelize does on one GPU), and FSDP2 over a one-rank device mesh."""
-    args = tiny_args()
+def _reference_and_device_runs(args, device: torch.device):
+    """The batches, the CPU reference run, and the same CPU-initialised model trained unsharded on the device (what
+    parallelize does on one GPU): its losses and final state."""
     batches = global_batches(args)
     ref = reference_run(full_model(args), batches)
     plain = parallelize(
         full_model(args).to(device), ParallelDims(), ParallelConfig(), device=device, n_microbatches=1
     )
     plain_losses, plain_state, _ = _train(plain, ParallelConfig(), batches, device)
+    return batches, ref, plain_losses, plain_state
+
+
+def _fsdp_facts(device: torch.device, tmp: Path) -> dict:
+    """The tiny model three ways from the same CPU-initialised weights: the CPU reference, unsharded on the device
+    (what parallelize does on one GPU), and FSDP2 over a one-rank device mesh."""
+    args = tiny_args()
+    batches, ref, plain_losses, plain_state = _reference_and_device_runs(args, device)
     mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard_cp",))
     sharded = ParallelModel([apply_fsdp(full_model(args).to(device), mesh, reshard_after_forward=True)])
     fsdp_losses, fsdp_state, optimizers = _train(
@@ -219,12 +226,7 @@ def _moe_facts(device: torch.device, tmp: Path) -> dict:
     fp32, the segment loop), and with apply_ep's dispatch over a one-rank device mesh: its count and row
     all-to-alls then carry device tensors over that mesh's backend (NCCL on CUDA), as they do at ep > 1."""
     args = tiny_args(n_layers=2, n_experts=4, top_k=2, moe_hidden=32, aux_loss_coef=0.01)
-    batches = global_batches(args)
-    ref = reference_run(full_model(args), batches)
-    plain = parallelize(
-        full_model(args).to(device), ParallelDims(), ParallelConfig(), device=device, n_microbatches=1
-    )
-    plain_losses, plain_state, _ = _train(plain, ParallelConfig(), batches, device)
+    batches, ref, plain_losses, plain_state = _reference_and_device_runs(args, device)
     mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("ep",))
     ep = ParallelModel([apply_ep(full_model(args).to(device), mesh)])
     ep_losses, ep_state, _ = _train(ep, ParallelConfig(), batches, device)
