@@ -19,6 +19,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+import scaletrain.parallel.context_parallel  # noqa: F401  (registers scaletrain::ring_attention, kept below)
+
 log = logging.getLogger(__name__)
 
 _SAVE_NAMES = (
@@ -32,6 +34,8 @@ _SAVE_NAMES = (
     "aten._scaled_dot_product_cudnn_attention.default",
     # Sequence parallel's reduce-scatter after wo and w2: recomputing it would repeat the communication.
     "_c10d_functional.reduce_scatter_tensor.default",
+    # Context parallel's ring attention (one op): re-running it would repeat its attention and its K/V exchange.
+    "scaletrain.ring_attention.default",
 )
 
 

@@ -263,23 +263,43 @@ def _ring_backward(
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class _RingAttentionFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) -> torch.Tensor:
-        # Autocast would recast the fp32 internals to bf16: this kernel chooses its own precision.
-        with torch.autocast(q.device.type, enabled=False):
-            out, lse = _ring_forward(q, k, v, ring)
-        # As FlashAttention does, keep out in the input dtype and lse in fp32; backward recomputes the rest.
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        return out
+# Ring attention is one registered op, not an autograd.Function: selective recompute (memory/recompute.py) then
+# sees it as a single op and keeps its outputs, so the backward neither re-runs the ring's forward nor repeats its
+# K/V exchange (inside a Function, every einsum and p2p op would be dispatched, and all but the matmuls re-run).
+# Custom ops take tensors and plain values only: the op gets its ring (group and block plans) by index.
+_RINGS: list[_Ring] = []
 
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.ring)
-        return dq, dk, dv, None
+
+@torch.library.custom_op("scaletrain::ring_attention", mutates_args=())
+def ring_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, the log-sum-exp in the compute dtype) of causal ring attention over `_RINGS[ring]`."""
+    # Autocast would recast the fp32 internals to bf16: this kernel chooses its own precision.
+    with torch.autocast(q.device.type, enabled=False):
+        return _ring_forward(q, k, v, _RINGS[ring])
+
+
+@ring_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=compute_dtype(q.dtype))
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    # As FlashAttention does, keep out in the input dtype and lse in fp32; backward recomputes the rest.
+    q, k, v, ring = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.ring = ring
+
+
+def _backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
+    q, k, v, out, lse = ctx.saved_tensors
+    with torch.autocast(q.device.type, enabled=False):
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, _RINGS[ctx.ring])
+    return dq, dk, dv, None
+
+
+ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class RingAttention:
@@ -290,9 +310,10 @@ class RingAttention:
     def __init__(self, group: dist.ProcessGroup | None, *, load_balance: bool):
         self.group, self.load_balance = group, load_balance
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self._rings: dict[tuple[int, torch.device], _Ring] = {}
+        self._rings: dict[tuple[int, torch.device], int] = {}
 
-    def _ring(self, local_len: int, device: torch.device) -> _Ring:
+    def _ring(self, local_len: int, device: torch.device) -> int:
+        """The index in `_RINGS` of the ring for `local_len` local tokens on `device` (built on first use)."""
         key = (local_len, device)
         if key not in self._rings:
             seq = local_len * self.size
@@ -305,7 +326,8 @@ class RingAttention:
                 )
                 for i in range(self.size)
             ]
-            self._rings[key] = _Ring(self.group, self.rank, self.size, plans)
+            _RINGS.append(_Ring(self.group, self.rank, self.size, plans))
+            self._rings[key] = len(_RINGS) - 1
         return self._rings[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -314,7 +336,7 @@ class RingAttention:
                 f"ring attention needs self-attention shapes with kv heads dividing q heads; got q "
                 f"{tuple(q.shape)}, k {tuple(k.shape)}"
             )
-        return _RingAttentionFn.apply(q, k, v, self._ring(q.shape[2], q.device))
+        return ring_attention_op(q, k, v, self._ring(q.shape[2], q.device))[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

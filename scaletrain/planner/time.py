@@ -390,10 +390,9 @@ def _comm_parts(
         else:
             call = _call_s(profile, dims.cp, slow)
             ring = (dims.cp - 1) * (step_comm + 3 * call) + profile.cp_block_s * slow
-        # Recompute re-runs the ring's forward (its K/V exchange): full, every_k, and selective too (the ring is an
-        # autograd Function, not one of the ops selective recompute keeps).
-        rerun = recompute_share(memory) + (memory.recompute == "selective")
-        ring *= 1 + rerun / 3
+        # Full and every_k recompute re-run the ring's forward (its K/V exchange); selective keeps the ring op's
+        # output (memory/recompute.py), so it repeats none of it.
+        ring *= 1 + recompute_share(memory) / 3
     out["cp_comm_s"] = m * layers * ring
     # PP: each micro-batch's hidden states forward and their gradient back at every stage boundary of this rank;
     # on a GPU the sends overlap the next micro-batch except in the warm-up and cool-down.

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from scaletrain.memory.recompute import checkpoint_forward
 from scaletrain.models.attention import causal_sdpa
+from scaletrain.parallel import context_parallel as cp
 from scaletrain.parallel.context_parallel import RingAttention, cp_split
 from tests.distributed.reference import check_equivalent, layout_case, run_layouts, tiny_args
 
@@ -47,10 +50,58 @@ def _check_ring_attention(rank: int, size: int) -> list[str]:
     return failures
 
 
+class _RingBlock(nn.Module):
+    """q/k/v projections, ring attention and an element-wise op after it: the shape of a block's attention."""
+
+    def __init__(self, ring: RingAttention):
+        super().__init__()
+        torch.manual_seed(3)
+        self.qkv, self.ring = nn.Linear(8, 24, dtype=torch.float64), ring
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (2, 4)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return torch.tanh(self.ring(q, k, v)).sum()
+
+
+def _count_ring_work(rank: int, size: int) -> dict:
+    """Ring forwards and K/V exchanges of one block's forward and backward under each recompute policy, and its
+    gradients. Selective recompute keeps the ring op's output (it is one op in SAVED_OPS), so its backward runs
+    no second ring forward and no second K/V exchange; full recompute runs both again."""
+    counts, grads = {}, {}
+    forward, exchange = cp._ring_forward, cp._Ring.exchange
+    calls = {"forward": 0, "exchange": 0}
+
+    def counted_forward(*a):
+        calls["forward"] += 1
+        return forward(*a)
+
+    def counted_exchange(self, send, tag):
+        calls["exchange"] += tag == cp._TAG_KV
+        return exchange(self, send, tag)
+
+    cp._ring_forward, cp._Ring.exchange = counted_forward, counted_exchange
+    try:
+        x = torch.randn(2, 4 * size, 8, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+        for mode in ("none", "selective", "full"):
+            block = _RingBlock(RingAttention(None, load_balance=True))
+            if mode != "none":
+                checkpoint_forward(block, selective=mode == "selective")
+            calls.update(forward=0, exchange=0)
+            block(x).backward()
+            counts[mode] = dict(calls)
+            grads[mode] = block.qkv.weight.grad
+    finally:
+        cp._ring_forward, cp._Ring.exchange = forward, exchange
+    return {"counts": counts, "bitwise": {m: bool(torch.equal(g, grads["none"])) for m, g in grads.items()}}
+
+
 def cp_case(rank: int, world_size: int, spec: dict | str) -> dict:
-    """ "ring": ring attention against full SDPA; otherwise a training layout (ParallelConfig fields)."""
+    """ "ring": ring attention against full SDPA; "recompute": the ring's work under each recompute policy;
+    otherwise a training layout (ParallelConfig fields)."""
     if spec == "ring":
         return {"errors": _check_ring_attention(rank, world_size)}
+    if spec == "recompute":
+        return {"facts": _count_ring_work(rank, world_size)}
     return layout_case(rank, world_size, {**spec, "micro_batch": MICRO_BATCH})
 
 
@@ -58,6 +109,7 @@ def cp_case(rank: int, world_size: int, spec: dict | str) -> dict:
 # over all four ranks (DDP over dp_cp).
 CASES_2 = {
     "ring": "ring",
+    "recompute": "recompute",
     "cp2_zigzag": dict(cp=2, cp_load_balance=True),
     "cp2_contiguous": dict(cp=2, cp_load_balance=False),
 }
@@ -78,6 +130,17 @@ def results_4(tmp_path_factory):
 @pytest.mark.parametrize("results", ["results_2", "results_4"])
 def test_ring_attention_matches_full_attention(results, request):
     check_equivalent(request.getfixturevalue(results), "ring")
+
+
+def test_selective_recompute_keeps_the_ring_and_full_recompute_reruns_it(results_2):
+    for facts in check_equivalent(results_2, "recompute"):
+        # One ring forward per forward pass and cp - 1 = 1 K/V exchange in it, plus 1 in the backward's own ring.
+        assert facts["counts"] == {
+            "none": {"forward": 1, "exchange": 2},
+            "selective": {"forward": 1, "exchange": 2},
+            "full": {"forward": 2, "exchange": 3},
+        }
+        assert facts["bitwise"] == {"none": True, "selective": True, "full": True}
 
 
 def _span(*ranges: tuple[int, int]) -> list[int]:
