@@ -199,7 +199,9 @@ def test_tp_sp_cp_and_selective_constants_land_where_they_belong():
     assert sel["recompute_s"] == pytest.approx(want) and sel_base["recompute_s"] < want
     # Selective recompute keeps the ring attention op's output: no second K/V exchange. Full re-runs the forward's.
     ring = {r: _cpu_time(prof, cp, 2, r)["cp_comm_s"] for r in ("none", "selective", "full")}
-    assert ring["selective"] == pytest.approx(ring["none"]) and ring["full"] == pytest.approx(ring["none"] * 4 / 3)
+    assert ring["selective"] == pytest.approx(ring["none"]) and ring["full"] == pytest.approx(
+        ring["none"] * 4 / 3
+    )
 
 
 def test_a_cpus_allocator_slack_is_a_share_of_the_activations():
