@@ -3,7 +3,7 @@ steps through the real CLI and compare rank 0's peak RSS and its fastest 2-step 
 (metrics.jsonl) with what `plan --config` predicts for that rank.
 
     python benchmarks/planner_validate.py [--cache DIR] [--no-calibrate] [--steps 12] [--repeats 3] [--only N,...]
-                                          [--published]
+                                          [--measured RUNS.json] [--published]
 
 Each layout is measured --repeats times, in rounds (every layout once, then again), and compared by the median of
 its runs: on a shared 2-core machine one run's step time moves by up to ±25% from the next. The spread is printed.
@@ -145,24 +145,8 @@ def published() -> None:
               f"{theirs.time['tokens_per_s'] / world:,.0f} tok/s/GPU, {theirs.memory['total'] / 2**30:.1f} GiB")  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "scaletrain-planner-validate"))
-    ap.add_argument("--no-calibrate", action="store_true")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each layout, in alternating rounds")
-    ap.add_argument("--only", default="", help="comma-separated row numbers (from 1)")
-    ap.add_argument("--published", action="store_true", help="only the comparison with published runs")
-    opt = ap.parse_args()
-    if opt.published:
-        published()
-        return
-    env = {**os.environ, "SCALETRAIN_CACHE": opt.cache}
-    os.environ["SCALETRAIN_CACHE"] = opt.cache
-    if not opt.no_calibrate:
-        subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--calibrate", "--nproc", "8"], cwd=ROOT, env=env,
-                       check=True)  # fmt: skip
-    rows = [int(x) for x in opt.only.split(",") if x] or range(1, len(LAYOUTS) + 1)
+def measure_rounds(rows, opt, env: dict) -> dict[int, list[dict]]:
+    """Each row's runs, in rounds; saved to the cache as planner_validate_runs.json (for --measured)."""
     runs: dict[int, list[dict]] = {i: [] for i in rows}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(opt.repeats):
@@ -171,6 +155,34 @@ def main() -> None:
                 args = overrides(n, model, layout, opt.steps)
                 runs[i].append(measure(n, args, Path(tmp) / f"run{i}-{r}", env))
             print(f"round {r + 1} of {opt.repeats} done; load average {os.getloadavg()[0]:.1f}", flush=True)
+    (Path(opt.cache) / "planner_validate_runs.json").write_text(json.dumps(runs))
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "scaletrain-planner-validate"))
+    ap.add_argument("--no-calibrate", action="store_true")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each layout, in alternating rounds")
+    ap.add_argument("--only", default="", help="comma-separated row numbers (from 1)")
+    ap.add_argument("--measured", default="", help="a saved planner_validate_runs.json: predict, measure nothing")
+    ap.add_argument("--published", action="store_true", help="only the comparison with published runs")
+    opt = ap.parse_args()
+    if opt.published:
+        published()
+        return
+    env = {**os.environ, "SCALETRAIN_CACHE": opt.cache}
+    os.environ["SCALETRAIN_CACHE"] = opt.cache
+    if not (opt.no_calibrate or opt.measured):
+        subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--calibrate", "--nproc", "8"], cwd=ROOT, env=env,
+                       check=True)  # fmt: skip
+    rows = [int(x) for x in opt.only.split(",") if x] or range(1, len(LAYOUTS) + 1)
+    if opt.measured:  # re-predict a finished run's measurements (after a change to the model)
+        saved = json.loads(Path(opt.measured).read_text())
+        runs = {i: saved[str(i)] for i in rows}
+    else:
+        runs = measure_rounds(rows, opt, env)
     print(f"{'#':>2} {'layout':<34} {'mem pred':>8} {'meas':>6} {'err':>6} {'-base p':>7} {'meas':>6} "
           f"{'step pred':>9} {'meas':>7} {'err':>6}  {'runs min-max':>13}")  # fmt: skip
     worst_mem = worst_time = 0.0

@@ -50,10 +50,16 @@ def model_state_bytes(
     }
 
 
-def compute_bytes(training: TrainingConfig) -> int:
+def compute_bytes_of(precision: str) -> int:
     """Bytes of one activation element and of one gathered/cast parameter: 2 under bf16 or fp16 (autocast or FSDP2's
-    MixedPrecisionPolicy param_dtype), else 4. Read with getattr so that new precision names keep working."""
-    return 2 if str(getattr(training, "precision", "fp32")) in ("bf16", "fp16") else 4
+    MixedPrecisionPolicy param_dtype) and fp8 (its blocks run in bf16 around fp8 matmuls, and torchao keeps the
+    bf16 inputs for backward), else 4."""
+    return 2 if precision in ("bf16", "fp16", "fp8") else 4
+
+
+def compute_bytes(training: TrainingConfig) -> int:
+    """compute_bytes_of the run's precision (read with getattr, so that new precision names keep working)."""
+    return compute_bytes_of(str(getattr(training, "precision", "fp32")))
 
 
 def block_parameters(args: ModelArgs) -> tuple[int, int]:

@@ -13,8 +13,9 @@ from scaletrain.models.llama import ModelArgs
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.pipeline import resolve_microbatches, stages_per_rank
 from scaletrain.planner.hardware import DeviceProfile
-from scaletrain.planner.memory import block_parameters, layer_activation_bytes
+from scaletrain.planner.memory import block_parameters, compute_bytes_of, layer_activation_bytes
 from scaletrain.planner.moe import dispatch_bytes, ffn_shape
+from scaletrain.precision.policy import mfu_precision
 
 # Share of a block's element-wise forward that selective recompute runs again in backward: the norms, RoPE,
 # SiLU and the gate multiply (the matmuls and attention are kept), about a third of its element-wise traffic.
@@ -80,6 +81,16 @@ def pipeline_bubble(schedule: str, pp: int, m: int, v: int = 1) -> float:
     return 0.0 if m >= 2 * pp else (pp - 1) / (2 * m) / 3
 
 
+def _exposed_bubble(profile: DeviceProfile, bubble: float, slow: float) -> float:
+    """The bubble's share of the busy time that lengthens the step. On a CPU with more processes than cores (slow
+    > 1), a stage idle in the fill or drain leaves its cores to the busy stages: the step lasts the longer of the
+    busy time at the shared rate and the pipeline's critical path, busy x (1 + bubble), at the rate of whole
+    cores (busy / slow). With a core per process, or on a GPU, the bubble is all idle time."""
+    if profile.kind != "cpu":
+        return bubble
+    return max(0.0, (1 + bubble) / slow - 1)
+
+
 def _slowdown(profile: DeviceProfile, share: float) -> float:
     """How many times longer a rank's fixed CPU work (dispatch, hooks) takes than on cores of its own: 1 on a GPU;
     on a CPU, more processes than cores share them."""
@@ -142,17 +153,26 @@ def _block_times(
     """Seconds of one block's forward, backward and element-wise work for one micro-batch on one rank."""
     t0, rate = _matmul_rate(profile, precision)
     t0, rate = t0 * _slowdown(profile, share), rate * share  # a shared core dispatches slower too
+    # fp8 turns only the blocks' nn.Linear layers into fp8 matmuls: attention stays a bf16 kernel, and so do the
+    # routed experts (GroupedExperts holds stacked parameters, not Linear layers).
+    hp_rate = _matmul_rate(profile, _not_fp8(precision))[1] * share
+    ffn = ffn_shape(args)
+    routed = (
+        ffn.moe_share * getattr(args, "top_k", 0) * (args.moe_hidden or args.ffn_hidden) if ffn.routed else 0
+    )
+    x = routed / ffn.active_hidden  # the routed experts' share of a token's SwiGLU work
+    mlp_rate = 1 / (x / hp_rate + (1 - x) / rate)
     shape = _Shape(
         tokens=micro * seq_len / p.cp,
         seq=seq_len,
         h=args.dim,
         q=args.n_heads * args.head_dim / p.tp,
         kv=args.n_kv_heads * args.head_dim / p.tp,
-        f=ffn_shape(args).active_hidden / p.tp,  # MoE: the experts one token passes (top_k + shared)
+        f=ffn.active_hidden / p.tp,  # MoE: the experts one token passes (top_k + shared)
     )
     flops = _matmuls(shape)
     slow = GPU_ATTENTION_SHARE if profile.kind != "cpu" else 1.0
-    rates = [rate] * (len(flops) - 2) + [rate * slow] * 2
+    rates = [rate] * 4 + [mlp_rate] * 3 + [hp_rate * slow] * 2  # in _matmuls' order
     fwd = sum(t0 + f / r for f, r in zip(flops, rates))
     bwd = sum(2 * (t0 + f / r) for f, r in zip(flops, rates))  # two matmuls per forward one: dX and dW
     saved = layer_activation_bytes(args, p, micro, seq_len, compute_bytes_of(precision))
@@ -166,8 +186,9 @@ def _block_times(
     }
 
 
-def compute_bytes_of(precision: str) -> int:
-    return 2 if precision in ("bf16", "fp16") else 4
+def _not_fp8(precision: str) -> str:
+    """The precision of what fp8 training leaves out of fp8: attention, the embedding and the output head."""
+    return "bf16" if precision == "fp8" else precision
 
 
 def _matmul_rate(profile: DeviceProfile, precision: str) -> tuple[float, float]:
@@ -252,7 +273,7 @@ def step_time(
     )
     out.update(comm)
     busy = out["compute_s"] + out["tp_comm_s"] + out["cp_comm_s"] + out["ep_comm_s"] + out["pp_p2p_s"]
-    out["bubble_s"] = pipeline_bubble(p.pp_schedule, p.pp, m, v) * busy
+    out["bubble_s"] = _exposed_bubble(profile, pipeline_bubble(p.pp_schedule, p.pp, m, v), slow) * busy
     n_local = _local_params(args, p, dims)
     out["optimizer_s"] = n_local * ADAM_TRAFFIC / (profile.memory_bw * share)
     out["overhead_s"] = profile.step_overhead_s * _slowdown(profile, share) if profile.kind == "cpu" else 0
@@ -270,11 +291,12 @@ def step_time(
 
 
 def _peak(profile: DeviceProfile, precision: str, share: float) -> float:
-    """The per-rank peak MFU divides by: the datasheet's for a GPU; on a CPU the measured matmul rate of the cores
-    the rank gets (as train.py's measured peak)."""
+    """The per-rank peak MFU divides by, in the precision train.py reports it against (mfu_precision: fp8 against
+    the bf16 peak): the datasheet's for a GPU; on a CPU the measured matmul rate of the cores the rank gets."""
+    name = mfu_precision(precision, "cpu" if profile.kind == "cpu" else "cuda")
     if profile.kind != "cpu":
-        return profile.peak_flops.get(precision) or profile.peak_flops["bf16"]
-    return (profile.peak_flops.get(precision) or profile.peak_flops["fp32"]) * share
+        return profile.peak_flops.get(name) or profile.peak_flops["bf16"]
+    return (profile.peak_flops.get(name) or profile.peak_flops["fp32"]) * share
 
 
 def _non_embedding_params(args: ModelArgs) -> int:
@@ -329,7 +351,7 @@ def _compute_parts(
     ):  # a CPU's calibration measures the share it re-runs and its dispatch mode's cost
         fixed = profile.selective_block_s * _slowdown(profile, share) if profile.kind == "cpu" else 0.0
         recompute += (profile.selective_share or SELECTIVE_SHARE) * ew_fwd + fixed
-    t0, rate = _matmul_rate(profile, str(getattr(t, "precision", "fp32")))
+    t0, rate = _matmul_rate(profile, _not_fp8(str(getattr(t, "precision", "fp32"))))
     head_flops = 2 * micro * seq_len / p.cp * args.dim * args.vocab_size / p.tp
     head = 3 * (t0 * _slowdown(profile, share) + head_flops / (rate * share))  # forward, dX, dW
     per_micro = layers * (b["fwd"] + b["bwd"] + b["elementwise"]) + head

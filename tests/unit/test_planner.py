@@ -127,6 +127,42 @@ def test_recompute_adds_forward_flops_and_tp_is_on_the_critical_path():
     assert 0 < none["mfu"] < 1 and none["tokens_per_s"] == pytest.approx(8 * 8192 / none["step_time_s"])
 
 
+def _precision_time(args, precision: str) -> dict:
+    t = TrainingConfig(micro_batch=1, precision=precision)
+    p = ParallelConfig(data_parallel="fsdp")
+    return step_time(args, p, t, MemoryConfig(), 8192, 8, GPUS["h100"], global_batch=8)
+
+
+def test_fp8_speeds_the_block_linears_only_and_mfu_is_against_the_bf16_peak():
+    bf16, fp8 = _precision_time(ARGS_8B, "bf16"), _precision_time(ARGS_8B, "fp8")
+    # Activations and what FSDP gathers are bf16 under both (torchao keeps bf16 inputs for backward).
+    assert fp8["micro_batch"] == bf16["micro_batch"]
+    assert per_rank_bytes(ARGS_8B, ParallelConfig(data_parallel="fsdp"), TrainingConfig(micro_batch=1,
+        precision="fp8"), 8192, 8) == per_rank_bytes(ARGS_8B, ParallelConfig(data_parallel="fsdp"),
+        TrainingConfig(micro_batch=1, precision="bf16"), 8192, 8)  # fmt: skip
+    # H100's fp8 peak is twice bf16's: the Linear layers take half the time, attention and the head as long.
+    assert bf16["head_s"] == fp8["head_s"]
+    linear_share = 1 - _attention_share(ARGS_8B)
+    assert fp8["forward_s"] == pytest.approx(bf16["forward_s"] * (1 - linear_share / 2), rel=0.02)
+    # MFU divides by the bf16 peak as train.py does (mfu_precision): fp8's speed-up shows as a higher MFU.
+    ratio = fp8["mfu"] / bf16["mfu"]
+    assert ratio == pytest.approx(bf16["step_time_s"] / fp8["step_time_s"]) and ratio > 1.2
+    # MoE: the routed experts are grouped parameters, not Linear layers, so fp8 leaves them in bf16.
+    moe = resolve_model_args(ModelConfig(preset="mixtral_8x7b"), None, 8192)
+    mb, m8 = _precision_time(moe, "bf16"), _precision_time(moe, "fp8")
+    assert 1 - m8["forward_s"] / mb["forward_s"] < 0.5 * (1 - fp8["forward_s"] / bf16["forward_s"])
+
+
+def _attention_share(args) -> float:
+    """The share of one block's forward FLOP-time that is attention on an H100 (bf16 at GPU_ATTENTION_SHARE)."""
+    from scaletrain.planner.time import GPU_ATTENTION_SHARE, _matmuls, _Shape
+
+    flops = _matmuls(_Shape(8192, 8192, args.dim, args.n_heads * args.head_dim,
+                            args.n_kv_heads * args.head_dim, args.ffn_hidden))  # fmt: skip
+    linear, attention = sum(flops[:7]), sum(flops[7:]) / GPU_ATTENTION_SHARE
+    return attention / (linear + attention)
+
+
 def test_a_dp_group_spanning_nodes_is_slower():
     p = ParallelConfig(data_parallel="ddp")
     one_node, two_nodes = _time(p, world=8, gpus_per_node=8), _time(p, world=8, gpus_per_node=4)
@@ -160,6 +196,22 @@ def test_cpu_ranks_beyond_the_cores_share_them():
     from scaletrain.planner.search import device_bytes
 
     assert device_bytes(CPU2, 8) == CPU2.memory_bytes // 8
+
+
+def test_a_cpu_pipeline_bubble_is_idle_time_only_when_every_process_has_a_core():
+    # pp 2 with 2 micro-batches (1F1B): the bubble is (pp - 1) / m = half the busy time. With a core per process
+    # the idle stage's core stays idle; with 4 processes on 2 cores the busy stages take it over, and the step
+    # lasts max(busy, busy x 1.5 / 2) = busy; with 4 micro-batches at 2 processes it is a quarter.
+    pp = ParallelConfig(data_parallel="fsdp", pp=2, pp_microbatches=2)
+    own, shared = _cpu_time(CPU2, pp, 2, batch=4), _cpu_time(CPU2, pp, 4, batch=8)
+    busy = ("compute_s", "pp_p2p_s")
+    assert own["microbatches"] == shared["microbatches"] == 2
+    assert own["bubble_s"] == pytest.approx(0.5 * sum(own[k] for k in busy))
+    assert shared["bubble_s"] == 0.0 and shared["compute_s"] > 0
+    on_gpu = step_time(
+        SMALL, pp, TrainingConfig(micro_batch=1), MemoryConfig(), 128, 4, GPUS["h100"], global_batch=4
+    )
+    assert on_gpu["bubble_s"] == pytest.approx(0.5 * sum(on_gpu[k] for k in busy))
 
 
 def test_calibrated_call_costs_scale_with_the_ranks_sharing_the_cores():
