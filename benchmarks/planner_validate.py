@@ -166,7 +166,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each layout, in alternating rounds")
     ap.add_argument("--only", default="", help="comma-separated row numbers (from 1)")
-    ap.add_argument("--measured", default="", help="a saved planner_validate_runs.json: predict, measure nothing")
+    ap.add_argument(
+        "--measured", default="", help="a saved planner_validate_runs.json: predict, measure nothing"
+    )
     ap.add_argument("--published", action="store_true", help="only the comparison with published runs")
     opt = ap.parse_args()
     if opt.published:
