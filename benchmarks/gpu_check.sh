@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check of one CUDA machine, in three timed phases (under 8 minutes on one H200):
+# The GPU check of one CUDA machine, in four timed phases (never run: no GPU has been lent to this work yet):
 #   1. the GPU tests: python -m pytest -q -m gpu tests/gpu
 #   2. the 125M preset, bf16, 50 steps on the default config: tokens/s, MFU and peak memory from its metrics
 #   3. 30 steps with checkpoints, then a resume to 50 steps (--run.accept_changes training.steps), checked in
 #      events.jsonl (checkpoint_loaded from storage at step 30, a resumed start event) and against phase 2: with a
 #      constant LR after warmup (both phases) the schedule does not depend on the run's length, so the resumed
 #      run's final loss must match the uninterrupted one (to 5%: GPU kernels are not deterministic)
+#   4. the planner: calibrate this GPU, then predicted beside measured memory and step time for the 125M and 1B
+#      presets without and with selective recompute (benchmarks/planner_validate.py --gpu; PLANNER=0 skips it)
 # Everything is also written to ${OUT:-/tmp}/gpu_check.log; the run directories go to ${OUT:-/tmp}/gpu_check.
 # Checkpoints and tokenised data stay outside $OUT (GBs that need not travel back).
 #
@@ -176,6 +178,17 @@ else
 fi
 rm -rf "$CKPT"
 phase_done "3 checkpoint + resume" "$status" $((SECONDS - t0))
+
+# -- 4. The planner on this GPU: calibrate it, then predicted beside measured for 125M and 1B -------------------
+# (planner_validate.py --gpu; skipped on a CPU, where benchmarks/planner_validate.py without --gpu is the check)
+t0=$SECONDS
+if [[ $DEVICE == cuda && ${PLANNER:-1} == 1 ]]; then
+    "$PY" benchmarks/planner_validate.py --gpu --repeats 2 --steps 12 --cache "$SCRATCH/planner" &&
+        status=passed || status="failed($?)"
+else
+    status=skipped
+fi
+phase_done "4 planner on the GPU" "$status" $((SECONDS - t0))
 
 echo "== summary (log: $LOG, runs: $WORK)"
 printf '%s\n' "${RESULTS[@]}"

@@ -3,7 +3,11 @@ steps through the real CLI and compare rank 0's peak RSS and its fastest 2-step 
 (metrics.jsonl) with what `plan --config` predicts for that rank.
 
     python benchmarks/planner_validate.py [--cache DIR] [--no-calibrate] [--steps 12] [--repeats 3] [--only N,...]
-                                          [--measured RUNS.json] [--published]
+                                          [--measured RUNS.json] [--published] [--gpu]
+
+--gpu, on a GPU host: calibrate its GPU, then the 125M and 1B presets on one GPU (GPU_LAYOUTS), the peak memory
+compared as the allocator's peak against the prediction less the per-device constant (CUDA context, NCCL).
+A GPU run: `python benchmarks/planner_validate.py --gpu --repeats 2 --steps 12` (never run: no GPU so far).
 
 Each layout is measured --repeats times, in rounds (every layout once, then again), and compared by the median of
 its runs: on a shared 2-core machine one run's step time moves by up to ±25% from the next. The spread is printed.
@@ -57,11 +61,29 @@ COMMON += ["--training.threads", "1"]  # one thread per process: the calibrated 
 COMMON += ["--checkpoint.enabled", "false", "--metrics.progress", "false", "--metrics.tensorboard", "false"]
 
 
+# --gpu, on a GPU host: the 125M and 1B presets on one GPU in bf16 at seq 2048, without and with selective
+# recompute, after `plan --calibrate` has measured that GPU (calibrate_gpu); predicted with its calibrated profile.
+GPU_LAYOUTS = [(1, m, rc) for m in ("125M", "1B") for rc in ([], ["--memory.recompute", "selective"])]
+GPU_COMMON = ["--training.device", "cuda", "--training.precision", "bf16", "--data.seq_len", "2048"]
+GPU_COMMON += ["--training.global_batch", "8", "--training.micro_batch", "4", "--training.eval_interval", "0"]
+GPU_COMMON += [
+    "--checkpoint.enabled",
+    "false",
+    "--metrics.progress",
+    "false",
+    "--metrics.tensorboard",
+    "false",
+]
+
+
 def _size(args: list[str], key: str) -> int:
     return int(args[args.index(key) + 1]) if key in args else 1
 
 
-def overrides(n: int, model: str, layout: list[str], steps: int) -> list[str]:
+def overrides(n: int, model: str, layout: list[str], steps: int, gpu: bool = False) -> list[str]:
+    if gpu:
+        logs = ["--training.steps", str(steps), "--metrics.log_interval", "2"]
+        return [*GPU_COMMON, *logs, "--model.preset", model, *layout]
     dp = n // (
         _size(layout, "--parallel.tp") * _size(layout, "--parallel.pp") * _size(layout, "--parallel.cp")
     )
@@ -116,20 +138,20 @@ def published() -> None:
         # Llama 3 405B (Dubey et al. 2024, table 4): 16,384 H100, seq 8192, 16M tokens per batch, TP8 CP1 PP16
         # DP128, 38-43% BF16 MFU (41% at this size); FSDP that does not reshard after forward (zero2 here).
         ("Llama 3 405B", "405B", 16384, 8192, 2048, ParallelConfig(data_parallel="zero2", tp=8, pp=16,
-         sequence_parallel=True, pp_schedule="interleaved_1f1b"), "none", 1, "38-43% (table 4)"),
+         sequence_parallel=True, pp_schedule="interleaved_1f1b"), "none", 1, "38-43% (table 4)", "bf16"),
         # torchtitan docs/performance.md table 1: Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP, local batch 2,
         # seq 8192, selective AC: 5,762 tokens/s/GPU, 82.4 GiB; "33% to 39% MFU".
         ("torchtitan Llama 3.1 8B", "8B", 8, 8192, 16, ParallelConfig(data_parallel="fsdp"), "selective", 2,
-         "5,762 tok/s/GPU, 33-39%"),
+         "5,762 tok/s/GPU, 33-39%", "bf16"),
         # DeepSeek-V3 (DeepSeek-AI 2024, sections 3.2 and 4.2): 2,048 H800 (H100 compute, 400 GB/s NVLink), 16-way
         # PP (DualPipe), 64-way EP over 8 nodes, ZeRO-1 DP; seq 4096, batch 15,360 sequences at the end; FP8. No MFU
         # given: 2.664M GPU-hours for 14.8T tokens at 37B active is ~35% of the BF16 dense peak by 6·N·D. Our ep
         # runs under fsdp (ep with zero1 is refused), so the published layout is taken with fsdp in its place.
         ("DeepSeek-V3", "deepseek_v3_671b", 2048, 4096, 15360, ParallelConfig(data_parallel="fsdp", pp=16, ep=64,
-         pp_schedule="dualpipev"), "none", 1, "~35% (6ND from the GPU-hours)"),
+         pp_schedule="dualpipev"), "none", 1, "~35% (6ND from the GPU-hours)", "fp8"),
     ]  # fmt: skip
-    for title, preset, world, seq, gb, layout, policy, micro, pub in runs:
-        t = TrainingConfig(global_batch=gb, micro_batch=micro, precision="bf16", eval_interval=0)
+    for title, preset, world, seq, gb, layout, policy, micro, pub, precision in runs:
+        t = TrainingConfig(global_batch=gb, micro_batch=micro, precision=precision, eval_interval=0)
         cfg = Config(model=ModelConfig(preset=preset), data=DataConfig(seq_len=seq), training=t,
                      parallel=layout, memory=MemoryConfig(recompute=policy))  # fmt: skip
         args = model_args(cfg)
@@ -145,14 +167,14 @@ def published() -> None:
               f"{theirs.time['tokens_per_s'] / world:,.0f} tok/s/GPU, {theirs.memory['total'] / 2**30:.1f} GiB")  # fmt: skip
 
 
-def measure_rounds(rows, opt, env: dict) -> dict[int, list[dict]]:
+def measure_rounds(rows, layouts, opt, env: dict) -> dict[int, list[dict]]:
     """Each row's runs, in rounds; saved to the cache as planner_validate_runs.json (for --measured)."""
     runs: dict[int, list[dict]] = {i: [] for i in rows}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(opt.repeats):
             for i in rows:
-                n, model, layout = LAYOUTS[i - 1]
-                args = overrides(n, model, layout, opt.steps)
+                n, model, layout = layouts[i - 1]
+                args = overrides(n, model, layout, opt.steps, opt.gpu)
                 runs[i].append(measure(n, args, Path(tmp) / f"run{i}-{r}", env))
             print(f"round {r + 1} of {opt.repeats} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     (Path(opt.cache) / "planner_validate_runs.json").write_text(json.dumps(runs))
@@ -169,6 +191,9 @@ def main() -> None:
     ap.add_argument(
         "--measured", default="", help="a saved planner_validate_runs.json: predict, measure nothing"
     )
+    ap.add_argument(
+        "--gpu", action="store_true", help="on a GPU host: calibrate it, then 125M and 1B (GPU_LAYOUTS)"
+    )
     ap.add_argument("--published", action="store_true", help="only the comparison with published runs")
     opt = ap.parse_args()
     if opt.published:
@@ -176,29 +201,33 @@ def main() -> None:
         return
     env = {**os.environ, "SCALETRAIN_CACHE": opt.cache}
     os.environ["SCALETRAIN_CACHE"] = opt.cache
+    layouts, kind = (GPU_LAYOUTS, _gpu_kind()) if opt.gpu else (LAYOUTS, "cpu")
     if not (opt.no_calibrate or opt.measured):
-        subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--calibrate", "--nproc", "8"], cwd=ROOT, env=env,
-                       check=True)  # fmt: skip
-    rows = [int(x) for x in opt.only.split(",") if x] or range(1, len(LAYOUTS) + 1)
+        nproc = "1" if opt.gpu else "8"  # one GPU: the layouts run on one
+        subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--calibrate", "--nproc", nproc], cwd=ROOT,
+                       env=env, check=True)  # fmt: skip
+    rows = [int(x) for x in opt.only.split(",") if x] or range(1, len(layouts) + 1)
     if opt.measured:  # re-predict a finished run's measurements (after a change to the model)
         saved = json.loads(Path(opt.measured).read_text())
         runs = {i: saved[str(i)] for i in rows}
     else:
-        runs = measure_rounds(rows, opt, env)
+        runs = measure_rounds(rows, layouts, opt, env)
     print(f"{'#':>2} {'layout':<34} {'mem pred':>8} {'meas':>6} {'err':>6} {'-base p':>7} {'meas':>6} "
           f"{'step pred':>9} {'meas':>7} {'err':>6}  {'runs min-max':>13}")  # fmt: skip
     worst_mem = worst_time = 0.0
     for i in rows:
-        n, model, layout = LAYOUTS[i - 1]
+        n, model, layout = layouts[i - 1]
         plan, profile = plan_one(
-            parse_unvalidated(CONFIG, overrides(n, model, layout, opt.steps)), n, "cpu", None
+            parse_unvalidated(CONFIG, overrides(n, model, layout, opt.steps, opt.gpu)), n, kind, None
         )
         pred_mem = plan.memory_by_pp_rank[0] / 2**20  # rank 0 is what mem_peak_mib reports
         base = overhead_of(profile, n) / 2**20
         mem = statistics.median(r["mem_peak_mib"] for r in runs[i])
         times = sorted(r["step_time_s"] for r in runs[i])
         step = statistics.median(times)
-        mem_err = pred_mem / mem - 1
+        # A GPU's mem_peak_mib is the allocator's peak, which leaves out what the constant stands for (the CUDA
+        # context, NCCL's buffers): compare the tensors, the prediction less that constant.
+        mem_err = (pred_mem - base) / mem - 1 if opt.gpu else pred_mem / mem - 1
         time_err = plan.time["step_time_s"] / step - 1
         worst_mem, worst_time = max(worst_mem, abs(mem_err)), max(worst_time, abs(time_err))
         print(
@@ -211,6 +240,16 @@ def main() -> None:
         f"worst: memory {100 * worst_mem:.1f}%, step time {100 * worst_time:.1f}%; profile: {profile.source}"
     )
     print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+
+def _gpu_kind() -> str:
+    import torch
+
+    from scaletrain.planner.calibrate_gpu import gpu_kind
+
+    if not torch.cuda.is_available():
+        sys.exit("--gpu: torch sees no CUDA device here")
+    return gpu_kind(torch.cuda.get_device_name(0))
 
 
 if __name__ == "__main__":

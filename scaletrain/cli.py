@@ -237,7 +237,11 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> _Parser:
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.add_argument("--config", help="--config FILE: estimate that config's layout")
     plan.add_argument("--nproc", type=int, default=1, help="world size of --config; ranks of --calibrate")
-    plan.add_argument("--calibrate", action="store_true", help="measure this machine and save its profile")
+    plan.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine and save its profile: its GPUs where it has them (--device cpu: its cores)",
+    )
     plan.set_defaults(run=_plan)
     return plan
 

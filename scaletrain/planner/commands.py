@@ -117,9 +117,16 @@ def run_plan(
     if device is not None and device.lower() not in KINDS:
         raise ConfigError(f"--device '{device}' is unknown; choose one of {', '.join(KINDS)}")
     if calibrate:
-        cfg = parse_unvalidated(config, overrides)
-        profile, path = measure_machine(resolve_cache_dir(cfg.data), nproc)
-        print(f"saved the profile of {profile.name} to {path}; `--device cpu` plans use it")
+        cache = resolve_cache_dir(parse_unvalidated(config, overrides).data)
+        # A GPU host measures its GPUs unless told --device cpu; a CPU host measures its cores.
+        if torch.cuda.is_available() and (device or "").lower() != "cpu":
+            from scaletrain.planner.calibrate_gpu import calibrate_gpu, gpu_kind
+
+            profile, path = calibrate_gpu(cache, min(nproc, torch.cuda.device_count()))
+            kind = gpu_kind(profile.name)
+        else:
+            (profile, path), kind = measure_machine(cache, nproc), "cpu"
+        print(f"saved the profile of {profile.name} to {path}; `--device {kind}` plans use it")
         return 0
     if model is None:
         cfg = parse_unvalidated(config, overrides)

@@ -159,8 +159,10 @@ KINDS = (*GPUS, "cpu")
 PROFILE_FILE = "planner_profile.json"
 
 
-def profile_path(cache_dir: Path) -> Path:
-    return cache_dir / PROFILE_FILE
+def profile_path(cache_dir: Path, kind: str = "cpu") -> Path:
+    """Where the calibrated profile of `kind` lives: one file per kind, so a GPU host's CPU and GPU profiles (and a
+    cache shared by several machines) keep each other."""
+    return cache_dir / (PROFILE_FILE if kind == "cpu" else f"planner_profile_{kind}.json")
 
 
 def load_profile(kind: str, cache_dir: Path | None = None) -> DeviceProfile:
@@ -171,18 +173,18 @@ def load_profile(kind: str, cache_dir: Path | None = None) -> DeviceProfile:
         raise ValueError(f"--device '{kind}' is unknown; choose one of {', '.join(KINDS)}")
     if cache_dir is not None:
         try:
-            saved = DeviceProfile.from_json(json.loads(profile_path(cache_dir).read_text()))
+            saved = DeviceProfile.from_json(json.loads(profile_path(cache_dir, kind).read_text()))
         except (OSError, ValueError, TypeError):
             saved = None
-        if saved is not None and saved.kind == kind:
+        if saved is not None and saved.kind == ("cpu" if kind == "cpu" else "gpu"):
             return saved
     if kind == "cpu":
         return DEFAULT_CPU
     return dataclasses.replace(GPUS[kind])
 
 
-def save_profile(profile: DeviceProfile, cache_dir: Path) -> Path:
-    path = profile_path(cache_dir)
+def save_profile(profile: DeviceProfile, cache_dir: Path, kind: str = "cpu") -> Path:
+    path = profile_path(cache_dir, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(profile.to_json(), indent=1, sort_keys=True))

@@ -597,3 +597,22 @@ def test_fp8_trains_within_tolerance_of_bf16(tmp_path):
         rel = max(abs(a - b) / b for a, b in zip(f["losses"], bf16, strict=True))
         print(f"fp8 {name}: max relative loss difference from bf16 over 30 steps {rel:.2e} ({f['describe']})")
         assert f["float8"] and 0 < rel < 5e-2, (name, rel)
+
+
+def test_calibrate_measures_this_gpu(tmp_path):
+    """CPU twin: tests/unit/test_planner.py::test_gpu_calibration_measures_in_place_of_the_datasheet_fractions (the
+    same code on gloo under an H200's name). Here: the local GPU's measured bf16 matmul rate and AdamW bandwidth are
+    plausible shares of its datasheet figures, and the profile is saved under its kind for `--device KIND` plans.
+    One device: NCCL's all-reduce needs two GPUs, so the NVLink figure stays the datasheet's."""
+    from scaletrain.planner.calibrate_gpu import calibrate_gpu, gpu_kind
+    from scaletrain.planner.hardware import ACHIEVABLE_HBM, GPUS, load_profile
+
+    kind = gpu_kind(torch.cuda.get_device_name(CUDA))
+    lines: list[str] = []
+    prof, _ = calibrate_gpu(tmp_path, 1, lines.append)
+    print("\n".join(lines))
+    sheet = GPUS[kind]
+    assert 0.3 < prof.matmul["bf16"][1] / sheet.peak_flops["bf16"] < 1.05, lines
+    assert 0.2 < prof.memory_bw / (sheet.memory_bw / ACHIEVABLE_HBM) < 1.05, lines  # of the raw HBM figure
+    assert prof.memory_bytes == torch.cuda.get_device_properties(CUDA).total_memory
+    assert load_profile(kind, tmp_path) == prof

@@ -298,6 +298,32 @@ def test_a_calibrated_profile_is_saved_and_picked_for_cpu(tmp_path):
         load_profile("tpu")
 
 
+def test_gpu_calibration_measures_in_place_of_the_datasheet_fractions(tmp_path):
+    # The GPU path of `plan --calibrate` on this CPU (gloo, small shapes) under an H200's name: what it measures
+    # replaces the datasheet's stated fractions, the rest (peaks, inter-node links) is the datasheet's, and the
+    # profile is saved as the h200's without touching the CPU's. tests/gpu/test_cuda.py runs it on a GPU.
+    from scaletrain.planner.calibrate_gpu import calibrate_gpu, gpu_kind
+
+    lines: list[str] = []
+    prof, path = calibrate_gpu(tmp_path, 2, lines.append, device="cpu", name="NVIDIA H200")
+    sheet = GPUS["h200"]
+    assert path.name == "planner_profile_h200.json" and len(lines) == 3
+    assert prof.kind == "gpu" and prof.name.startswith("NVIDIA H200 (calibrated")
+    assert 1e9 < prof.matmul["bf16"][1] < 1e13 and prof.matmul["bf16"] != sheet.matmul["bf16"]
+    achieved = prof.matmul["bf16"][1] / sheet.peak_flops["bf16"]
+    assert prof.matmul["fp8"][1] == pytest.approx(sheet.peak_flops["fp8"] * achieved)
+    assert prof.memory_bw != sheet.memory_bw and prof.intra_bw != sheet.intra_bw and prof.intra_latency >= 0
+    assert (prof.peak_flops, prof.inter_bw, prof.inter_latency) == (sheet.peak_flops, sheet.inter_bw,
+                                                                    sheet.inter_latency)  # fmt: skip
+    assert load_profile("h200", tmp_path) == prof
+    assert (
+        load_profile("h100", tmp_path) == GPUS["h100"] and load_profile("cpu", tmp_path).source == "default"
+    )
+    assert gpu_kind("NVIDIA A100-SXM4-80GB") == "a100"
+    with pytest.raises(ConfigError, match="no datasheet profile for 'Tesla V100'.*H100"):
+        gpu_kind("Tesla V100")
+
+
 def _search_cfg(preset: str, seq: int, tokens: int) -> Config:
     t = TrainingConfig(global_batch_tokens=tokens, precision="bf16", eval_interval=0)
     return Config(model=ModelConfig(preset=preset), data=DataConfig(seq_len=seq), training=t)

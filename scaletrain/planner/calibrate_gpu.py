@@ -1,0 +1,157 @@
+"""`scaletrain plan --calibrate` on a GPU host: measure the local GPUs for the planner — matmul rates at
+transformer-sized shapes (bf16, fp32), HBM bandwidth through AdamW's pass, and NCCL all-reduce over the local GPUs —
+and save a profile of the GPU's kind: its datasheet profile (planner/hardware.py) with the measured figures in
+place of the stated fractions. Links between nodes cannot be measured from one node and keep the datasheet's.
+
+The same code runs on a CPU (gloo, small shapes), which is how CI tests it; only the GPU gives figures to plan by."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from scaletrain.errors import ConfigError
+from scaletrain.planner.calibrate import fit_line
+from scaletrain.planner.hardware import GPUS, DeviceProfile, save_profile
+
+# Which datasheet profile a device name maps to (torch.cuda.get_device_name: "NVIDIA H200", "NVIDIA A100-SXM4-80GB").
+NAMES = {"H100": "h100", "H200": "h200", "A100": "a100", "B200": "b200"}
+# Square matmul sizes and all-reduce bytes: from launch-bound to rate-bound on a GPU; small enough for CI on a CPU.
+SHAPES = {"cuda": (1024, 2048, 4096, 8192), "cpu": (64, 128, 256)}
+ALL_REDUCE_BYTES = {"cuda": (2**20, 2**24, 2**27, 2**28), "cpu": (2**12, 2**16, 2**20)}
+ADAM_PARAMS = {"cuda": 2**26, "cpu": 2**20}
+
+
+def gpu_kind(name: str) -> str:
+    """The profile kind of a device named `name`; ConfigError naming the known ones for any other."""
+    for key, kind in NAMES.items():
+        if key in name.upper():
+            return kind
+    raise ConfigError(
+        f"plan --calibrate: the planner has no datasheet profile for '{name}' (it knows {', '.join(NAMES)}); "
+        "plan with --device set to the nearest of those, whose figures are datasheet peaks"
+    )
+
+
+def timed(fn, device: torch.device, budget_s: float = 0.2, least: int = 3) -> float:
+    """Fastest of several calls of fn, each closed by a device synchronisation (a CUDA call returns at launch)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    best, n, end = float("inf"), 0, time.perf_counter() + budget_s
+    while n < least or time.perf_counter() < end:
+        t = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+        n += 1
+    return best
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(t0 seconds per call, FLOP/s) fitted to time = t0 + flops / rate over the device's SHAPES."""
+    flops, times = [], []
+    for n in SHAPES[device.type]:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        flops.append(2.0 * n**3)
+        times.append(timed(partial(torch.mm, a, b), device))
+    t0, slope = fit_line(flops, times)
+    return t0, 1.0 / max(slope, 1e-18)
+
+
+def measure_adam_bandwidth(device: torch.device) -> float:
+    """Bytes/s of AdamW's fused (CUDA) or foreach (CPU) pass, at the time model's ADAM_TRAFFIC bytes a parameter."""
+    from scaletrain.planner.time import ADAM_TRAFFIC
+
+    p = torch.nn.Parameter(torch.randn(ADAM_PARAMS[device.type], device=device))
+    p.grad = torch.randn_like(p)
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=fused, foreach=not fused)
+    return ADAM_TRAFFIC * p.numel() / timed(opt.step, device, budget_s=0.3)
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, device_type: str, out: str) -> None:
+    """One rank on its own device (NCCL; gloo on a CPU): the fastest all-reduce at each size; rank 0 writes them."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    points = []
+    for size in ALL_REDUCE_BYTES[device_type]:
+        x = torch.ones(size // 4, device=device)
+        # The first calls set up the communicator's buffers; timed() keeps the fastest of the rest.
+        points.append((size, timed(partial(dist.all_reduce, x), device, budget_s=0.2, least=5)))
+    if rank == 0:
+        Path(out).write_text(json.dumps(points))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_all_reduce(nproc: int, device_type: str) -> tuple[float, float]:
+    """(latency per ring step, per-rank bandwidth in the ring formula's convention) of all-reduce over nproc local
+    devices, fitted to 2(n-1)·α + 2(n-1)/n·S/B."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "points")
+        mp.start_processes(
+            _all_reduce_rank, args=(nproc, port, device_type, out), nprocs=nproc, start_method="spawn"
+        )
+        points = json.loads(Path(out).read_text())
+    a, b = fit_line([2 * (nproc - 1) / nproc * s for s, _ in points], [t for _, t in points])
+    return a / (2 * (nproc - 1)), 1.0 / max(b, 1e-18)
+
+
+def calibrate_gpu(
+    cache_dir: Path, nproc: int, log=print, *, device: str = "cuda", name: str | None = None
+) -> tuple[DeviceProfile, Path]:
+    """Measure the local GPUs (nproc of them for the all-reduce; 1: none) and save the profile of their kind.
+    `device` and `name` exist for the CPU test of this logic: "cpu" measures the host under a GPU's name."""
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    name = name or torch.cuda.get_device_name(dev)
+    kind = gpu_kind(name)
+    sheet = GPUS[kind]
+    bf16, fp32 = measure_matmul(dev, torch.bfloat16), measure_matmul(dev, torch.float32)
+    achieved = bf16[1] / sheet.peak_flops["bf16"]
+    log(
+        f"matmul bf16: t0 {bf16[0] * 1e6:.1f} us, {bf16[1] / 1e12:.1f} TFLOP/s ({100 * achieved:.0f}% of the "
+        f"datasheet's {sheet.peak_flops['bf16'] / 1e12:.0f}); fp32 {fp32[1] / 1e12:.1f} TFLOP/s"
+    )
+    matmul = {"bf16": bf16, "fp16": bf16, "fp32": fp32}
+    if (
+        "fp8" in sheet.peak_flops
+    ):  # not measured (torchao's scaled matmul is not timed here): bf16's achieved share
+        matmul["fp8"] = (bf16[0], sheet.peak_flops["fp8"] * achieved)
+    hbm = measure_adam_bandwidth(dev)
+    log(f"AdamW pass: {hbm / 1e12:.2f} TB/s")
+    intra = (sheet.intra_latency, sheet.intra_bw)
+    if nproc >= 2:
+        intra = measure_all_reduce(nproc, dev.type)
+        log(
+            f"all_reduce over {nproc} local devices: {intra[0] * 1e6:.1f} us per step, {intra[1] / 1e9:.0f} GB/s"
+        )
+    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else sheet.memory_bytes
+    profile = dataclasses.replace(
+        sheet,
+        name=f"{name} (calibrated, torch {torch.__version__})",
+        matmul=matmul,
+        memory_bw=hbm,
+        memory_bytes=total,
+        intra_latency=intra[0],
+        intra_bw=intra[1],
+        source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {nproc} local {dev.type} device(s); inter-node "
+        "links from the datasheet",
+    )
+    return profile, save_profile(profile, cache_dir, kind)
