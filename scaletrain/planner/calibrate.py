@@ -27,13 +27,17 @@ SHAPES = (64, 128, 256, 512)  # square matmul sizes: from dispatch-bound to rate
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
 
 
-def _best(fn, budget_s: float = 0.15, least: int = 3) -> float:
-    """Fastest of several calls of fn (the run least disturbed by other processes)."""
+def _best(fn, budget_s: float = 0.15, least: int = 3, device: torch.device | None = None) -> float:
+    """Fastest of several calls of fn (the run least disturbed by other processes), each closed by a synchronisation
+    on a CUDA `device` (a CUDA call returns at launch)."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     fn()
+    sync()
     best, n, end = float("inf"), 0, time.perf_counter() + budget_s
     while n < least or time.perf_counter() < end:
         t = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t)
         n += 1
     return best
@@ -48,15 +52,17 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return max(my - b * mx, 0.0), b
 
 
-def measure_matmul(dtype: torch.dtype) -> tuple[float, float]:
-    """(t0 seconds per call, FLOP/s) fitted to time = t0 + flops / rate over SHAPES, one thread."""
+def measure_matmul(
+    dtype: torch.dtype, device: torch.device | None = None, shapes: tuple[int, ...] = SHAPES
+) -> tuple[float, float]:
+    """(t0 seconds per call, FLOP/s) fitted to time = t0 + flops / rate over square matmuls of `shapes`."""
     flops, times = [], []
-    for n in SHAPES:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for n in shapes:
+        a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
         flops.append(2.0 * n**3)
-        times.append(_best(partial(torch.mm, a, b)))
+        times.append(_best(partial(torch.mm, a, b), device=device))
     t0, slope = fit_line(flops, times)
-    return t0, 1.0 / max(slope, 1e-15)
+    return t0, 1.0 / max(slope, 1e-18)
 
 
 def measure_block(matmul: tuple[float, float]) -> tuple[float, float, float, float]:
@@ -120,14 +126,16 @@ def measure_step_overhead(block_overhead: float) -> float:
     return max(_best(step, budget_s=0.3) - block_overhead, 0.0)
 
 
-def measure_adam_bandwidth() -> float:
-    """Bytes/s of AdamW's pass over 4M fp32 parameters (28 bytes each: the time model's ADAM_TRAFFIC)."""
+def measure_adam_bandwidth(device: torch.device | None = None, n: int = 2**22) -> float:
+    """Bytes/s of AdamW's pass over n fp32 parameters (28 bytes each: the time model's ADAM_TRAFFIC): fused on
+    CUDA, foreach on a CPU, as training runs it."""
     from scaletrain.planner.time import ADAM_TRAFFIC
 
-    p = torch.nn.Parameter(torch.randn(2**22))
+    p = torch.nn.Parameter(torch.randn(n, device=device))
     p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
-    return ADAM_TRAFFIC * p.numel() / _best(opt.step, budget_s=0.3)
+    fused = device is not None and device.type == "cuda"
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=fused, foreach=not fused)
+    return ADAM_TRAFFIC * p.numel() / _best(opt.step, budget_s=0.3, device=device)
 
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:

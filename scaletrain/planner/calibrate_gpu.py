@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scaletrain.errors import ConfigError
-from scaletrain.planner.calibrate import fit_line
+from scaletrain.planner.calibrate import _best, fit_line, measure_adam_bandwidth, measure_matmul
 from scaletrain.planner.hardware import GPUS, DeviceProfile, save_profile
 
 # Which datasheet profile a device name maps to (torch.cuda.get_device_name: "NVIDIA H200", "NVIDIA A100-SXM4-80GB").
@@ -43,43 +43,6 @@ def gpu_kind(name: str) -> str:
     )
 
 
-def timed(fn, device: torch.device, budget_s: float = 0.2, least: int = 3) -> float:
-    """Fastest of several calls of fn, each closed by a device synchronisation (a CUDA call returns at launch)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    best, n, end = float("inf"), 0, time.perf_counter() + budget_s
-    while n < least or time.perf_counter() < end:
-        t = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t)
-        n += 1
-    return best
-
-
-def measure_matmul(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
-    """(t0 seconds per call, FLOP/s) fitted to time = t0 + flops / rate over the device's SHAPES."""
-    flops, times = [], []
-    for n in SHAPES[device.type]:
-        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        flops.append(2.0 * n**3)
-        times.append(timed(partial(torch.mm, a, b), device))
-    t0, slope = fit_line(flops, times)
-    return t0, 1.0 / max(slope, 1e-18)
-
-
-def measure_adam_bandwidth(device: torch.device) -> float:
-    """Bytes/s of AdamW's fused (CUDA) or foreach (CPU) pass, at the time model's ADAM_TRAFFIC bytes a parameter."""
-    from scaletrain.planner.time import ADAM_TRAFFIC
-
-    p = torch.nn.Parameter(torch.randn(ADAM_PARAMS[device.type], device=device))
-    p.grad = torch.randn_like(p)
-    fused = device.type == "cuda"
-    opt = torch.optim.AdamW([p], lr=1e-4, fused=fused, foreach=not fused)
-    return ADAM_TRAFFIC * p.numel() / timed(opt.step, device, budget_s=0.3)
-
-
 def _all_reduce_rank(rank: int, world: int, port: int, device_type: str, out: str) -> None:
     """One rank on its own device (NCCL; gloo on a CPU): the fastest all-reduce at each size; rank 0 writes them."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -91,7 +54,7 @@ def _all_reduce_rank(rank: int, world: int, port: int, device_type: str, out: st
     for size in ALL_REDUCE_BYTES[device_type]:
         x = torch.ones(size // 4, device=device)
         # The first calls set up the communicator's buffers; timed() keeps the fastest of the rest.
-        points.append((size, timed(partial(dist.all_reduce, x), device, budget_s=0.2, least=5)))
+        points.append((size, _best(partial(dist.all_reduce, x), 0.2, 5, device)))
     if rank == 0:
         Path(out).write_text(json.dumps(points))
     dist.barrier()
@@ -123,7 +86,8 @@ def calibrate_gpu(
     name = name or torch.cuda.get_device_name(dev)
     kind = gpu_kind(name)
     sheet = GPUS[kind]
-    bf16, fp32 = measure_matmul(dev, torch.bfloat16), measure_matmul(dev, torch.float32)
+    shapes = SHAPES[dev.type]
+    bf16, fp32 = measure_matmul(torch.bfloat16, dev, shapes), measure_matmul(torch.float32, dev, shapes)
     achieved = bf16[1] / sheet.peak_flops["bf16"]
     log(
         f"matmul bf16: t0 {bf16[0] * 1e6:.1f} us, {bf16[1] / 1e12:.1f} TFLOP/s ({100 * achieved:.0f}% of the "
@@ -134,7 +98,7 @@ def calibrate_gpu(
         "fp8" in sheet.peak_flops
     ):  # not measured (torchao's scaled matmul is not timed here): bf16's achieved share
         matmul["fp8"] = (bf16[0], sheet.peak_flops["fp8"] * achieved)
-    hbm = measure_adam_bandwidth(dev)
+    hbm = measure_adam_bandwidth(dev, ADAM_PARAMS[dev.type])
     log(f"AdamW pass: {hbm / 1e12:.2f} TB/s")
     intra = (sheet.intra_latency, sheet.intra_bw)
     if nproc >= 2:
