@@ -29,8 +29,9 @@ from scaletrain.parallel.mesh import all_reduce_mean, main_first, setup_process
 from scaletrain.parallel.parallelize import fsdp_applies, parallelize
 from scaletrain.parallel.pipeline import resolve_microbatches
 from scaletrain.precision import resolve_precision
+from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.goodput import final_goodput
-from scaletrain.resilience.guard import Guard, build_guard
+from scaletrain.resilience.guard import Guard
 from scaletrain.resilience.preemption import Preemption
 from scaletrain.resilience.timelimit import JobLimits
 from scaletrain.rundir import open_run_dir
@@ -156,8 +157,10 @@ def build(cfg: Config) -> Job:
     # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     global_batch = global_batch_sequences(cfg.training, cfg.data.seq_len)
-    loader = first(lambda: build_loader(cfg.data, tokenizer, global_batch, dims.dp_rank, dims.dp_size,
-                                        cfg.training.seed, log.info))  # fmt: skip
+    d, seed = cfg.data, cfg.training.seed
+    loader = first(
+        lambda: build_loader(d, tokenizer, global_batch, dims.dp_rank, dims.dp_size, seed, log.info)
+    )
 
     # -- Model: built on meta, materialised with a fixed seed, then parallelised (and wrapped) from outside.
     args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
@@ -182,18 +185,28 @@ def build(cfg: Config) -> Job:
 
     # -- What resumes: one dict of Stateful objects, saved and restored by the checkpoint tiers and rollbacks.
     train_state = TrainState(dims.control)
+    state = dict(
+        model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state
+    )
     moe = MoEMonitor.for_model(pm.parts, args.n_layers, args.n_experts, cfg.moe, dims, writer.event)
-    # The runner's (fp16: the loss scaler), MoE's imbalance streaks, PowerSGD's error feedback and Q factors.
-    state = dict(model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state,
-                 **runner.resumable(), **moe.resumable(), comm=pm.comm)  # fmt: skip
+    state.update(runner.resumable() | moe.resumable())  # fp16: the loss scaler; MoE: imbalance streaks
+    state["comm"] = pm.comm  # PowerSGD's error feedback and Q factors (parallel.grad_compression); else empty
     layout = dims.describe(cfg.parallel)
     ckpt = build_checkpointing(
         cfg.checkpoint, cfg.resilience, run_dir, run_id, state, env, dims.control, layout, writer.event
     )
 
     # -- Resilience: faults attach where each failure happens (loader, output layer, storage writer, commit).
-    loader, guard = build_guard(cfg.resilience, env, run_dir, dims.control, writer.event, dims.submesh("dp_cp"),
-                                loader, pm.parts, ckpt, args.vocab_size)  # fmt: skip
+    faults = None
+    if cfg.resilience.inject:
+        faults = FaultInjector(
+            cfg.resilience.inject, env.rank, run_dir, writer.event if env.is_main else None
+        )
+        loader = faults.attach(loader, pm.parts, ckpt, vocab_size=args.vocab_size)
+    dp_cp = dims.submesh("dp_cp")
+    guard = Guard(
+        cfg.resilience, run_dir, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp), faults
+    )
 
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).
     cache = resolve_cache_dir(cfg.data)

@@ -7,14 +7,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from scaletrain.config import ResilienceConfig
-from scaletrain.parallel.mesh import DistEnv, all_reduce_mean
+from scaletrain.parallel.mesh import DistEnv
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.health import Decision, NanGuard, SpikeDetector
 from scaletrain.resilience.straggler import StragglerMonitor
@@ -141,15 +140,3 @@ class Guard:
             self.watchdog.stop()
             self.tracker.uninstall()
             self.watchdog = None
-
-
-def build_guard(cfg: ResilienceConfig, env: DistEnv, run_dir: Path, control, event, dp_cp, loader, parts: list,
-                ckpt, vocab_size: int):  # fmt: skip
-    """(the loader, the run's Guard). With resilience.inject, the fault injector attaches where each failure
-    happens (the loader, the output layer, the storage writer, the commit), and the guard gets it."""
-    faults = None
-    if cfg.inject:
-        faults = FaultInjector(cfg.inject, env.rank, run_dir, event if env.is_main else None)
-        loader = faults.attach(loader, parts, ckpt, vocab_size=vocab_size)
-    guard = Guard(cfg, run_dir, env, control, event, partial(all_reduce_mean, mesh=dp_cp), faults)
-    return loader, guard
