@@ -88,16 +88,18 @@ def job_start() -> float:
 
 
 def process_start() -> float:
-    """This process's start (Unix seconds, to the second) from /proc; where there is none, when it imported this
-    module (after its imports: a few seconds late)."""
+    """This process's start (Unix seconds) from /proc; where there is none, when it imported this module (after
+    its imports: a few seconds late)."""
     try:
-        # Field 22 of /proc/self/stat, in clock ticks after boot; the fields after the ")" that ends the name.
+        # Field 22 of /proc/self/stat: the start in clock ticks after boot; the fields after the ")" ending the name.
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
         return _IMPORTED_AT
+    # The age on the boot clock, subtracted from now: /proc/stat's btime is the wall clock at boot, and a wall clock
+    # stepped since (NTP, a VM restored from a snapshot) put btime + ticks 26 s in the future in CI.
+    age = max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    return time.time() - age
 
 
 class JobLimits:
