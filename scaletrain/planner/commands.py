@@ -133,8 +133,7 @@ def run_plan(
         plan, profile = plan_one(cfg, nproc, device, gpus_per_node if device in GPUS else None)
         print(json.dumps(plan_json(plan, profile), indent=1) if as_json else describe_estimate(plan, profile))
         return 0
-    if not devices or devices < 1:
-        raise ConfigError("plan --model needs --devices N (N >= 1)")
+    _check_search_inputs(devices, seq_len, global_batch_tokens)
     kind = (device or "h100").lower()
     seeded = ["--model.preset", model, "--data.seq_len", str(seq_len), "--training.eval_interval", "0"]
     seeded += ["--training.precision", "fp32" if kind == "cpu" else "bf16"]
@@ -145,7 +144,8 @@ def run_plan(
     node = gpus_per_node if kind != "cpu" else profile.devices_per_node
     plans, rejected, example = search(cfg, args, devices, profile, node)
     if not plans:
-        raise ConfigError(no_plan_message(args, devices, rejected, example, model))
+        gb = global_batch_sequences(cfg.training, cfg.data.seq_len)
+        raise ConfigError(no_plan_message(devices, rejected, example, model, gb))
     if as_json:
         print(json.dumps([plan_json(p, profile) for p in plans[:top]], indent=1))
     else:
@@ -153,6 +153,23 @@ def run_plan(
         print(f"{model} on {devices} x {profile.name}, seq {cfg.data.seq_len}, global batch {gb} sequences:")
         print(format_table(plans, rejected, example, top))
     return 0
+
+
+def _check_search_inputs(devices: int | None, seq_len: int, global_batch_tokens: int) -> None:
+    """The search's own arguments, each problem with the value that would work (all at once, as validate does)."""
+    problems = []
+    if not devices or devices < 1:
+        problems.append("plan --model needs --devices N (N >= 1)")
+    if seq_len < 1:
+        problems.append(f"--seq-len {seq_len} must be at least 1")
+    elif global_batch_tokens < 0 or global_batch_tokens % seq_len:
+        fix = max(1, round(global_batch_tokens / seq_len)) * seq_len
+        problems.append(
+            f"--global-batch-tokens {global_batch_tokens} is not a whole number of sequences of --seq-len "
+            f"{seq_len}; use {fix} (or 0 for one sequence per device)"
+        )
+    if problems:
+        raise ConfigError(problems)
 
 
 def dry_run(cfg: Config, world: int) -> str:

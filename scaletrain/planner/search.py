@@ -249,27 +249,41 @@ def pick(cfg: Config, args: ModelArgs, world: int, profile: DeviceProfile, gpus_
     """The fastest plan that fits (parallel.auto); ConfigError with the rejections when none does."""
     plans, rejected, example = search(cfg, args, world, profile, gpus_per_node)
     if not plans:
-        raise ConfigError(no_plan_message(args, world, rejected, example, cfg.model.preset))
+        gb = global_batch_sequences(cfg.training, cfg.data.seq_len)
+        raise ConfigError(no_plan_message(world, rejected, example, cfg.model.preset, gb))
     return plans[0]
 
 
 def no_plan_message(
-    args: ModelArgs, world: int, rejected: Counter, example: dict[str, str], name: str
+    world: int, rejected: Counter, example: dict[str, str], name: str, global_batch: int
 ) -> str:
     reasons = "; ".join(f"{why} ({n}{': ' + example[why] if example.get(why) else ''})" for why, n in
                         rejected.most_common())  # fmt: skip
     return (
         f"no layout of model '{name}' fits on {world} devices: every candidate was refused — {reasons}. "
-        "Use more devices, a shorter seq_len or a smaller model"
+        + (_what_to_change(rejected, world, global_batch))
     )
+
+
+def _what_to_change(rejected: Counter, world: int, global_batch: int) -> str:
+    """The change that answers the refusals: a batch that splits over the devices when that refused every
+    layout (more devices would not help), else memory."""
+    if set(rejected) <= {"global batch not divisible by micro_batch x data-parallel ranks"}:
+        fits = -(-global_batch // world) * world
+        return (
+            f"Use a global batch of {fits} sequences, a multiple of {world} that every data-parallel size divides, "
+            f"or a device count that divides {global_batch}"
+        )
+    return "Use more devices, a shorter seq_len, recompute or a smaller model"
 
 
 def format_table(plans: list[Plan], rejected: Counter, example: dict[str, str], top: int) -> str:
     """The ranked plans (memory, step time, tokens/s, MFU) and the rejected families with their counts."""
-    lines = [f"{'#':>3}  {'layout':<62} {'memory GiB':>10} {'step s':>9} {'tokens/s':>11} {'MFU':>6}"]
+    width = max([62, *(len(pl.describe()) for pl in plans[:top])])
+    lines = [f"{'#':>3}  {'layout':<{width}} {'memory GiB':>10} {'step s':>9} {'tokens/s':>11} {'MFU':>6}"]
     for i, pl in enumerate(plans[:top], 1):
         lines.append(
-            f"{i:>3}  {pl.describe():<62} {pl.memory['total'] / GiB:>10.2f} {pl.time['step_time_s']:>9.4g} "
+            f"{i:>3}  {pl.describe():<{width}} {pl.memory['total'] / GiB:>10.2f} {pl.time['step_time_s']:>9.4g} "
             f"{pl.time['tokens_per_s']:>11.4g} {100 * pl.time['mfu']:>5.1f}%"
         )
     lines.append(f"{len(plans)} layouts fit; rejected {sum(rejected.values())}:")

@@ -341,6 +341,34 @@ def test_405b_on_8_gpus_is_refused_with_the_reason():
     assert "GiB per rank; a rank has 80.0 GiB" in msg
 
 
+def _plan_search(devices: int, seq_len: int, global_batch_tokens: int) -> None:
+    commands.run_plan(
+        config=None, overrides=[], model="8B", devices=devices, device="h100", gpus_per_node=8, seq_len=seq_len,
+        global_batch_tokens=global_batch_tokens, top=3, as_json=True, nproc=1, calibrate=False,
+    )  # fmt: skip
+
+
+def test_plan_search_arguments_are_refused_with_the_value_that_works():
+    with pytest.raises(ConfigError) as e:
+        _plan_search(8, 2048, 1000)
+    assert "--global-batch-tokens 1000 is not a whole number of sequences of --seq-len 2048; use 2048" in str(
+        e.value
+    )
+    with pytest.raises(ConfigError) as e:
+        _plan_search(0, 0, 0)
+    assert "needs --devices N" in str(e.value) and "--seq-len 0 must be at least 1" in str(e.value)
+
+
+def test_a_batch_no_layout_can_split_names_the_batch_that_splits_not_more_devices():
+    # 128 sequences over 12 devices: 3 divides no tp, cp or pp of an 8B on 8-GPU nodes, so every layout keeps a
+    # data-parallel size with a factor 3. More devices or memory would not help; a batch of 132 splits.
+    with pytest.raises(ConfigError) as e:
+        _plan_search(12, 8192, 128 * 8192)
+    msg = str(e.value)
+    assert "every candidate was refused — global batch not divisible" in msg
+    assert "Use a global batch of 132 sequences" in msg and "more devices" not in msg
+
+
 def test_8b_on_8_h100_plans_are_ranked_and_all_validate(monkeypatch):
     cfg = _search_cfg("8B", 8192, 8192 * 16)
     plans, rejected, _ = search(cfg, ARGS_8B, 8, GPUS["h100"], 8)
