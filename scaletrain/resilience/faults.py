@@ -67,10 +67,12 @@ def _on_rank(f: FaultConfig, rank: int) -> bool:
     return want is None or want == rank
 
 
-def _spin(seconds: float) -> None:
-    """Keep the CPU busy for `seconds` of wall time."""
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+def _spin(seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
+    """Keep the CPU busy for `seconds` on `clock`: the clock the rank's busy time is measured with (CPU time on
+    CPU, so the slowed rank's work grows by the factor however many processes share the cores; a wall-clock spin
+    on an oversubscribed machine got half the CPU it promised and the slowdown fell below the detection factor)."""
+    deadline = clock() + seconds
+    while clock() < deadline:
         pass
 
 
@@ -217,10 +219,10 @@ class FaultInjector:
         an overflow (evaluation, in eval mode, is left alone)."""
         return output * math.nan if self._nan and module.training else None
 
-    def at_step_end(self, step: int, busy_s: float) -> float:
+    def at_step_end(self, step: int, busy_s: float, clock: Callable[[], float] = time.perf_counter) -> float:
         """slow: compute for another (factor - 1) x this step's busy time, as a processor `factor` times slower would
         (busy: it uses the CPU, unlike a sleep, so busy-time straggler detection sees it); returns the seconds
-        added. A slow rank stays slow for the rest of this process."""
+        added, on `clock` (the one busy_s was measured with). A slow rank stays slow for the rest of this process."""
         self._nan = False
         slept = 0.0
         for spec in self.specs:
@@ -233,7 +235,7 @@ class FaultInjector:
                     self._fired(spec, step, factor=spec.factor)
             if self._slowing[name]:
                 extra = (spec.factor - 1.0) * max(busy_s, 0.0)
-                _spin(extra)
+                _spin(extra, clock)
                 slept += extra
         return slept
 

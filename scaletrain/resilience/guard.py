@@ -118,7 +118,7 @@ class Guard:
 
     def step_end(self, step: int) -> None:
         if self.faults is not None:
-            self.faults.at_step_end(step, self.busy_clock() - self._busy0)
+            self.faults.at_step_end(step, self.busy_clock() - self._busy0, self.busy_clock)
         if self.straggler is not None:
             self.straggler.record(self.busy_clock() - self._busy0)
             for s in self.straggler.check(step, self.group):

@@ -40,7 +40,7 @@ def _ranks(rank: int, world_size: int, out: str) -> None:
     for step in range(1, 9):
         w0, c0 = time.perf_counter(), time.process_time()  # the Guard's busy clock on CPU
         _busy(WORK_S)  # each rank's own work
-        injector.at_step_end(step, time.process_time() - c0)
+        injector.at_step_end(step, time.process_time() - c0, time.process_time)
         dist.all_reduce(torch.ones(1))  # lock step, as the gradient all-reduce makes it
         monitor.record(time.process_time() - c0)
         walls.append(time.perf_counter() - w0)

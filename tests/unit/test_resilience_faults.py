@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -198,11 +199,14 @@ def test_spike_replaces_the_targets_with_seeded_noise(tmp_path):
 
 def test_slow_computes_factor_minus_one_times_the_step(tmp_path, monkeypatch):
     slept: list[float] = []
-    monkeypatch.setattr(faults, "_spin", slept.append)
+    monkeypatch.setattr(
+        faults, "_spin", lambda seconds, clock: slept.append(seconds) if clock is busy else None
+    )
+    busy = time.process_time  # the clock busy_s was measured with: the spin must count on it
     inj, ev = _injector(tmp_path, [fc("slow", rank=0, factor=3.0, step=4)])
-    assert inj.at_step_end(3, 0.5) == 0.0
-    assert inj.at_step_end(4, 0.5) == pytest.approx(1.0)
-    assert inj.at_step_end(5, 0.25) == pytest.approx(0.5)  # stays slow for the rest of this process
+    assert inj.at_step_end(3, 0.5, busy) == 0.0
+    assert inj.at_step_end(4, 0.5, busy) == pytest.approx(1.0)
+    assert inj.at_step_end(5, 0.25, busy) == pytest.approx(0.5)  # stays slow for the rest of this process
     assert slept == pytest.approx([1.0, 0.5])
     assert [c[1]["step"] for c in ev.calls] == [4] and ev.calls[0][1]["factor"] == 3.0
     restarted, _ = _injector(tmp_path, [fc("slow", rank=0, factor=3.0, step=4)])
@@ -249,12 +253,13 @@ def test_concurrent_ranks_keep_every_record(tmp_path):
     assert sorted((r["rank"], r["step"]) for r in records) == [(r, s) for r in range(4) for s in range(1, 11)]
 
 
-def test_spin_stays_busy_for_the_wall_time_asked(monkeypatch):
-    # Busy, not asleep: busy-time straggler detection (CPU time) must see an injected slowdown. A fake clock keeps
-    # this deterministic: on a loaded machine the real CPU time a spin gets is up to the scheduler.
+def test_spin_stays_busy_for_the_time_asked_on_the_busy_clock(monkeypatch):
+    # Busy, not asleep: busy-time straggler detection (CPU time) must see an injected slowdown, and the spin counts
+    # on the clock the rank is measured with (CPU time on CPU: a wall-clock spin on cores shared with other
+    # processes gets only part of the CPU it promised). A fake clock keeps this deterministic.
     now, calls = [100.0], []
 
-    def perf_counter():
+    def clock():
         calls.append(now[0])
         now[0] += 0.01
         return now[0]
@@ -262,7 +267,6 @@ def test_spin_stays_busy_for_the_wall_time_asked(monkeypatch):
     def sleep(_seconds):
         raise AssertionError("_spin must not sleep: a sleeping rank uses no CPU time")
 
-    monkeypatch.setattr(faults.time, "perf_counter", perf_counter)
     monkeypatch.setattr(faults.time, "sleep", sleep)
-    faults._spin(0.2)
-    assert now[0] - 100.0 >= 0.2 and len(calls) >= 20  # polled the clock the whole time
+    faults._spin(0.2, clock)
+    assert now[0] - 100.0 >= 0.2 and len(calls) >= 20  # polled the given clock the whole time
