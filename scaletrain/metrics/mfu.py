@@ -14,6 +14,8 @@ from typing import Literal
 
 import torch
 
+from scaletrain.precision.policy import cpu_flags
+
 Precision = Literal["bf16", "fp32"]  # as in TrainingConfig.precision
 
 _DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -129,14 +131,7 @@ def cpu_model_name() -> str:
 def cpu_features() -> str:
     """The CPU and the vector/matrix features that decide its fp32 and bf16 speed (AVX2, AVX-512, AVX512-BF16, AMX),
     as /proc/cpuinfo lists them: what every benchmark prints beside its figures."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = cpu_flags()
     have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     return f"{cpu_model_name()} ({', '.join(have) or 'none of avx2/avx512/amx'})"
 
