@@ -134,9 +134,10 @@ GPUS: dict[str, DeviceProfile] = {
     "a100": _gpu("NVIDIA A100 SXM4 80GB", 312.0, None, 19.5, 80 * GiB, 2.039, 600, 200),
     "b200": _gpu("NVIDIA B200 (HGX)", 2250.0, 4500.0, 80.0, 179 * GiB, 8.0, 1800, 400),
 }
+UNCALIBRATED = "uncalibrated defaults: run `scaletrain plan --calibrate` for this machine's figures"
 # A CPU until calibrated: a modest figure so that plans run (a calibrated profile replaces every one of these).
 DEFAULT_CPU = DeviceProfile(
-    name="cpu (uncalibrated: run `scaletrain plan --calibrate`)",
+    name="cpu",
     kind="cpu",
     peak_flops={"fp32": 50e9, "bf16": 50e9},
     matmul={"fp32": (2e-5, 40e9), "bf16": (2e-5, 20e9)},
@@ -153,7 +154,7 @@ DEFAULT_CPU = DeviceProfile(
     op_overhead_s=1e-3,
     step_overhead_s=5e-3,
     cores=os.cpu_count() or 1,
-    source="default",
+    source=UNCALIBRATED,
 )
 KINDS = (*GPUS, "cpu")
 PROFILE_FILE = "planner_profile.json"

@@ -16,7 +16,7 @@ from scaletrain.models.llama import count_parameters
 from scaletrain.models.presets import build_meta_model, resolve_model_args
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.planner import commands
-from scaletrain.planner.hardware import GPUS, DeviceProfile, load_profile, save_profile
+from scaletrain.planner.hardware import GPUS, UNCALIBRATED, DeviceProfile, load_profile, save_profile
 from scaletrain.planner.memory import ZERO_PAPER_BYTES, GiB, model_state_bytes, per_rank_bytes
 from scaletrain.planner.search import search
 from scaletrain.planner.time import (
@@ -288,7 +288,7 @@ def test_calibration_fits_the_constant_that_reproduces_the_measured_step():
 
 
 def test_a_calibrated_profile_is_saved_and_picked_for_cpu(tmp_path):
-    assert load_profile("cpu", tmp_path).source == "default"
+    assert load_profile("cpu", tmp_path).source == UNCALIBRATED
     prof = dataclasses.replace(load_profile("cpu"), name="measured", source="calibrated test")
     save_profile(prof, tmp_path)
     assert load_profile("cpu", tmp_path) == prof
@@ -317,7 +317,8 @@ def test_gpu_calibration_measures_in_place_of_the_datasheet_fractions(tmp_path):
                                                                     sheet.inter_latency)  # fmt: skip
     assert load_profile("h200", tmp_path) == prof
     assert (
-        load_profile("h100", tmp_path) == GPUS["h100"] and load_profile("cpu", tmp_path).source == "default"
+        load_profile("h100", tmp_path) == GPUS["h100"]
+        and load_profile("cpu", tmp_path).source == UNCALIBRATED
     )
     assert gpu_kind("NVIDIA A100-SXM4-80GB") == "a100"
     with pytest.raises(ConfigError, match="no datasheet profile for 'Tesla V100'.*H100"):
