@@ -157,10 +157,8 @@ def build(cfg: Config) -> Job:
     # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     global_batch = global_batch_sequences(cfg.training, cfg.data.seq_len)
-    d, seed = cfg.data, cfg.training.seed
-    loader = first(
-        lambda: build_loader(d, tokenizer, global_batch, dims.dp_rank, dims.dp_size, seed, log.info)
-    )
+    loader = first(lambda: build_loader(cfg.data, tokenizer, global_batch, dims.dp_rank, dims.dp_size,
+                                        cfg.training.seed, log.info))  # fmt: skip
 
     # -- Model: built on meta, materialised with a fixed seed, then parallelised (and wrapped) from outside.
     args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
@@ -168,51 +166,42 @@ def build(cfg: Config) -> Job:
     if cfg.model.init_from.startswith("hf:"):
         load_hf_weights(model, Path(cfg.model.init_from[3:]))
     n_params = count_parameters(model)
-    n_micro = resolve_microbatches(
-        cfg.parallel.pp_microbatches, global_batch // dims.dp_size, cfg.training.micro_batch
-    )
+    n_micro = resolve_microbatches(cfg.parallel.pp_microbatches, global_batch // dims.dp_size,
+                                   cfg.training.micro_batch)  # fmt: skip
     precision = resolve_precision(cfg.training, fsdp_applies(dims, cfg.parallel.data_parallel), env.device)
     pm = parallelize(model, dims, cfg.parallel, device=env.device, n_microbatches=n_micro, memory=cfg.memory,
                      compile=cfg.training.compile, precision=cfg.precision,
                      precision_policy=precision)  # fmt: skip
     del model
-    make_optimizer = optimizer_builder(
-        cfg.optimizer, cfg.parallel.data_parallel, dims.submesh("dp_cp"), env.device
-    )
+    dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, the loss averaged for spikes
+    make_optimizer = optimizer_builder(cfg.optimizer, cfg.parallel.data_parallel, dp_cp, env.device)
     optimizers = Optimizers(pm.parts, make_optimizer, cfg.optimizer, cfg.training.steps)
     eod = tokenizer.eod_id if cfg.data.document_mask else None  # masks attention at document ends
     runner = build_step_runner(pm, dims, cfg.parallel, cfg.training, env.device, eod, precision)
 
     # -- What resumes: one dict of Stateful objects, saved and restored by the checkpoint tiers and rollbacks.
     train_state = TrainState(dims.control)
-    state = dict(
-        model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state
-    )
     moe = MoEMonitor.for_model(pm.parts, args.n_layers, args.n_experts, cfg.moe, dims, writer.event)
-    state.update(runner.resumable() | moe.resumable())  # fp16: the loss scaler; MoE: imbalance streaks
-    state["comm"] = pm.comm  # PowerSGD's error feedback and Q factors (parallel.grad_compression); else empty
+    # Besides the model, optimizer, data position and step: the runner's (fp16: the loss scaler), MoE's imbalance
+    # streaks, and comm (PowerSGD's error feedback and Q factors with parallel.grad_compression; else empty).
+    state = dict(model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state,
+                 **runner.resumable(), **moe.resumable(), comm=pm.comm)  # fmt: skip
     layout = dims.describe(cfg.parallel)
-    ckpt = build_checkpointing(
-        cfg.checkpoint, cfg.resilience, run_dir, run_id, state, env, dims.control, layout, writer.event
-    )
+    ckpt = build_checkpointing(cfg.checkpoint, cfg.resilience, run_dir, run_id, state, env, dims.control, layout,
+                               writer.event)  # fmt: skip
 
     # -- Resilience: faults attach where each failure happens (loader, output layer, storage writer, commit).
     faults = None
     if cfg.resilience.inject:
-        faults = FaultInjector(
-            cfg.resilience.inject, env.rank, run_dir, writer.event if env.is_main else None
-        )
+        faults = FaultInjector(cfg.resilience.inject, env.rank, run_dir, writer.event if env.is_main else None)  # fmt: skip
         loader = faults.attach(loader, pm.parts, ckpt, vocab_size=args.vocab_size)
-    dp_cp = dims.submesh("dp_cp")
-    guard = Guard(
-        cfg.resilience, run_dir, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp), faults
-    )
+    guard = Guard(cfg.resilience, run_dir, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
+                  faults)  # fmt: skip
 
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).
     cache = resolve_cache_dir(cfg.data)
-    peak, peak_source = first(
-        lambda: metrics.device_peak_flops(env.device, precision.mfu_peak, cfg.metrics.peak_tflops, cache)
-    )
+    peak, peak_source = first(lambda: metrics.device_peak_flops(env.device, precision.mfu_peak,
+                                                                cfg.metrics.peak_tflops, cache))  # fmt: skip
     tokens_per_step = global_batch * cfg.data.seq_len
     flops_tok = metrics.flops_per_token(n_params["active"], args.n_layers, args.dim, cfg.data.seq_len)
     meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device, cfg.training.compile)
@@ -251,9 +240,8 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
 def _finish(job: Job, step: int, last: dict, wall: float, stopped: str | None) -> dict:
     """The summary (goodput over the whole job, the final save included), the end event, the printed table."""
     goodput = final_goodput(job.run_dir) if job.env.is_main else None
-    summary = metrics.run_summary(
-        step, last, job.evals, goodput=goodput, wall_s=wall, world_size=job.env.world_size
-    )
+    summary = metrics.run_summary(step, last, job.evals, goodput=goodput, wall_s=wall,
+                                  world_size=job.env.world_size)  # fmt: skip
     job.writer.event("end", step=step, stopped=stopped, **summary)
     job.writer.close()
     if job.env.is_main:
