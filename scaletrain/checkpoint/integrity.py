@@ -22,10 +22,10 @@ def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
 
 def write_commit(fs: fsspec.AbstractFileSystem, ckpt_dir: str, info: dict) -> None:
     """Checksum every file, then write the marker atomically (write aside, rename): a crash at any point leaves
-    either no marker or a complete one."""
+    either no marker or a complete one. Files are named relative to the checkpoint folder."""
     files = {}
     for path in sorted(fs.find(ckpt_dir)):
-        name = path[len(ckpt_dir.rstrip("/")) + 1 :]
+        name = relative_name(fs, ckpt_dir, path)
         if name != COMMIT and not name.endswith(".tmp"):
             files[name] = {"size": fs.size(path), "sha256": _sha256(fs, path)}
     body = json.dumps({**info, "time": time.time(), "files": files}, indent=1)
@@ -33,6 +33,16 @@ def write_commit(fs: fsspec.AbstractFileSystem, ckpt_dir: str, info: dict) -> No
     with fs.open(tmp, "w") as f:
         f.write(body)
     fs.mv(tmp, f"{ckpt_dir}/{COMMIT}")
+
+
+def relative_name(fs: fsspec.AbstractFileSystem, ckpt_dir: str, path: str) -> str:
+    """`path` (as fs.find lists it) relative to `ckpt_dir` (as the user gave it). fsspec lists paths in its own
+    form: absolute and without the protocol (a relative local folder, file://, memory://, s3://bucket/...), so the
+    folder is put in that form before it is cut off."""
+    root = fs._strip_protocol(ckpt_dir).rstrip("/")
+    if not path.startswith(root + "/"):
+        raise ValueError(f"{path} is not inside the checkpoint {ckpt_dir}")
+    return path[len(root) + 1 :]
 
 
 def read_commit(fs: fsspec.AbstractFileSystem, ckpt_dir: str) -> dict | None:

@@ -71,6 +71,27 @@ def test_save_then_load_restores_everything(tmp_path, async_save):
     assert sched2.last_epoch == sched.last_epoch and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
+@pytest.mark.parametrize("form", ["relative", "file://", "memory://"])
+def test_every_form_of_checkpoint_location_resumes(tmp_path, monkeypatch, form):
+    """Issue 21 (1): commit.json named its files by cutting fsspec's absolute, protocol-less listing at the length
+    of the folder as typed, so a relative folder or a URL committed names no file and never resumed."""
+    monkeypatch.chdir(tmp_path)
+    root = {
+        "relative": "runs/x/ck",
+        "file://": f"file://{tmp_path}/ck",
+        "memory://": f"memory://t{id(form)}/ck",
+    }
+    state, model, *_, train = make_state()
+    train.step = 3
+    mgr = CheckpointManager(CheckpointConfig(async_save=False), root[form], state, rank=0, world_size=1)
+    mgr.save(3)
+    assert verify(mgr.fs, mgr.path(3)) is None
+    state2, model2, *_, train2 = make_state(seed=1)
+    mgr2 = CheckpointManager(CheckpointConfig(), root[form], state2, rank=0, world_size=1)
+    assert mgr2.load_latest() == 3 and train2.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
 def test_corrupted_and_half_written_checkpoints_fall_back(tmp_path):
     state, *_, train = make_state()
     events = []
