@@ -30,7 +30,7 @@ from scaletrain.parallel.parallelize import fsdp_applies, parallelize
 from scaletrain.parallel.pipeline import resolve_microbatches
 from scaletrain.precision import resolve_precision
 from scaletrain.resilience.faults import FaultInjector
-from scaletrain.resilience.goodput import final_goodput
+from scaletrain.resilience.goodput import final_goodput, read_jsonl
 from scaletrain.resilience.guard import Guard
 from scaletrain.resilience.preemption import Preemption
 from scaletrain.resilience.timelimit import JobLimits
@@ -80,11 +80,9 @@ def train(cfg: Config) -> dict:
                     last = _log(job, step, loss, grad_norm, lr)
                 progress.update(step, last.get("loss", math.nan), last.get("tokens_per_s", 0.0), lr,
                                 last.get("mfu"), job.writer.last_event)  # fmt: skip
-                if job.preemption.requested():
-                    job.writer.event("preempted", step=step, signal="SIGTERM")
-                    log.warning("SIGTERM: stopping after step %d (%s)", step, job.ckpt.final_save_note())
-                    break
-                if job.limits.time_up(step, job.ckpt.save_seconds):  # run.time_limit, agreed by every rank
+                if _stopping(job, step):
+                    if last.get("step") != step:  # stopped between logged steps: the summary shows this one
+                        last = _log(job, step, loss, grad_norm, lr)
                     break
                 job.meter.exclude(job.ckpt.maybe_save(step))
                 job.guard.step_end(step)
@@ -217,8 +215,18 @@ def _is_eval_step(step: int, t: TrainingConfig) -> bool:
     return bool(t.eval_interval) and (step % t.eval_interval == 0 or step == t.steps)
 
 
+def _stopping(job: Job, step: int) -> bool:
+    """SIGTERM or run.time_limit ends the job after this step (each agreed by every rank)."""
+    if job.preemption.requested():
+        job.writer.event("preempted", step=step, signal="SIGTERM")
+        log.warning("SIGTERM: stopping after step %d (%s)", step, job.ckpt.final_save_note())
+        return True
+    return job.limits.time_up(step, job.ckpt.save_seconds)
+
+
 def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict:
-    """One metrics record (the loss averaged over data-parallel ranks), with validation on evaluation steps."""
+    """One metrics record (the loss averaged over data-parallel ranks), with validation on evaluation steps;
+    returned with its step."""
     record = {
         "loss": all_reduce_mean(loss, job.dims.submesh("dp_cp")).item(),
         "lr": lr,
@@ -234,13 +242,20 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
         record.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
     job.writer.log(step, record)
     log.info(metrics.log_line(step, job.cfg.training.steps, record))
-    return record
+    return {"step": step, **record}
 
 
 def _finish(job: Job, step: int, last: dict, wall: float, stopped: str | None) -> dict:
-    """The summary (goodput over the whole job, the final save included), the end event, the printed table."""
-    goodput = final_goodput(job.run_dir) if job.env.is_main else None
-    summary = metrics.run_summary(step, last, job.evals, goodput=goodput, wall_s=wall,
+    """The summary at the step the run stopped at, the end event, the printed table. Its figures are the run's, read
+    back from rank 0's records where this start lacks them: the validation losses of every start (the first is the
+    first start's), the record of the stop step when this start trained none, goodput over the whole job (the final
+    save included)."""
+    evals, goodput = job.evals, None
+    if job.env.is_main:
+        evals = {**metrics.recorded_evals(read_jsonl(job.run_dir / "events.jsonl")), **job.evals}
+        last = last or metrics.record_at(read_jsonl(job.run_dir / "metrics.jsonl"), step)
+        goodput = final_goodput(job.run_dir)
+    summary = metrics.run_summary(step, step * job.tokens_per_step, last, evals, goodput=goodput, wall_s=wall,
                                   world_size=job.env.world_size)  # fmt: skip
     job.writer.event("end", step=step, stopped=stopped, **summary)
     job.writer.close()

@@ -18,7 +18,15 @@ from scaletrain.metrics.mfu import (
 )
 from scaletrain.metrics.moe import MoEMonitor
 from scaletrain.metrics.profile import Profiler
-from scaletrain.metrics.progress import Progress, announce, log_line, print_summary, run_summary
+from scaletrain.metrics.progress import (
+    Progress,
+    announce,
+    log_line,
+    print_summary,
+    record_at,
+    recorded_evals,
+    run_summary,
+)
 from scaletrain.metrics.writer import MetricsWriter
 
 __all__ = [
@@ -40,5 +48,7 @@ __all__ = [
     "peak_memory_mib",
     "log_line",
     "print_summary",
+    "record_at",
+    "recorded_evals",
     "run_summary",
 ]

@@ -114,12 +114,14 @@ def log_line(step: int, total: int, m: dict) -> str:
     )
 
 
-def run_summary(step: int, last: dict, evals: dict[int, float], **extra: object) -> dict:
-    """The end-of-run figures from the last metrics record and the validation losses by step."""
-    vals = [evals[s] for s in sorted(evals)]
+def run_summary(step: int, tokens: int, last: dict, evals: dict[int, float], **extra: object) -> dict:
+    """The end-of-run figures at `step`, where the run stopped: `tokens` trained up to it, `last` its metrics record
+    (its loss, throughput and MFU), `evals` the run's validation losses by step across all its starts (those past
+    `step`, from a branch a rollback discarded, left out)."""
+    vals = [evals[s] for s in sorted(evals) if s <= step]
     return {
         "steps": step,
-        "tokens": last.get("tokens", 0),
+        "tokens": tokens,
         "final_loss": last.get("loss"),
         "first_val_loss": vals[0] if vals else None,
         "final_val_loss": vals[-1] if vals else None,
@@ -127,6 +129,22 @@ def run_summary(step: int, last: dict, evals: dict[int, float], **extra: object)
         "mfu": last.get("mfu"),
         **extra,
     }
+
+
+def recorded_evals(events: list[dict]) -> dict[int, float]:
+    """{step: val_loss} of a run's `eval` events (events.jsonl, every start of the run); a step evaluated again after a
+    rollback or a restart keeps its latest value. A non-finite loss, written as null, is left out."""
+    out: dict[int, float] = {}
+    for e in events:
+        step, val = e.get("step"), e.get("val_loss")
+        if e.get("kind") == "eval" and isinstance(step, int) and isinstance(val, int | float):
+            out[step] = float(val)
+    return out
+
+
+def record_at(records: list[dict], step: int) -> dict:
+    """The latest metrics record (metrics.jsonl) of `step`, {} when there is none."""
+    return next((r for r in reversed(records) if r.get("step") == step), {})
 
 
 def announce(

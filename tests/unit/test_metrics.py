@@ -21,6 +21,8 @@ from scaletrain.metrics import (
     mfu,
     peak_memory_mib,
     print_summary,
+    recorded_evals,
+    run_summary,
 )
 from tests.helpers import read_jsonl
 
@@ -206,3 +208,21 @@ def test_print_summary_lists_every_row():
     print_summary({"steps": "200", "MFU": "41.0%"}, console=Console(file=out, width=80))
     text = out.getvalue()
     assert "Run summary" in text and "steps" in text and "200" in text and "41.0%" in text
+
+
+def test_run_summary_takes_the_runs_evaluations_up_to_the_stop_step():
+    """The first validation loss is the run's (an earlier start's), a step evaluated again keeps its latest value,
+    and an evaluation past the stop step (from a branch a rollback discarded) is not the final one."""
+    events = [
+        {"kind": "eval", "step": 0, "val_loss": 6.0},
+        {"kind": "eval", "step": 10, "val_loss": 3.0},
+        {"kind": "rollback", "step": 12, "to_step": 5},
+        {"kind": "eval", "step": 10, "val_loss": 2.9},
+        {"kind": "eval", "step": 20, "val_loss": None},  # a non-finite loss, written as null
+        {"kind": "start", "step": 0, "val_loss": 1.0},
+    ]
+    evals = recorded_evals(events)
+    assert evals == {0: 6.0, 10: 2.9}
+    summary = run_summary(12, 12 * 512, {"loss": 2.5}, {**evals, 15: 2.0})
+    assert summary["tokens"] == 6144 and summary["final_loss"] == 2.5
+    assert (summary["first_val_loss"], summary["final_val_loss"]) == (6.0, 2.9)
