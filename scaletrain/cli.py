@@ -17,7 +17,7 @@ from typing import Any
 
 from scaletrain.bench import results_json, run_bench
 from scaletrain.config import Config
-from scaletrain.config_io import all_keys, default_run_dir, help_text, load_config
+from scaletrain.config_io import all_keys, help_text, load_config, to_dict
 from scaletrain.convert import from_hf, to_hf, to_quantized
 from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.data.sources import Skipped, embedded_corpus_files, list_files, read_documents
@@ -30,6 +30,7 @@ from scaletrain.parity import run_parity
 from scaletrain.planner.commands import auto_overrides, dry_run, run_plan
 from scaletrain.precision.qat import WEIGHT_DTYPES
 from scaletrain.report import write_report
+from scaletrain.rundir import RunDir, continue_command, default_run_dir, shown
 
 USAGE = """\
 scaletrain train        --config FILE [--nproc N] [--max-restarts R] [--section.key VALUE ...]
@@ -189,6 +190,12 @@ def _unknown_flag(sub: _Parser, flag: str, value: str) -> str:
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc < 1:
         raise ConfigError("--nproc must be >= 1")
+    typed = ["train", *(["--config", args.config] if args.config else [])]
+    typed += [
+        *(["--nproc", str(args.nproc)] if args.nproc > 1 else []),
+        *_flag("--max-restarts", args.max_restarts),
+    ]
+    typed += overrides  # the command as typed, for the line that says how to continue
     if args.max_restarts is not None:
         overrides = [*overrides, "--resilience.max_restarts", str(args.max_restarts)]
     under = under_torchrun()
@@ -203,16 +210,44 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.dry_run:
         print(dry_run(cfg, world))
         return 0
-    if not under and (args.nproc > 1 or cfg.resilience.max_restarts > 0):
-        cfg.run.dir = cfg.run.dir or default_run_dir(cfg.run.name)  # fixed here, so the sample finds the run
-        code = launch_local(cfg, args.config, overrides, args.nproc, cfg.resilience.max_restarts)
-    else:
-        code = run_training(cfg)  # fills in cfg.run.dir; STOPPED_EXIT_CODE when stopped early
-    if code == 0 and cfg.metrics.sample_prompt and os.environ.get("RANK", "0") == "0":
-        print(sample_line(Path(cfg.run.dir), cfg.metrics.sample_prompt))
-    if code == 0 and cfg.metrics.report and os.environ.get("RANK", "0") == "0":
-        _report_after_training(Path(cfg.run.dir))
+    if not cfg.run.dir and not under:
+        # No --run.dir: the run this same command trained before, else a new directory (scaletrain.rundir);
+        # loaded again so that every check sees it (an outside torchrun's rank 0 picks it in train.build).
+        run = default_run_dir(cfg.run.name, to_dict(cfg))
+        overrides = [*overrides, "--run.dir", str(run.path)]
+        try:
+            cfg = load_config(args.config, overrides, world_size=world, check_run_dir=first)
+        except ConfigError:
+            if not any(run.path.iterdir()):
+                run.path.rmdir()  # made just now for this start: nothing to keep
+            raise
+    run = RunDir.at(cfg.run.dir) if cfg.run.dir else None
+    is_main = os.environ.get("RANK", "0") == "0"
+    if run is not None and (done := run.finished(cfg.training.steps)) is not None:
+        if is_main:
+            print(f"{shown(run.path)} finished at step {done} of {cfg.training.steps}: nothing to train, nothing "
+                  f"changed. Sample it: scaletrain generate {shown(run.path)} --prompt TEXT; to train it further, "
+                  "raise --training.steps and add --run.accept_changes training.steps; for a new run, give a new "
+                  "--run.dir")  # fmt: skip
+        return 0
+    code = 1
+    try:
+        if not under and (args.nproc > 1 or cfg.resilience.max_restarts > 0):
+            code = launch_local(cfg, args.config, overrides, args.nproc, cfg.resilience.max_restarts)
+        else:
+            code = run_training(cfg)  # STOPPED_EXIT_CODE when stopped early
+    finally:
+        if run is not None and is_main and run.started() and run.finished(cfg.training.steps) is None:
+            print(f"to continue this run: {continue_command(typed, run.path)}", file=sys.stderr)
+    if code == 0 and cfg.metrics.sample_prompt and is_main and run is not None:
+        print(sample_line(run.path, cfg.metrics.sample_prompt))
+    if code == 0 and cfg.metrics.report and is_main and run is not None:
+        _report_after_training(run.path)
     return code
+
+
+def _flag(name: str, value: object) -> list[str]:
+    return [] if value is None else [name, str(value)]
 
 
 def _add_report_command(commands: argparse._SubParsersAction) -> _Parser:

@@ -390,7 +390,9 @@ class ProfileConfig:
 @dataclass
 class RunConfig:
     dir: str = ""
-    """Run directory. Empty: runs/<name>-<date>-<time>. An existing run is never overwritten."""
+    """Run directory (relative to the working directory, stored absolute). Empty: the newest runs/<name>-<date>-<time>
+    that the same command trained (so the same command continues its run), else a new one. An existing run is
+    continued from its newest intact checkpoint, never overwritten."""
     name: str = ""
     """Run name; empty: the config file's stem."""
     accept_changes: list[str] = field(default_factory=list)
@@ -400,6 +402,9 @@ class RunConfig:
     """Wall time of this job, e.g. "3h50m", "90s", "2h" (from the job start: $SCALETRAIN_JOB_START, else the
     process start): stop with a committed checkpoint while one more step and the save still fit, and exit 75.
     Empty: no limit."""
+    start_over: bool = False
+    """Train this run again from step 0 although it holds no intact checkpoint (all rejected, or none saved); a
+    run that does is otherwise refused. Rejected checkpoints stay, moved aside as checkpoints/rejected-step-N."""
     stop_at_step: int = 0
     """Stop at this step of the configured schedule (training.steps and the LR schedule unchanged) with a
     committed checkpoint, and exit 75; the same command without it continues the run. 0: off."""

@@ -15,7 +15,6 @@ import inspect
 import sys
 import types
 import typing
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -24,6 +23,7 @@ import tomli_w
 from scaletrain.config import Config, SourceConfig
 from scaletrain.errors import ConfigError
 from scaletrain.resume import resume_problems
+from scaletrain.rundir import RunDir, absolute
 from scaletrain.validate import validate
 
 if sys.version_info >= (3, 11):
@@ -45,15 +45,46 @@ def load_config(
     if not problems:
         if not cfg.run.name and path:
             cfg.run.name = Path(path).stem
+        resolve_paths(cfg)
         problems += validate(cfg, world_size, check_run_dir=check_run_dir)
-    saved = Path(cfg.run.dir) / "config.toml" if cfg.run.dir else None
-    if not problems and check_run_dir and saved is not None and saved.is_file():
-        # A start in an existing run directory resumes that run: it must be the same run.
-        old = with_defaults(read_toml(str(saved)))
-        problems += resume_problems(old, to_dict(cfg), cfg.run.accept_changes)
+    run = RunDir.at(cfg.run.dir) if cfg.run.dir else None
+    if not problems and check_run_dir and run is not None and run.started():
+        # A start in a run directory that trained continues that run: it must be the same run.
+        problems += resume_problems(saved_config(run), to_dict(cfg), cfg.run.accept_changes)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def resolve_paths(cfg: Config) -> None:
+    """Make every local path the config names absolute against the working directory, as it enters: the run's
+    config.toml then names the same files from any directory, and a resume compares paths, not their spellings.
+    URLs (s3://, file://, ...) stay as written."""
+
+    def local(path: str) -> str:
+        return path if not path or "://" in path else str(absolute(path))
+
+    cfg.run.dir = local(cfg.run.dir)
+    cfg.data.cache_dir = local(cfg.data.cache_dir)
+    cfg.checkpoint.storage = local(cfg.checkpoint.storage)
+    if cfg.data.tokenizer != "byte":
+        cfg.data.tokenizer = local(cfg.data.tokenizer)
+    for source in cfg.data.sources:
+        source.path = local(source.path)
+    if cfg.model.init_from.startswith("hf:"):
+        cfg.model.init_from = "hf:" + local(cfg.model.init_from[3:])
+
+
+def saved_config(run: RunDir) -> dict:
+    """The resolved config a run last started with, with today's defaults for keys it lacks and its paths made
+    absolute (a run saved before paths were stored resolved named them relative to the directory it ran from,
+    which a continuing command is typed from too)."""
+    saved = with_defaults(read_toml(str(run.config)))
+    cfg, problems = to_dataclass(Config, saved)
+    if problems:
+        return saved  # resume_problems names what differs
+    resolve_paths(cfg)
+    return to_dict(cfg)
 
 
 def with_defaults(saved: dict) -> dict:
@@ -85,11 +116,6 @@ def to_dict(cfg: object) -> dict:
         return v
 
     return clean(dataclasses.asdict(cfg))
-
-
-def default_run_dir(name: str) -> str:
-    """The run directory of a run that names none: runs/<name>-<YYYYmmdd-HHMMSS> (local time)."""
-    return f"runs/{name or 'run'}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 class CliValue(str):

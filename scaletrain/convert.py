@@ -23,7 +23,6 @@ from scaletrain.checkpoint.hf import (
 )
 from scaletrain.checkpoint.hf_moe import config_sections
 from scaletrain.checkpoint.integrity import COMMIT, verify
-from scaletrain.checkpoint.manager import checkpoint_root, read_run_id
 from scaletrain.checkpoint.safe_load import make_reader
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import Config
@@ -40,6 +39,7 @@ from scaletrain.precision.qat import (
     qat_problems,
     save_quantized,
 )
+from scaletrain.rundir import RunDir
 
 log = logging.getLogger("scaletrain")
 
@@ -68,7 +68,7 @@ def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, Path]:
         ckpt, run_dir = src, src.parent.parent
     else:
         run_dir = src
-        ckpt = _newest_intact(Path(checkpoint_root(_run_config(src).checkpoint, src, read_run_id(src) or "")))
+        ckpt = _newest_intact(Path(RunDir.at(src).checkpoint_root(_run_config(src).checkpoint)))
     if not (run_dir / "config.toml").is_file():
         raise UserError(f"{run_dir} has no config.toml; give a run directory or a checkpoint inside one")
     cfg = _run_config(run_dir)

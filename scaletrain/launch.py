@@ -29,7 +29,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
 from scaletrain.config import Config
-from scaletrain.config_io import default_run_dir, load_config
+from scaletrain.config_io import load_config
 from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.errors import STOPPED_EXIT_CODE, UserError, report_errors, run_exit_code
 from scaletrain.metrics.writer import append_event
@@ -115,7 +115,7 @@ def launch_local(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
-    run_dir = Path(cfg.run.dir or default_run_dir(cfg.run.name))
+    run_dir = Path(cfg.run.dir)  # the CLI resolved it (scaletrain.rundir)
     prepare_data(cfg.data, load_tokenizer(cfg.data.tokenizer), log=log.info)
     worker_args = [*overrides, "--run.dir", str(run_dir)]
     if cfg.run.name:

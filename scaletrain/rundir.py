@@ -1,43 +1,236 @@
-"""The run directory: resolved on rank 0 (a default one carries a timestamp), created, its config.toml written (the
-configs of earlier starts kept as config.<n>.toml), and the run's id (made when the directory is first used, the same for every restart) shared with every rank."""
+"""The run directory's one owner: where it is (resolved once, absolute), the names of its files, its JSONL records
+(one reader, safe against a torn last line), and what a start finds there — a fresh directory, a run to continue,
+a finished run, or one to refuse. A run counts as a run once it started training (its `start` event): a start that
+failed before that leaves nothing that blocks the corrected command.
+
+Without --run.dir the command picks the directory: the newest runs/<name>-<date>-<time>[-n] whose run has the same
+resolved config (so typing the command again continues that run), else a new one (unique even when two runs start
+in the same second)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shlex
+import sys
 import uuid
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import tomli_w
 import torch.distributed as dist
 
-from scaletrain.config import Config
-from scaletrain.config_io import default_run_dir, read_toml, to_dict, tomllib, write_toml
+from scaletrain.config import CheckpointConfig
 from scaletrain.parallel.mesh import broadcast_object
+from scaletrain.resume import resume_problems
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CONFIG = "config.toml"
+RUN_ID = "run_id"
+EVENTS = "events.jsonl"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+LOGS = "logs"
+RUNS_ROOT = "runs"  # where runs without --run.dir go, under the working directory
 
 
-def _keep_history(path: Path, resolved: dict) -> None:
-    """Write the resolved config; a different one already there (an earlier start of this run, e.g. with another
-    learning rate accepted) is kept as config.<n>.toml first, n = 1, 2, ... in the order of the starts."""
-    if path.is_file() and read_toml(str(path)) != tomllib.loads(tomli_w.dumps(resolved)):
-        n = 1
-        while path.with_name(f"config.{n}.toml").exists():
-            n += 1
-        path.rename(path.with_name(f"config.{n}.toml"))
-    write_toml(resolved, path)
+def read_jsonl(path: str | Path, skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file, [] when it does not exist. A line that is not a JSON object (a kill or a
+    full disk can cut one short) is passed over; its line number goes to `skipped` when given, so a reader that
+    shows the records can say what it left out."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                out.append(obj)
+            elif skipped is not None:
+                skipped.append(number)
+    return out
 
 
-def open_run_dir(cfg: Config, is_main: bool, group: dist.ProcessGroup | None) -> tuple[Path, str]:
-    """Return the run directory and the run id; `group` is the CPU control group (None on one process)."""
-    if not cfg.run.name:
-        cfg.run.name = "run"
-    if not cfg.run.dir:
-        cfg.run.dir = str(broadcast_object(default_run_dir(cfg.run.name), group))
-    run_dir = Path(cfg.run.dir)
-    run_id = None
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _keep_history(run_dir / "config.toml", to_dict(cfg))
-        id_file = run_dir / "run_id"
+def end_torn_line(path: Path) -> None:
+    """Close a last line left without its newline (a writer killed mid-line, a full disk), so that the next record
+    starts a line of its own instead of being glued to the fragment and lost with it."""
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+    except FileNotFoundError:
+        pass
+
+
+def shown(path: Path) -> str:
+    """A path as the working directory sees it: relative below it, else absolute."""
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def absolute(path: str | Path) -> Path:
+    """A path as the user typed it, made absolute against the working directory (links are kept as typed)."""
+    return Path(os.path.abspath(os.path.expanduser(str(path))))
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @classmethod
+    def at(cls, path: str | Path) -> RunDir:
+        return cls(absolute(path))
+
+    # -- its files ---------------------------------------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def events(self) -> Path:
+        return self.path / EVENTS
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def logs(self) -> Path:
+        return self.path / LOGS
+
+    def run_id(self) -> str | None:
+        """The run's id (written at its first start; it keys the memory tier's snapshots), None before."""
+        path = self.path / RUN_ID
+        return path.read_text().strip() if path.is_file() else None
+
+    def checkpoint_root(self, cfg: CheckpointConfig, run_id: str | None = None) -> str:
+        """<run dir>/checkpoints, or <checkpoint.storage>/<run id>: a storage root shared by several runs holds
+        one folder per run, so no run resumes from, or retention deletes, another's."""
+        if not cfg.storage:
+            return str(self.path / CHECKPOINTS)
+        return f"{cfg.storage.rstrip('/')}/{run_id or self.run_id() or ''}"
+
+    def read_events(self, skipped: list[int] | None = None) -> list[dict]:
+        return read_jsonl(self.events, skipped)
+
+    def read_metrics(self, skipped: list[int] | None = None) -> list[dict]:
+        return read_jsonl(self.metrics, skipped)
+
+    # -- what a start finds ------------------------------------------------------------------------------------
+    def started(self) -> bool:
+        """True once a start of this run reached training (wrote its `start` event, or metrics)."""
+        return any(e.get("kind") == "start" for e in self.read_events()) or bool(self.read_metrics())
+
+    def last_outcome(self) -> dict | None:
+        """The last start's `end` event, None when the last start did not end (still running, or it crashed)."""
+        last = None
+        for e in self.read_events():
+            if e.get("kind") in ("start", "end"):
+                last = e
+        return last if last is not None and last.get("kind") == "end" else None
+
+    def finished(self, steps: int) -> int | None:
+        """The step a finished run ended at (>= steps, with no early stop), None when it has more to train."""
+        end = self.last_outcome()
+        if end is None or end.get("stopped") or not isinstance(end.get("step"), int):
+            return None
+        return end["step"] if end["step"] >= steps else None
+
+    def saved_config(self) -> dict | None:
+        """The resolved config of the last start, None when there is none (or it cannot be read)."""
+        try:
+            return tomllib.loads(self.config.read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            return None
+
+    def open(self, resolved: dict) -> str:
+        """Create the directory, write the resolved config (an earlier start's different one kept as
+        config.<n>.toml; the config of a start that never trained is simply replaced) and the run id; return the
+        id."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for f in (self.events, self.metrics):
+            end_torn_line(f)
+        text = tomli_w.dumps(resolved)
+        if self.started() and self.saved_config() not in (None, tomllib.loads(text)):
+            n = 1
+            while self.config.with_name(f"config.{n}.toml").exists():
+                n += 1
+            self.config.rename(self.config.with_name(f"config.{n}.toml"))
+        self.config.write_text(text)
+        id_file = self.path / RUN_ID
         if not id_file.exists():
             id_file.write_text(uuid.uuid4().hex + "\n")
-        run_id = id_file.read_text().strip()
-    return run_dir, broadcast_object(run_id, group)
+        return id_file.read_text().strip()
+
+
+_DEFAULT_NAME = re.compile(r"-(\d{8}-\d{6})(?:-(\d+))?$")
+
+
+def default_run_dir(name: str, resolved: dict, root: str | Path = RUNS_ROOT) -> RunDir:
+    """The run directory of a command without --run.dir (`resolved`: its resolved config): the newest
+    runs/<name>-<date>-<time>[-n] whose run this config continues (the same run by scaletrain.resume's rules, so
+    typing the command again, with or without run.stop_at_step or another layout, continues its run), else a new
+    one, made here with an exclusive mkdir so that two runs started in the same second get two directories."""
+    name, root = name or "run", absolute(root)
+    accepted = resolved.get("run", {}).get("accept_changes", [])
+    made = []
+    for d in root.glob(f"{name}-*"):
+        m = _DEFAULT_NAME.search(d.name)
+        if m and d.name[: m.start()] == name:
+            made.append(((m.group(1), int(m.group(2) or 1)), d))
+    for _, d in sorted(made, reverse=True):
+        saved = RunDir(d).saved_config()
+        if saved is not None and not resume_problems(saved, resolved, accepted):
+            return RunDir(d)
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    for n in range(1, 1000):
+        path = root / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return RunDir(path)
+    raise FileExistsError(f"could not make a new run directory under {root}")
+
+
+def continue_command(argv: list[str], run_dir: Path) -> str:
+    """The command that continues a run: the one typed, without run.stop_at_step (which ended this start), with
+    --run.dir when the command named none (as the working directory sees it)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.replace("_", "-").startswith("--run.stop-at-step"):
+            i += 1 if "=" in arg else 2
+            continue
+        out.append(arg)
+        i += 1
+    if not any(a.replace("_", "-").startswith("--run.dir") for a in out):
+        out += ["--run.dir", shown(run_dir)]
+    return shlex.join(["scaletrain", *out])
+
+
+def open_run_dir(resolved: dict, is_main: bool, group: dist.ProcessGroup | None) -> tuple[RunDir, str]:
+    """The run directory and the run id on every rank; rank 0 opens it and writes `resolved` (the config) there.
+    `group` is the CPU control group (None on one process). A job started by an outside torchrun without --run.dir
+    goes where rank 0's default_run_dir says (the CLI fills it in for every other start)."""
+    path = resolved["run"].get("dir")
+    if not path:
+        path = str(default_run_dir(resolved["run"].get("name", ""), resolved).path) if is_main else None
+        path = broadcast_object(path, group)
+        resolved = {**resolved, "run": {**resolved["run"], "dir": path}}
+    run = RunDir.at(path)
+    run_id = run.open(resolved) if is_main else None
+    return run, broadcast_object(run_id, group)

@@ -19,6 +19,7 @@ from scaletrain import metrics
 from scaletrain.checkpoint import CheckpointManager, LoaderState, ModelState, TrainState, build_checkpointing
 from scaletrain.checkpoint.hf import load_hf_weights
 from scaletrain.config import Config, TrainingConfig
+from scaletrain.config_io import to_dict
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
 from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
 from scaletrain.models import build_model, count_parameters, resolve_model_args
@@ -148,7 +149,8 @@ def build(cfg: Config) -> Job:
     dims = ParallelDims.from_config(cfg.parallel, env.world_size)
     dims.build_mesh(env.device.type)
     first = partial(main_first, env.is_main, dims.control)  # rank 0 first, then the others
-    run_dir, run_id = open_run_dir(cfg, env.is_main, dims.control)
+    run, run_id = open_run_dir(to_dict(cfg), env.is_main, dims.control)
+    run_dir = run.path
     writer = MetricsWriter(run_dir, env.is_main, cfg.metrics.tensorboard, cfg.metrics.wandb_project)
 
     # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
@@ -185,8 +187,8 @@ def build(cfg: Config) -> Job:
     state = dict(model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state,
                  **runner.resumable(), **moe.resumable(), comm=pm.comm)  # fmt: skip
     layout = dims.describe(cfg.parallel)
-    ckpt = build_checkpointing(cfg.checkpoint, cfg.resilience, run_dir, run_id, state, env, dims.control, layout,
-                               writer.event)  # fmt: skip
+    ckpt = build_checkpointing(cfg.checkpoint, cfg.resilience, run, run_id, state, env, dims.control, layout,
+                               writer.event, start_over=cfg.run.start_over)  # fmt: skip
 
     # -- Resilience: faults attach where each failure happens (loader, output layer, storage writer, commit).
     faults = None

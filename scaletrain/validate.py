@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.hf import hf_dir_problems
-from scaletrain.checkpoint.manager import checkpoint_root, has_committed_checkpoint, read_run_id
+from scaletrain.checkpoint.manager import has_committed_checkpoint
 from scaletrain.config import (
     CheckpointConfig,
     Config,
@@ -45,6 +45,7 @@ from scaletrain.precision.policy import precision_problems
 from scaletrain.precision.qat import qat_problems
 from scaletrain.resilience.faults import validate_specs
 from scaletrain.resilience.timelimit import limit_problems
+from scaletrain.rundir import RunDir
 
 
 def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[str]:
@@ -84,7 +85,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     cuda = cfg.training.device != "cpu" and torch.cuda.is_available()
     problems += profile_problems(cfg.profile, cfg.training.steps, world_size, cuda)
     problems += _checkpoint(cfg.checkpoint)
-    problems += _run(cfg.run, cfg.checkpoint) if check_run_dir else []
+    problems += _run(cfg.run, cfg.checkpoint, cfg.resilience) if check_run_dir else []
     problems += limit_problems(cfg.run, cfg.training.steps, cfg.checkpoint.enabled)
     problems += _resilience(cfg.resilience, world_size)
     problems += _memory(cfg, world_size)
@@ -473,19 +474,19 @@ def _optimizer(o: OptimizerConfig) -> list[str]:
     return problems
 
 
-def _run(r: RunConfig, c: CheckpointConfig) -> list[str]:
+def _run(r: RunConfig, c: CheckpointConfig, res: ResilienceConfig) -> list[str]:
     if not r.dir:
         return []
-    path = Path(r.dir)
-    run_id = read_run_id(path)
-    resumable = (
-        c.enabled and run_id is not None and has_committed_checkpoint(checkpoint_root(c, path, run_id))
-    )
-    for marker in ("events.jsonl", "metrics.jsonl"):
-        if (path / marker).exists() and not resumable:
+    run = RunDir.at(r.dir)
+    path = run.path
+    # A run counts once it started training: a start that failed before (bad data, say) blocks nothing.
+    if run.started() and not r.start_over:
+        saved = c.enabled and run.run_id() is not None and has_committed_checkpoint(run.checkpoint_root(c))
+        if not saved and res.memory_interval == 0:
             return [
-                f"run.dir '{r.dir}' already holds a run ({marker}) with no checkpoint to resume from; it is "
-                "never overwritten: choose a new --run.dir, or move that directory away"
+                f"run.dir '{r.dir}' already holds a run that trained but has no committed checkpoint to continue from; it "
+                "is never overwritten: choose a new --run.dir, or add --run.start_over true to train it again "
+                "from step 0 (its records are kept)"
             ]
     if path.exists() and not path.is_dir():
         return [f"run.dir '{r.dir}' is a file, not a directory; choose another --run.dir"]

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import fsspec
 import torch
@@ -32,6 +31,7 @@ from scaletrain.checkpoint.safe_load import make_reader, read_metadata
 from scaletrain.config import CheckpointConfig, ResilienceConfig
 from scaletrain.errors import UserError
 from scaletrain.parallel.mesh import broadcast_object
+from scaletrain.rundir import RunDir
 
 log = logging.getLogger("scaletrain")
 _STEP_DIR = re.compile(r"step-(\d{8})$")
@@ -68,8 +68,10 @@ class CheckpointManager:
         memory: MemoryTier | None = None,
         memory_interval: int = 0,
         device_type: str = "cpu",
+        start_over: bool = False,
     ):
         self.cfg = cfg
+        self.start_over = start_over  # run.start_over: no intact checkpoint is no reason to refuse
         self.enabled = (
             cfg.enabled
         )  # storage checkpoints; a disabled manager saves nothing and loads only memory
@@ -347,26 +349,31 @@ class CheckpointManager:
     def load_latest(self) -> int | None:
         """Load the newest complete copy across tiers into the state: the memory snapshot when it is at least as
         new as the newest committed storage checkpoint (and of the same layout), else the newest intact storage
-        checkpoint (which reshards into any layout). Returns its step, None when there is none."""
+        checkpoint (which reshards into any layout), else an older memory snapshot. Returns its step, None when
+        there is none. Raises UserError when the run has committed checkpoints and none of either tier is intact
+        (unless run.start_over): a run never silently starts over."""
         self.wait()
         mem = self.memory.latest_complete_step() if self.memory is not None else None
         stored = self.committed_steps()[-1:] if self.enabled else []
         if mem is not None and (not stored or mem >= stored[0]):
-            self.memory.restore(mem, self.state)
-            self.event(
-                "checkpoint_loaded",
-                step=mem,
-                source="memory",
-                from_peer=bool(getattr(self.memory, "restored_from_peer", False)),
-                seconds=self.memory.last_restore_s,
-            )
-            log.info(
-                "resumed from the in-memory snapshot of step %d (%.2fs)", mem, self.memory.last_restore_s
-            )
-            self._last_snapshot = mem
-            return self._loaded(mem, "memory")
-        step = self._load_storage() if self.enabled else None
+            return self._load_memory(mem)
+        step = self._load_storage(refuse=mem is None) if self.enabled else None
+        if step is None and mem is not None:
+            return self._load_memory(mem)
         return self._loaded(step, "storage" if step is not None else "none")
+
+    def _load_memory(self, step: int) -> int:
+        self.memory.restore(step, self.state)
+        self.event(
+            "checkpoint_loaded",
+            step=step,
+            source="memory",
+            from_peer=bool(getattr(self.memory, "restored_from_peer", False)),
+            seconds=self.memory.last_restore_s,
+        )
+        log.info("resumed from the in-memory snapshot of step %d (%.2fs)", step, self.memory.last_restore_s)
+        self._last_snapshot = step
+        return self._loaded(step, "memory")
 
     def _loaded(self, step: int | None, source: str) -> int | None:
         self.last_source = source
@@ -376,10 +383,15 @@ class CheckpointManager:
         self._probe_at = start + AUTO_PROBE_STEPS if self.cfg.interval == "auto" else None
         return step
 
-    def _load_storage(self) -> int | None:
-        """The newest intact storage checkpoint; a corrupted or half-written one is logged and skipped in favour of
-        the one before it."""
-        choice = None
+    def _load_storage(self, refuse: bool) -> int | None:
+        """The newest intact storage checkpoint. One that fails its check is skipped in favour of the one before
+        it, and a committed one is then moved aside (rejected-step-N-<time>: kept for a look, and out of the way of
+        a later save of the same step). `refuse`: raise UserError, moving nothing, when committed checkpoints exist
+        and none is intact (unless run.start_over)."""
+        choice, rejected = (
+            None,
+            [],
+        )  # rejected: (step, reason) of committed checkpoints that failed their check
         if self.rank == 0:
             for step in reversed(self._all_steps()):
                 reason = verify(self.fs, self.path(step))
@@ -388,7 +400,22 @@ class CheckpointManager:
                     break
                 log.warning("checkpoint %s skipped: %s", self.path(step), reason)
                 self.event("checkpoint_rejected", step=step, path=self.path(step), reason=reason)
-        choice = broadcast_object(choice, self.group)
+                if read_commit(self.fs, self.path(step)) is not None:  # committed, then damaged
+                    rejected.append((step, reason))
+        choice, rejected = broadcast_object((choice, rejected), self.group)
+        if choice is None and rejected and refuse and not self.start_over:
+            memory = "holds no complete snapshot of it" if self.memory is not None else "is off"
+            raise UserError(
+                "this run has checkpoints but none is intact, so it cannot continue (nothing was changed):\n"
+                + "".join(f"  {self.path(s)}: {reason}\n" for s, reason in rejected)
+                + f"  the in-memory tier {memory}\nRestore a checkpoint, or add --run.start_over true to train "
+                "the run again from step 0 (the damaged checkpoints are then kept aside as rejected-step-N)"
+            )
+        if self.rank == 0:
+            for step, reason in rejected:
+                aside = f"{self.root}/rejected-step-{step:08d}-{time.strftime('%Y%m%d-%H%M%S')}"
+                self.fs.mv(self.path(step), aside, recursive=True)
+                self.event("checkpoint_moved_aside", step=step, path=aside, reason=reason)
         if choice is None:
             return None
         path = self.path(choice)
@@ -416,20 +443,6 @@ class CheckpointManager:
             self.group = None
 
 
-def checkpoint_root(cfg: CheckpointConfig, run_dir: Path | str, run_id: str) -> str:
-    """Where a run's checkpoints live: <run.dir>/checkpoints, or <checkpoint.storage>/<run id>. A storage root
-    shared by several runs holds one folder per run, so no run resumes from, or retention deletes, another's."""
-    if not cfg.storage:
-        return str(Path(run_dir) / "checkpoints")
-    return f"{cfg.storage.rstrip('/')}/{run_id}"
-
-
-def read_run_id(run_dir: Path | str) -> str | None:
-    """The id of the run in `run_dir` (written at its first start), None when it has none yet."""
-    path = Path(run_dir) / "run_id"
-    return path.read_text().strip() if path.is_file() else None
-
-
 def has_committed_checkpoint(root: str) -> bool:
     fs, _ = fsspec.core.url_to_fs(root)
     return fs.exists(root) and any(
@@ -442,21 +455,22 @@ def has_committed_checkpoint(root: str) -> bool:
 def build_checkpointing(
     cfg: CheckpointConfig,
     res: ResilienceConfig,
-    run_dir: Path,
+    run: RunDir,
     run_id: str,
     state: dict,
     env,
     group: dist.ProcessGroup | None,
     layout: str,
     event: Callable[..., None],
+    start_over: bool = False,
 ) -> CheckpointManager:
     """Both tiers for a run: storage (DCP, when checkpoint.enabled) and the in-memory tier (when
     resilience.memory_interval > 0). `group` is the CPU control group; memory snapshots use it, as they run in
-    the training thread between steps."""
+    the training thread between steps. `start_over`: run.start_over."""
     memory = None
     if res.memory_interval > 0:
         memory = MemoryTier(
-            job_key(run_dir, run_id),
+            job_key(run.path, run_id),
             make_layout_key(env.world_size, layout),
             group=group,
             max_bytes=res.memory_max_mb << 20,
@@ -464,7 +478,7 @@ def build_checkpointing(
         )
     return CheckpointManager(
         cfg,
-        checkpoint_root(cfg, run_dir, run_id),
+        run.checkpoint_root(cfg, run_id),
         state,
         rank=env.rank,
         world_size=env.world_size,
@@ -472,4 +486,5 @@ def build_checkpointing(
         memory=memory,
         memory_interval=res.memory_interval,
         device_type=env.device.type,
+        start_over=start_over,
     )
