@@ -64,17 +64,6 @@ def read_jsonl(path: str | Path, skipped: list[int] | None = None) -> list[dict[
     return out
 
 
-def end_torn_line(path: Path) -> None:
-    """Close a last line left without its newline (a writer killed mid-line, a full disk), so that the next record
-    starts a line of its own instead of being glued to the fragment and lost with it."""
-    try:
-        with open(path, "rb+") as f:
-            if f.seek(0, os.SEEK_END) and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
-                f.write(b"\n")
-    except FileNotFoundError:
-        pass
-
-
 def shown(path: Path) -> str:
     """A path as the working directory sees it: relative below it, else absolute."""
     return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
@@ -160,8 +149,6 @@ class RunDir:
         config.<n>.toml; the config of a start that never trained is simply replaced) and the run id; return the
         id."""
         self.path.mkdir(parents=True, exist_ok=True)
-        for f in (self.events, self.metrics):
-            end_torn_line(f)
         text = tomli_w.dumps(resolved)
         if self.started() and self.saved_config() not in (None, tomllib.loads(text)):
             n = 1

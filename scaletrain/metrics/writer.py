@@ -80,11 +80,16 @@ def append_line(path: Path, line: str) -> bool:
     data = line.encode()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as e:
         return _dropped(path, e)
     error: OSError | None = None
     try:
+        # A last line left without its newline (a writer killed mid-line, a short write that could not be cut
+        # back) is closed first, so this record starts a line of its own instead of being lost with the fragment.
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
         written = os.write(fd, data)
         if written != len(data):
             _cut_back(fd, written)

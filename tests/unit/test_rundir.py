@@ -46,8 +46,7 @@ def test_a_torn_last_line_swallows_no_record(tmp_path):
     append_event(tmp_path, "start", 0)
     with open(run.events, "a") as f:
         f.write('{"time": 1, "kind": "ev')
-    run.open({"run": {}})  # a new start closes the torn line
-    append_event(tmp_path, "start", 5)
+    append_event(tmp_path, "start", 5)  # closes the torn line first
     skipped = []
     records = read_jsonl(run.events, skipped)
     assert [r["step"] for r in records] == [0, 5] and skipped == [2]
