@@ -18,10 +18,13 @@ DEBUG = str(ROOT / "configs" / "debug.toml")
 QUICK = ["--metrics.progress", "false", "--metrics.tensorboard", "false", "--training.threads", "1"]
 
 
-def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = 300, check: bool = True, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """`scaletrain ARGS` in a subprocess, from the checkout (or `cwd`: the user's own working directory)."""
     cmd = [sys.executable, "-m", "scaletrain", *args]
     with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=os.environ.copy()
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=os.environ.copy()
     ) as p:
         try:
             out, err = p.communicate(timeout=timeout)
