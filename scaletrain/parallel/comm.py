@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+import zlib
+from functools import partial
 
 import numpy as np
 import torch
@@ -116,8 +118,9 @@ class PowerSGD:
     torch keys the error feedback and the low-rank Q factors by DDP bucket index, and the buckets change: DDP
     rebuilds them after the first step in the order the gradients became ready, and a resumed process starts again
     from its initial buckets. So the state is kept per parameter in the checkpoint and re-laid into whatever
-    buckets the hook sees (`_relayout`). Errors differ per rank (keys error.rank{r}.<name>); the Q factors, the
-    step count and the RNG that draws the first Q are the same on every rank."""
+    buckets the hook sees (`_relayout`), and new Qs are drawn per parameter (`_seed_qs`), not per bucket. Errors
+    differ per rank (keys error.rank{r}.<name>); the Q factors and the step count are the same on every rank. (The
+    state's RNG, which no longer draws, is still saved: checkpoints keep their keys.)"""
 
     def __init__(self, ddp: DDP, group: dist.ProcessGroup, pcfg: ParallelConfig, meter: CommMeter) -> None:
         self.ddp, self.meter, self.world = ddp, meter, group.size()
@@ -126,23 +129,53 @@ class PowerSGD:
             process_group=group,
             matrix_approximation_rank=pcfg.powersgd_rank,
             start_powerSGD_iter=pcfg.powersgd_start_iter,
-            warm_start=pcfg.powersgd_warm_start,
+            warm_start=True,  # the hook always takes the Qs in q_memory_dict: _seed_qs draws them (see there)
             use_error_feedback=True,
             random_seed=0,
         )
         self.names = {id(p): n for n, p in ddp.module.named_parameters() if p.requires_grad}
         self.params = {n: p for n, p in ddp.module.named_parameters() if p.requires_grad}
+        # Warm start keeps each step's Qs for the next; without it _seed_qs draws new ones every step.
+        self.warm = pcfg.powersgd_warm_start
         self.layouts: dict[int, Layout] = {}
         self.pending: dict[str, torch.Tensor] = {}  # per-parameter state not yet laid into buckets
+        # CUDA futures (NCCL) run their callbacks as the work is queued, in the order of the calls: no race.
+        self.serial = dist.get_backend(group) == "gloo"
+        self._tail: torch.futures.Future | None = None  # the future of this step's latest bucket
         ddp.register_comm_hook(self, PowerSGD._hook)
 
     # -- the hook
     def _hook(self, bucket):
         # Unannotated: DDP compares the hook's annotations with dist.GradBucket and Future[Tensor] themselves, and
         # under `from __future__ import annotations` they are strings.
+        if not self.serial:
+            return self._compress(bucket)
+        # gloo: torch's hook issues each bucket's P and Q all-reduces from callbacks on gloo's worker threads, where
+        # they race the next bucket's first all-reduce, and gloo pairs collectives by the order they are issued:
+        # with several buckets the ranks disagreed ("Received data size doesn't match expected size"). So a bucket
+        # starts once the one before it has finished; DDP hands over the buckets in index order on every rank.
+        if bucket.index() == 0:
+            self._tail = None
+        done, prev = torch.futures.Future(), self._tail
+        self._tail = done
+
+        def start(_: object = None) -> None:
+            try:
+                self._compress(bucket).add_done_callback(partial(_settle, done))
+            except Exception as e:
+                done.set_exception(e)
+
+        if prev is None:
+            start()
+        else:
+            prev.add_done_callback(start)
+        return done
+
+    def _compress(self, bucket):
         layout = self._layout(bucket)
         if self.layouts.get(bucket.index()) != layout:
             self._relayout(bucket.index(), layout, bucket.buffer())
+        self._seed_qs(bucket.index(), layout, bucket.buffer())
         st = self.state
         before, plain = st.total_numel_after_compression, st.iter < st.start_powerSGD_iter
         fut = powerSGD_hook.powerSGD_hook(st, bucket)
@@ -204,12 +237,34 @@ class PowerSGD:
             err = st.error_dict[b]
             for name, offset, shape in layout:
                 out[f"error.{name}"] = err[offset : offset + math.prod(shape)].clone()
-        if st.warm_start and b in st.q_memory_dict:
+        if self.warm and b in st.q_memory_dict:
             q, at = st.q_memory_dict[b], 0
             for name, numel, _ in self._compressed(layout):
                 out[f"q.{name}"] = q[at : at + numel].clone()
                 at += numel
         return out
+
+    def _seed_qs(self, b: int, layout: Layout, buffer: torch.Tensor) -> None:
+        """Draw bucket b's Q factors where the hook would: at its first compressed step (every compressed step
+        without warm start). torch draws one seed per bucket from its state's RNG, so its Qs depend on how the
+        parameters fall into buckets, and a resumed process's first step runs in DDP's initial single bucket: a
+        checkpoint saved before the first compressed step resumed into other Qs than the uninterrupted run drew.
+        Here each matrix's Q comes from its parameter's name and the step's iteration: any bucketing, the same
+        Qs, on every rank (the hook orthogonalises them, as it does its own draws)."""
+        st = self.state
+        if st.iter < st.start_powerSGD_iter or (self.warm and b in st.p_memory_dict):
+            return
+        compressed = self._compressed(layout)
+        if not compressed:
+            return
+        draws = []
+        for name, q_numel, _ in compressed:
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{name}@{st.iter}".encode()))
+            draws.append(torch.randn(q_numel, generator=gen))
+        st.q_memory_dict[b] = torch.cat(draws).to(buffer.device, buffer.dtype)
+        # P is recomputed from Q before it is read (P = M Q): only its memory must exist.
+        p_numel = sum(p for _, _, p in compressed)
+        st.p_memory_dict[b] = torch.empty(p_numel, dtype=buffer.dtype, device=buffer.device)
 
     def _join(self, b: int, layout: Layout, buffer: torch.Tensor) -> None:
         """Build bucket b's error and Q from the pending per-parameter state (taking what it uses)."""
@@ -269,6 +324,14 @@ class PowerSGD:
         st.p_memory_dict.clear()
         st.q_memory_dict.clear()
         self.layouts = {}
+
+
+def _settle(done: torch.futures.Future, fut: torch.futures.Future) -> None:
+    """Complete `done` with `fut`'s result or exception."""
+    try:
+        done.set_result(fut.value())
+    except Exception as e:
+        done.set_exception(e)
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------------------

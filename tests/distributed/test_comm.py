@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from scaletrain.checkpoint import ModelState
 from scaletrain.config import ParallelConfig, TrainingConfig
+from scaletrain.models import ModelArgs
 from scaletrain.optim import Optimizers
 from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
@@ -63,8 +64,8 @@ def comm_case(rank: int, world_size: int, spec: dict) -> dict:
     """A DDP hook case (its losses and bytes per step), the PowerSGD resume, or an FSDP layout case (held to the
     reference by check_equivalent) with its mean bytes per step."""
     spec = dict(spec)
-    if spec.pop("resume", False):
-        return {"facts": _resume_facts(world_size)}
+    if resume := spec.pop("resume", None):
+        return {"facts": _resume_facts(world_size, **resume)}
     if spec.get("data_parallel") == "fsdp":
         got = layout_case(rank, world_size, spec)
         got["facts"]["comm_bytes"] = got["run"].pm.comm.total / STEPS
@@ -72,8 +73,7 @@ def comm_case(rank: int, world_size: int, spec: dict) -> dict:
     return {"facts": _bytes_per_step(ParallelConfig(**spec), world_size)}
 
 
-def _build(pcfg: ParallelConfig, world_size: int):
-    args = tiny_args()
+def _build(pcfg: ParallelConfig, world_size: int, args: ModelArgs):
     dims = ParallelDims.from_config(pcfg, world_size)
     dims.build_mesh("cpu")
     pm = parallelize(full_model(args), dims, pcfg, device=CPU, n_microbatches=1)
@@ -82,36 +82,51 @@ def _build(pcfg: ParallelConfig, world_size: int):
     return dims, pm, optimizers, runner
 
 
-def _steps(dims, pm, optimizers, runner, batches) -> list[float]:
+def _steps(dims, pm, optimizers, runner, batches) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each step."""
     local = batches[0][0].shape[0] // dims.dp_size
     rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
-    losses = []
+    out = []
     for x, y in batches:
         loss = runner.forward_backward(x[rows], y[rows])
-        runner.clip()
+        norm = runner.clip().item()
         optimizers.step()
-        losses.append(all_reduce_mean(loss, dims.submesh("dp_cp")).item())
-    return losses
+        out.append((all_reduce_mean(loss, dims.submesh("dp_cp")).item(), norm))
+    return out
 
 
-def _resume_facts(world_size: int) -> dict:
-    """10 steps straight, against 5 steps, a DCP checkpoint of model + optimizer + PowerSGD state, and 5 more
-    steps in freshly built objects (whose DDP starts again from its initial buckets)."""
-    pcfg = ParallelConfig(grad_compression="powersgd", powersgd_rank=RANK, powersgd_start_iter=START)
-    batches = global_batches(tiny_args())
-    straight = _steps(*_build(pcfg, world_size), batches)
-    dims, pm, optimizers, runner = _build(pcfg, world_size)
-    first = _steps(dims, pm, optimizers, runner, batches[:5])
+# Several DDP buckets: a 4096-token vocabulary makes the embedding and the output layer 1 MiB each, wider blocks
+# make three of them over 1 MiB, and 1 MiB buckets (parallel.ddp_bucket_mb, its smallest) split them into 3 once DDP
+# has rebuilt its buckets after the first step. A fresh (resumed) process starts again from one initial bucket.
+BUCKETS_ARGS = dict(vocab_size=4096, n_layers=3, ffn_hidden=512)
+
+
+def _resume_facts(world_size: int, save_at: int, bucket_mb: int, **model: int) -> dict:
+    """10 steps straight, against `save_at` steps, a DCP checkpoint of model + optimizer + PowerSGD state, and the
+    rest in freshly built objects (whose DDP starts again from its initial buckets): their losses, grad norms and
+    final weights, and the buckets PowerSGD saw."""
+    pcfg = ParallelConfig(grad_compression="powersgd", powersgd_rank=RANK, powersgd_start_iter=START,
+                          ddp_bucket_mb=bucket_mb)  # fmt: skip
+    args = tiny_args(**model)
+    batches = global_batches(args)
+    dims, pm, optimizers, runner = _build(pcfg, world_size, args)
+    straight = _steps(dims, pm, optimizers, runner, batches)
+    buckets = len(pm.comm.powersgd.layouts)
+    want = {k: v.clone() for k, v in pm.parts[0].module.state_dict().items()}
+    dims, pm, optimizers, runner = _build(pcfg, world_size, args)
+    first = _steps(dims, pm, optimizers, runner, batches[:save_at])
     path = [tempfile.mkdtemp(prefix="powersgd-") if dims.dp_rank == 0 else None]
     torch.distributed.broadcast_object_list(path, group=dims.control)
     state = {"model": ModelState(pm.parts), "optimizer": optimizers, "comm": pm.comm}
     dcp.save(state, checkpoint_id=path[0], process_group=dims.control)
     saved_iter = pm.comm.powersgd.state.iter
-    dims, pm, optimizers, runner = _build(pcfg, world_size)
+    dims, pm, optimizers, runner = _build(pcfg, world_size, args)
     state = {"model": ModelState(pm.parts), "optimizer": optimizers, "comm": pm.comm}
     dcp.load(state, checkpoint_id=path[0], process_group=dims.control)
-    resumed = _steps(dims, pm, optimizers, runner, batches[5:])
-    return {"straight": straight, "resumed": first + resumed, "saved_iter": saved_iter}
+    resumed = _steps(dims, pm, optimizers, runner, batches[save_at:])
+    got = pm.parts[0].module.state_dict()
+    return {"straight": straight, "resumed": first + resumed, "saved_iter": saved_iter, "buckets": buckets,
+            "weights_differ": [k for k in want if not torch.equal(want[k], got[k])]}  # fmt: skip
 
 
 FSDP_2 = {
@@ -130,7 +145,9 @@ def hooks(tmp_path_factory):
         "zero1_powersgd": dict(
             data_parallel="zero1", grad_compression="powersgd", powersgd_rank=RANK, powersgd_start_iter=START
         ),
-        "resume": dict(resume=True),
+        "resume": dict(resume=dict(save_at=5, bucket_mb=25)),
+        "resume_buckets": dict(resume=dict(save_at=5, bucket_mb=1, **BUCKETS_ARGS)),
+        "resume_buckets_at_start": dict(resume=dict(save_at=START, bucket_mb=1, **BUCKETS_ARGS)),
         **FSDP_2,
     }
     # The FSDP layouts' weights are held to PARAM_ATOL as every other layout's (a CPU with AMX moved one by 1.2e-5).
@@ -184,8 +201,23 @@ def test_powersgd_under_zero1_trains_as_under_ddp(hooks):
 
 def test_powersgd_state_resumes_bit_for_bit(hooks):
     for facts in hooks["resume"]["facts"]:
+        assert facts["buckets"] == 1
         assert facts["saved_iter"] == 5  # the state was live (compressing since step 3) when saved
         assert facts["resumed"] == facts["straight"]
+        assert facts["weights_differ"] == []
+
+
+@pytest.mark.parametrize("case", ["resume_buckets", "resume_buckets_at_start"])
+def test_powersgd_state_over_several_buckets_resumes_bit_for_bit(hooks, case):
+    """The error feedback and Q factors of several buckets, re-laid into the resumed process's single initial bucket
+    and then into its rebuilt buckets: the same losses, grad norms and weights as the uninterrupted run. Saved at
+    step 5 (compressing since step 3), and at step START, the last plain step, so that the first compressed step
+    draws its Q factors in the resumed process."""
+    for facts in hooks[case]["facts"]:
+        assert facts["buckets"] >= 3
+        assert facts["saved_iter"] == (5 if case == "resume_buckets" else START)
+        assert facts["resumed"] == facts["straight"]
+        assert facts["weights_differ"] == []
 
 
 # -- FSDP2: prefetch and reshard_after_forward -----------------------------------------------------------------
