@@ -3,6 +3,7 @@ resolved configs (and their differences), the end-of-run summaries and the event
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from scaletrain.errors import UserError
@@ -12,6 +13,8 @@ from scaletrain.report.runs import Run, config_diff, event_marks, read_run, run_
 
 __all__ = ["Run", "config_diff", "event_marks", "read_run", "write_report"]
 
+log = logging.getLogger("scaletrain")
+
 
 def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     """Write <out>/index.html and one PNG per plot for the runs (overlaid); return the page's path. `out`
@@ -20,6 +23,13 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
         raise UserError("give at least one run directory: scaletrain report RUN_DIR [RUN_DIR ...]")
     paths = [Path(p) for p in run_dirs]
     runs = [read_run(p, name) for p, name in zip(paths, run_names(paths))]
+    for run in runs:
+        for file, lines in run.unreadable.items():
+            log.warning(
+                "%s: line(s) %s are no JSON record (cut short by a kill or a full disk?); the report leaves them out",
+                run.path / file,
+                ", ".join(map(str, lines[:10])) + (" ..." if len(lines) > 10 else ""),
+            )
     out = Path(out) if out is not None else paths[0] / "report"
     page = out / "index.html"
     try:

@@ -12,15 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import UserError
-from scaletrain.resilience.goodput import compute_goodput, read_jsonl
+from scaletrain.resilience.goodput import compute_goodput
 from scaletrain.resume import flatten
+from scaletrain.rundir import CONFIG, EVENTS, METRICS, RunDir
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-RUN_FILES = ("config.toml", "metrics.jsonl", "events.jsonl")
+RUN_FILES = (CONFIG, METRICS, EVENTS)
 
 
 @dataclass
@@ -36,6 +37,8 @@ class Run:
     """The fields of the last `end` event: None while the run is going, or when it ended without one."""
     goodput: dict | None
     """compute_goodput's breakdown, None when the records cannot say (no `start` event)."""
+    unreadable: dict[str, list[int]]
+    """Per file, the numbers of the lines that are no JSON record (cut short by a kill or a full disk), left out."""
 
 
 def read_run(path: Path, name: str | None = None) -> Run:
@@ -49,10 +52,11 @@ def read_run(path: Path, name: str | None = None) -> Run:
             "training run wrote (its --run.dir, by default runs/<name>-<date>-<time>)"
         )
     by_step: dict[int, dict] = {}
-    for record in read_jsonl(path / "metrics.jsonl"):
+    run, unreadable = RunDir(path), {METRICS: [], EVENTS: []}
+    for record in run.read_metrics(unreadable[METRICS]):
         if isinstance(record.get("step"), int):
             by_step[record["step"]] = record
-    events = read_jsonl(path / "events.jsonl")
+    events = run.read_events(unreadable[EVENTS])
     ends = [e for e in events if e.get("kind") == "end"]
     summary = {k: v for k, v in ends[-1].items() if k not in ("time", "kind", "step")} if ends else None
     try:
@@ -60,7 +64,8 @@ def read_run(path: Path, name: str | None = None) -> Run:
     except (ValueError, OSError):
         goodput = None
     metrics = [by_step[s] for s in sorted(by_step)]
-    return Run(path, name or path.name, _read_config(path), metrics, events, summary, goodput)
+    unreadable = {f: lines for f, lines in unreadable.items() if lines}
+    return Run(path, name or path.name, _read_config(path), metrics, events, summary, goodput, unreadable)
 
 
 def _read_config(path: Path) -> dict:

@@ -65,6 +65,13 @@ def test_a_run_reads_back_with_the_history_it_ended_with(tmp_path):
     assert val_series(run) == ([0, 4], [6.0, 2.5])  # from the eval events: the one before step 1 included
     assert run.summary == {"steps": 4, "final_loss": 1.0}
     assert run.goodput is not None and run.goodput["total_s"] == pytest.approx(2.0)
+    assert run.unreadable == {"metrics.jsonl": [7]}  # issue 21 (13): said, not dropped silently
+
+
+def test_the_report_says_which_lines_it_left_out(tmp_path, caplog):
+    _jsonl(tmp_path / "events.jsonl", [{"time": 1.0, "kind": "start", "step": 0}], tail='{"time": 2')
+    write_report([tmp_path])
+    assert "events.jsonl: line(s) 2 are no JSON record" in caplog.text
 
 
 def test_validation_falls_back_to_the_metrics_records(tmp_path):
