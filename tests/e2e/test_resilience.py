@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from scaletrain.convert import load_run_model
@@ -79,6 +78,9 @@ def test_a_slowed_rank_is_named_in_lock_step_data_parallel(tmp_path):
 
 
 def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):
+    """A NaN step is skipped; ENOSPC raised inside DCP's storage writer (async save, the default) reaches us as DCP's
+    CheckpointException (a BaseException): the run reports checkpoint_failed, trains on, and the checkpoints before
+    and after it are committed. (Both save modes, step by step: tests/unit/test_checkpoint.py.)"""
     run = tmp_path / "run"
     run_cli(
         "train",
@@ -94,10 +96,12 @@ def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):
     (skipped,) = events(run, "skipped_step")
     assert skipped["step"] == 4 and skipped["skipped_total"] == 1
     (failed,) = events(run, "checkpoint_failed")
-    assert failed["step"] == 6 and "No space" in failed["error"]
+    assert failed["step"] == 6 and "CheckpointException" in failed["error"] and "No space" in failed["error"]
     assert sorted(e["step"] for e in events(run, "checkpoint_saved")) == [3, 9, 10]
+    commits = sorted(p.parent.name for p in (run / "checkpoints").glob("step-*/commit.json"))
+    assert commits == ["step-00000003", "step-00000009", "step-00000010"]
     assert per_step(run, "loss")[4] is None  # the NaN loss is recorded (as null), the update was not applied
-    assert events(run)[-1]["kind"] == "end"
+    assert events(run)[-1]["kind"] == "end" and events(run, "end")[0]["steps"] == 10
 
 
 def test_loss_spike_rolls_back_and_skips_the_bad_batches(tmp_path):
@@ -203,28 +207,6 @@ def test_auto_interval_is_measured_again_after_a_restart(tmp_path):
     saved = {e["step"] for e in events(run, "checkpoint_saved")}
     assert {s for s in range(resumed + 6, 16) if s % every == 0} <= saved and resumed + 5 in saved
     assert events(run)[-1]["kind"] == "end"
-
-
-def test_elastic_4_2_4_workers_keep_the_data_order_and_the_losses(tmp_path):
-    args = [
-        *BASE,
-        "--optimizer.schedule",
-        "constant",
-        "--training.micro_batch",
-        "2",
-        "--checkpoint.interval",
-        "0",
-    ]
-    ref = tmp_path / "ref"
-    run_cli("train", "--run.dir", str(ref), *args, "--training.steps", "9")
-    run = tmp_path / "run"
-    for nproc, steps in ((4, 3), (2, 6), (4, 9)):
-        longer = ["--training.steps", str(steps), "--run.accept_changes", "training.steps"]
-        run_cli("train", "--nproc", str(nproc), "--run.dir", str(run), *args, *longer)
-    want, got = per_step(ref, "loss"), per_step(run, "loss")
-    assert sorted(got) == sorted(want)
-    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want)
-    assert [e["world_size"] for e in events(run, "start")] == [4, 2, 4]
 
 
 def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path):
