@@ -284,8 +284,14 @@ class CheckpointConfig:
     enabled: bool = True
     """Save checkpoints into the run directory and resume from the newest committed one on the next start."""
     interval: int | Literal["auto"] = 0
-    """Save every N steps; 0: only at the end and on SIGTERM; auto: the Young/Daly interval sqrt(2 x save cost x
-    mtbf_hours) from the measured cost of the first save."""
+    """Save every N steps; 0: no step-based saves (interval_minutes still bounds the time between saves); auto: the
+    Young/Daly interval sqrt(2 x save cost x mtbf_hours) from the measured cost of the first save. Saves also happen
+    at the end and on SIGTERM."""
+    interval_minutes: float = 30.0
+    """Save at least this often (minutes of wall time since the last save started), whichever of this and
+    `interval` comes first, so that a crash loses at most about this much training whatever the step time. All
+    ranks decide together (rank clocks agreed over the control group). 0: off. 30 bounds the expected loss to ~15
+    minutes for an async save's few seconds of stall (< 0.5%); runs of a few minutes are not affected."""
     async_save: bool = True
     """Two stages: copy the state to host memory, resume training, write to storage in the background."""
     keep_last: int = 3
@@ -342,7 +348,10 @@ class ResilienceConfig:
     """Steps between straggler checks (per-rank busy times are gathered then)."""
     memory_interval: int = 0
     """In-memory snapshot tier: a snapshot in host shared memory every N steps, replicated to a peer's slot, that
-    survives a worker restart. 0: off."""
+    survives a worker restart. 0: off. Needs room in /dev/shm for each rank's snapshot (its shard of the weights and
+    optimizer state: ~3x the weights with AdamW) plus, with several ranks, a peer's replica, twice over while a new
+    snapshot is written beside the kept one. Docker's default /dev/shm is 64 MiB (--shm-size). Where they do not fit,
+    the tier turns itself off with a warning and a memory_tier_off event; storage checkpoints go on."""
     memory_max_mb: int = 2048
     """Bound on the host memory the snapshot tier may use per rank (own copy plus the peer's replica)."""
     memory_ttl_hours: float = 24.0

@@ -9,8 +9,10 @@ from __future__ import annotations
 import difflib
 import os
 import tempfile
+import uuid
 from pathlib import Path
 
+import fsspec
 import torch
 
 from scaletrain.checkpoint.hf import hf_dir_problems
@@ -85,6 +87,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     cuda = cfg.training.device != "cpu" and torch.cuda.is_available()
     problems += profile_problems(cfg.profile, cfg.training.steps, world_size, cuda)
     problems += _checkpoint(cfg.checkpoint)
+    problems += _checkpoint_saving(cfg.checkpoint, check_storage=check_run_dir)
     problems += _run(cfg.run, cfg.checkpoint, cfg.resilience) if check_run_dir else []
     problems += limit_problems(cfg.run, cfg.training.steps, cfg.checkpoint.enabled)
     problems += _resilience(cfg.resilience, world_size)
@@ -253,6 +256,43 @@ def _checkpoint(c: CheckpointConfig) -> list[str]:
     if c.mtbf_hours <= 0:
         problems.append("checkpoint.mtbf_hours must be > 0")
     return problems
+
+
+def _checkpoint_saving(c: CheckpointConfig, check_storage: bool) -> list[str]:
+    """checkpoint.interval_minutes, and whether checkpoint.storage takes a file (checked where the run directory
+    is: by the launcher, or the first rank of a first attempt). An unwritable storage used to be found at the final
+    save, after all the training."""
+    problems = []
+    if not c.interval_minutes >= 0:
+        problems.append("checkpoint.interval_minutes must be >= 0 (0: no time bound between saves)")
+    if check_storage and c.enabled and c.storage:
+        problems += [p for p in [storage_write_problem(c.storage)] if p]
+    return problems
+
+
+def storage_write_problem(location: str) -> str | None:
+    """Why a file cannot be written at a checkpoint storage root (a local path or an fsspec URL), else None. A probe
+    file is written and removed; a local root that does not exist yet is checked where it would be created."""
+    fix = "fix its permissions (or credentials), or choose another --checkpoint.storage (empty: <run.dir>/checkpoints)"
+    try:
+        if "://" in location:
+            fs, root = fsspec.core.url_to_fs(location)
+            fs.makedirs(root, exist_ok=True)
+            probe = f"{root.rstrip('/')}/.scaletrain-write-probe-{uuid.uuid4().hex}"
+            fs.pipe_file(probe, b"probe")
+            fs.rm(probe)
+            return None
+        ancestor = Path(location)
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            return f"checkpoint.storage '{location}' cannot be created: '{ancestor}' is a file; {fix}"
+        with tempfile.TemporaryFile(dir=ancestor) as f:
+            f.write(b"probe")
+            f.flush()
+    except Exception as e:  # fsspec backends raise their own (PermissionError, botocore's ClientError, ...)
+        return f"checkpoint.storage '{location}' is not writable ({type(e).__name__}: {e}); {fix}"
+    return None
 
 
 def global_batch_sequences(t: TrainingConfig, seq_len: int) -> int:

@@ -3,8 +3,9 @@ Jiang et al. 2024): stage 1 copies the state to host memory and training resumes
 commits in the background. At most one save is in flight; a checkpoint counts once every rank finished and rank 0
 wrote the commit marker; loading takes the newest intact one and reshards it into the layout running now. Memory:
 the optional in-memory tier (`MemoryTier`) snapshots every few steps. The manager owns the policy too: when to
-save (a fixed or a Young/Daly interval), what a failed save does (reported, training goes on), the protected final
-save, and which tier a resume loads from.
+save (a fixed or a Young/Daly interval, and at least every checkpoint.interval_minutes, decided alike on every rank),
+what a failed save does (reported, training goes on), the memory tier turning off when shared memory is short, the
+protected final save, and which tier a resume loads from.
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from scaletrain.checkpoint.integrity import read_commit, verify, write_commit
-from scaletrain.checkpoint.interval import interval_steps
-from scaletrain.checkpoint.memory_tier import MemoryTier, job_key, make_layout_key
+from scaletrain.checkpoint.interval import interval_steps, slowest_rank
+from scaletrain.checkpoint.memory_tier import (
+    MemoryTier,
+    SnapshotFailed,
+    job_key,
+    make_layout_key,
+    snapshot_bytes,
+)
 from scaletrain.checkpoint.safe_load import make_reader, read_metadata
 from scaletrain.config import CheckpointConfig, ResilienceConfig
 from scaletrain.errors import UserError
-from scaletrain.parallel.mesh import broadcast_object
+from scaletrain.parallel.mesh import any_rank, broadcast_object
 from scaletrain.rundir import RunDir
 
 log = logging.getLogger("scaletrain")
@@ -68,6 +75,7 @@ class CheckpointManager:
         memory: MemoryTier | None = None,
         memory_interval: int = 0,
         device_type: str = "cpu",
+        control: dist.ProcessGroup | None = None,
         start_over: bool = False,
     ):
         self.cfg = cfg
@@ -82,8 +90,17 @@ class CheckpointManager:
         self.event = event
         self.memory, self.memory_interval = memory, memory_interval
         self.device_type = device_type
+        # The CPU control group (dims.control): the decisions every rank must make alike (when to save) are agreed
+        # over it, in the training thread. None in a single process.
+        self.control = control
+        agree = self.enabled and (cfg.interval == "auto" or cfg.interval_minutes > 0)
+        assert world_size == 1 or control is not None or not agree, "saving decisions need the control group"
         # Set up by fault injection at setup: the storage writer factory and callbacks after each commit.
         self.make_writer: Callable[[str, int], object] = _writer
+        # checkpoint.interval_minutes' clock (a test sets one).
+        self.clock: Callable[[], float] = time.monotonic
+        self._since: float | None = None  # the clock when the last save started (or the segment's first step)
+        self._room_checked = False  # the memory tier's room in shared memory, checked at the first step
         self.on_commit: list[Callable[[int, str], object]] = []
         self.stalls: dict[int, float] = {}  # step -> seconds the save blocked training
         # The longest save so far, from its start to its commit (seconds): what run.time_limit keeps for the final one.
@@ -112,15 +129,30 @@ class CheckpointManager:
         """Snapshot to memory and save to storage when due; commit a save that finished in the background. Returns
         the seconds training was blocked (a stall, not step time)."""
         blocked = 0.0
-        if self.memory is not None and self.memory_interval and step % self.memory_interval == 0:
+        if self.memory is not None and not self._room_checked:
+            blocked += self._check_memory_room(step)
+        memory_on = self.memory is not None and self.memory.off is None
+        if memory_on and self.memory_interval and step % self.memory_interval == 0:
             blocked += self._snapshot(step)
         if self.enabled:
+            if self._since is None:
+                self._since = self.clock()
+            # Every rank takes the same branch: the interval and the probe step are agreed, _time_due() agrees.
             if step == self._probe_at:
                 blocked += self._probe_interval(step)
-            elif self.interval and step % self.interval == 0:
+            elif (self.interval and step % self.interval == 0) or self._time_due():
+                self._since = self.clock()
                 blocked += self.try_save(step) or 0.0
             self.poll()
         return blocked
+
+    def _time_due(self) -> bool:
+        """checkpoint.interval_minutes have passed since the last save started, on some rank's clock: agreed like
+        run.time_limit and SIGTERM (any_rank: one small all-reduce over the CPU control group per step), so that
+        every rank saves after the same step."""
+        if not self.cfg.interval_minutes:
+            return False
+        return any_rank(self.clock() - self._since >= self.cfg.interval_minutes * 60, self.control)
 
     def try_save(self, step: int, *, blocking: bool = False) -> float | None:
         """Start a save; a failing one (e.g. a full disk) is reported and training goes on: the previous checkpoint
@@ -137,9 +169,10 @@ class CheckpointManager:
     def close(self, step: int, *, finished: bool = True) -> None:
         """The final save of `step`, protected: the memory tier first holds a snapshot of it, and its snapshots are
         removed only once the run finished and the storage checkpoint is committed, so a crash or a full disk
-        during the final save loses nothing (the next start resumes from memory). Raises UserError when the final
+        during the final save loses nothing (the next start resumes from memory). The tier never stands before the
+        storage save: a snapshot that fails turns the tier off and the save goes on. Raises UserError when the final
         save failed."""
-        if self.memory is not None and self._last_snapshot != step:
+        if self.memory is not None and self.memory.off is None and self._last_snapshot != step:
             self._snapshot(step)
         saved = True
         if self.enabled:
@@ -153,7 +186,9 @@ class CheckpointManager:
             self.memory.close()
         self.shutdown()
         if not saved:
-            kept = "its in-memory snapshot is kept: run again to resume from it" if self.memory else ""
+            kept = ""
+            if self.memory is not None and self._last_snapshot is not None:
+                kept = f"the in-memory snapshot of step {self._last_snapshot} is kept: run again to resume from it"
             raise UserError(
                 f"the final checkpoint of step {step} failed (see events.jsonl); {kept or 'nothing saved'}"
             )
@@ -161,18 +196,24 @@ class CheckpointManager:
     def _probe_interval(self, step: int) -> float:
         """checkpoint.interval = auto: save once to measure what a save costs (delta), then pick the Young/Daly
         interval from it. On CPU the background write competes with training for the same cores, so delta is the
-        whole save (written synchronously); on a GPU it is what the save blocks."""
+        whole save (written synchronously); on a GPU it is what the save blocks. Every rank measures its own
+        figures; the interval comes from the slowest rank's (agreed over the control group), so that all choose the
+        same one: ranks that rounded to different intervals would save at different steps and wait in the save's
+        collectives forever."""
         first, t0 = self._segment
         step_time = (time.perf_counter() - t0) / max(1, step - first)
         cpu = self.device_type == "cpu"
-        delta = self.try_save(step, blocking=cpu)
-        if delta is None:
-            self._probe_at = step + AUTO_PROBE_STEPS  # the probe failed: try again later
-            return 0.0
+        self._since = self.clock()
+        stall = self.try_save(step, blocking=cpu)
+        failed, delta, step_time = slowest_rank([float(stall is None), stall or 0.0, step_time], self.control)
+        if failed:
+            self._probe_at = step + AUTO_PROBE_STEPS  # the probe failed on some rank: try again later
+            return stall or 0.0
         self.interval = interval_steps(delta, self.cfg.mtbf_hours * 3600, step_time)
         self._probe_at = None
         log.info(
-            "checkpoint.interval = auto: a save costs %.3fs (%s), MTBF %.2fh, step %.3fs -> every %d steps",
+            "checkpoint.interval = auto: a save costs %.3fs (%s, slowest rank), MTBF %.2fh, step %.3fs -> every %d "
+            "steps",
             delta,
             "whole save, CPU" if cpu else "blocking part",
             self.cfg.mtbf_hours,
@@ -188,11 +229,36 @@ class CheckpointManager:
             step_time_s=step_time,
             interval_steps=self.interval,
         )
-        return delta
+        return stall
+
+    def _check_memory_room(self, step: int) -> float:
+        """At the first step of a run segment (the optimizer's state exists then): turn the memory tier off now when
+        no snapshot fits in some node's free shared memory, warn when the next will not fit beside the one kept.
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._room_checked = True
+        off, next_short = self.memory.check_room(snapshot_bytes(self.state))
+        if off is not None:
+            self._memory_off(step)
+        elif next_short is not None and self.rank == 0:
+            log.warning("memory tier: %s: it turns off at its second snapshot", next_short)
+        return time.perf_counter() - t0
+
+    def _memory_off(self, step: int) -> None:
+        """The memory tier turned itself off (no room in shared memory, a failed write): say why, once."""
+        storage = "storage checkpoints go on" if self.enabled else "checkpoint.enabled = false: no storage"
+        if self.rank == 0:
+            log.warning("memory tier off from step %d (%s): %s", step, storage, self.memory.off)
+        self.event("memory_tier_off", step=step, reason=self.memory.off)
 
     def _snapshot(self, step: int) -> float:
         t0 = time.perf_counter()
-        if self.memory.snapshot(step, self.state):
+        try:
+            taken = self.memory.snapshot(step, self.state)
+        except SnapshotFailed:  # on every rank alike; the previous snapshot stays
+            self._memory_off(step)
+            return time.perf_counter() - t0
+        if taken:
             self._last_snapshot = step
             self.event(
                 "memory_snapshot", step=step, seconds=time.perf_counter() - t0, bytes=self.memory.bytes_used()
@@ -465,8 +531,8 @@ def build_checkpointing(
     start_over: bool = False,
 ) -> CheckpointManager:
     """Both tiers for a run: storage (DCP, when checkpoint.enabled) and the in-memory tier (when
-    resilience.memory_interval > 0). `group` is the CPU control group; memory snapshots use it, as they run in
-    the training thread between steps. `start_over`: run.start_over."""
+    resilience.memory_interval > 0). `group` is the CPU control group; memory snapshots and the saving decisions
+    use it, as they run in the training thread between steps. `start_over`: run.start_over."""
     memory = None
     if res.memory_interval > 0:
         memory = MemoryTier(
@@ -486,5 +552,6 @@ def build_checkpointing(
         memory=memory,
         memory_interval=res.memory_interval,
         device_type=env.device.type,
+        control=group,
         start_over=start_over,
     )

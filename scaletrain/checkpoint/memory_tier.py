@@ -8,6 +8,8 @@ snapshot and <root>/<job_key>/replica-of-<r-1>/... the copy of rank r-1's (mod W
 A snapshot counts once its COMPLETE marker exists (written last, by rename); each slot keeps only the newest.
 Before a snapshot is restored its bytes are checked against the CRC32s taken when it was written; a copy that fails
 is deleted, so the ranks use its replica or else storage (docs/checkpointing.md has the measured cost).
+Shared memory is small in containers (Docker's default /dev/shm is 64 MiB): a snapshot that does not fit, or whose
+write fails, turns the tier off on every rank alike (SnapshotFailed) and training goes on with storage checkpoints.
 """
 
 from __future__ import annotations
@@ -26,10 +28,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
-from scaletrain.checkpoint.shm import default_root, private_dir, remove_stale_jobs, restrict_files
+from scaletrain.checkpoint.shm import (
+    SHM_ADVICE,
+    default_root,
+    node_room,
+    private_dir,
+    remove_stale_jobs,
+    restrict_files,
+    shortfall,
+)
 
 log = logging.getLogger("scaletrain")
 
@@ -40,6 +51,14 @@ _SEP = "/"  # joins nested keys; parameter names use "." so never contain it
 _CHUNK = 256 << 20  # bytes per point-to-point message
 _KEEP_STEPS = 2  # steps per slot published to the group: the newest, and one left by a crash before retention
 _CRC_CHUNK = 64 << 20  # bytes per CRC32, so that threads can check the chunks of one file in parallel
+# What a full or failing /dev/shm raises: OSError from our own writes (ENOSPC, EFBIG), SafetensorError (not an
+# OSError) from safetensors' writer.
+WRITE_ERRORS = (OSError, SafetensorError)
+
+
+class SnapshotFailed(Exception):
+    """A snapshot could not be taken: no room in shared memory, or a write failed on some rank. Raised on every rank
+    alike (the ranks agree before raising), after which the tier is off (`MemoryTier.off` says why)."""
 
 
 def job_key(run_dir: str | os.PathLike, run_id: str = "") -> str:
@@ -116,6 +135,21 @@ def unflatten_state(tensors: dict[str, torch.Tensor], leaves: dict[str, Any]) ->
             node = node.setdefault(p, {})
         node[last] = v
     return out
+
+
+def _entry_bytes(key: str, t: torch.Tensor) -> int:
+    """What one tensor adds to a safetensors file: its bytes and a JSON header entry (~100 bytes)."""
+    return t.numel() * t.element_size() + 128 + len(key)
+
+
+def snapshot_bytes(state: dict) -> int:
+    """The size of this rank's snapshot of `state`, counted without copying anything."""
+    total = 0
+    for name, obj in state.items():
+        sd = obj.state_dict() if hasattr(obj, "state_dict") else obj
+        tensors, _ = flatten_state({name: sd})
+        total += sum(_entry_bytes(k, t) for k, t in tensors.items())
+    return total
 
 
 def _savable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -253,6 +287,7 @@ class MemoryTier:
         self.last_restore_s = 0.0
         self.restored_from_peer = False
         self.closed = False
+        self.off: str | None = None  # why the tier turned itself off (no room, a failed write); None: on
         self._checked: dict[
             Path, tuple
         ] = {}  # snapshot dir -> its files' signature when its checksums passed
@@ -264,8 +299,11 @@ class MemoryTier:
     def snapshot(self, step: int, state: dict) -> bool:
         """Snapshot every Stateful of `state` at `step` into this rank's slot and the next rank's replica slot;
         keep only the newest complete one per slot. Returns False (on every rank) when some rank's own copy plus
-        the replica it holds would exceed max_bytes: that snapshot is skipped with a warning."""
+        the replica it holds would exceed max_bytes: that snapshot is skipped with a warning. Raises SnapshotFailed
+        (on every rank) when it does not fit in some node's free shared memory or a write fails: the new step's
+        files are removed, the previous snapshot stays, and the tier is off."""
         assert not self.closed, "memory tier used after close()"
+        assert self.off is None, "memory tier used after it turned off"
         t0 = time.perf_counter()
         self._find_s = 0.0
         tensors, leaves = {}, {}
@@ -283,13 +321,8 @@ class MemoryTier:
             "layout_key": self.layout_key,
             "leaves": leaves,
         }
-        # safetensors adds a JSON header (~100 bytes a tensor) to the raw bytes.
-        estimate = sum(t.numel() * t.element_size() + 128 + len(k) for k, t in tensors.items())
-        sizes = self._all_gather([estimate])[:, 0].tolist()
-        held = [
-            sizes[r] + (sizes[(r - 1) % self.world_size] if self.world_size > 1 else 0)
-            for r in range(self.world_size)
-        ]
+        table = self._space_table(sum(_entry_bytes(k, t) for k, t in tensors.items()))
+        held = self._held(table[:, 0].tolist())
         over = [r for r, n in enumerate(held) if n > self.max_bytes]
         if over:  # every rank sees every size, so all skip together
             log.warning(
@@ -301,26 +334,38 @@ class MemoryTier:
                 self.max_bytes / 2**20,
             )
             return False
+        # Written beside the snapshot kept now (removed only once the new one is complete everywhere).
+        short = self._shortfall(table, copies=1)
+        if short is not None:
+            self._turn_off(f"no room for the snapshot of step {step}: {short}")
 
         d = _step_dir(self.own, step)
-        shutil.rmtree(d, ignore_errors=True)  # a half-written one from before a crash
-        d.mkdir(parents=True, mode=0o700)
-        save_file(tensors, d / TENSORS)
+        error = None
+        try:
+            shutil.rmtree(d, ignore_errors=True)  # a half-written one from before a crash
+            d.mkdir(parents=True, mode=0o700)
+            save_file(tensors, d / TENSORS)
+            # The checksums are of the file as written (read back from shared memory), not of the tensors.
+            meta.update(
+                bytes=(d / TENSORS).stat().st_size,
+                crc32=file_crc32(d / TENSORS, _CRC_CHUNK),
+                crc32_chunk=_CRC_CHUNK,
+            )
+            meta_b = json.dumps(meta).encode()
+            (d / META).write_bytes(meta_b)
+            _write_marker(
+                d / COMPLETE, {"step": step, "bytes": meta["bytes"], "meta_crc32": zlib.crc32(meta_b)}
+            )
+        except WRITE_ERRORS as e:
+            error = e
         del tensors
-        # The checksums are of the file as written (read back from shared memory), not of the tensors.
-        meta.update(
-            bytes=(d / TENSORS).stat().st_size,
-            crc32=file_crc32(d / TENSORS, _CRC_CHUNK),
-            crc32_chunk=_CRC_CHUNK,
-        )
-        meta_b = json.dumps(meta).encode()
-        (d / META).write_bytes(meta_b)
-        _write_marker(d / COMPLETE, {"step": step, "bytes": meta["bytes"], "meta_crc32": zlib.crc32(meta_b)})
+        # Every rank learns of a failed write before the next collective: a rank that went on to replicate would
+        # wait for a peer that never sends.
+        self._agree(step, error, "writing the snapshot")
         if self.world_size > 1:
+            # Its last agreement is the barrier before retention: the old snapshots stay until every rank holds the
+            # new one and its replica, so a failure at any moment leaves one complete generation.
             self._replicate(step, d)
-            # Retention only once every rank holds the new snapshot and its replica: until then the old ones
-            # stay, so a failure at any moment leaves one complete generation.
-            dist.barrier(group=self.group)
         for slot in (self.own, self.replica):
             self._retain(slot, step)
         self.last_snapshot_s = time.perf_counter() - t0
@@ -336,10 +381,15 @@ class MemoryTier:
         self._exchange([(header, self.next)], [(theirs, self.prev)])
         their_step, their_meta, their_n, their_crc = theirs.tolist()
         rd = _step_dir(self.replica, their_step)
-        shutil.rmtree(rd, ignore_errors=True)
-        rd.mkdir(parents=True, mode=0o700)
         meta_in = torch.empty(their_meta, dtype=torch.uint8)
-        out_file = _map_file(rd / TENSORS, their_n, create=True)
+        error, out_file = None, None
+        try:
+            shutil.rmtree(rd, ignore_errors=True)
+            rd.mkdir(parents=True, mode=0o700)
+            out_file = _map_file(rd / TENSORS, their_n, create=True)
+        except WRITE_ERRORS as e:
+            error = e
+        self._agree(step, error, "allocating the replica")
         self._exchange(
             [
                 (torch.frombuffer(bytearray(meta_b), dtype=torch.uint8), self.next),
@@ -348,8 +398,59 @@ class MemoryTier:
             [(meta_in, self.prev), (out_file, self.prev)],
         )
         del out_file
-        (rd / META).write_bytes(meta_in.numpy().tobytes())
-        _write_marker(rd / COMPLETE, {"step": their_step, "bytes": their_n, "meta_crc32": their_crc})
+        error = None
+        try:
+            (rd / META).write_bytes(meta_in.numpy().tobytes())
+            _write_marker(rd / COMPLETE, {"step": their_step, "bytes": their_n, "meta_crc32": their_crc})
+        except WRITE_ERRORS as e:
+            error = e
+        self._agree(step, error, "writing the replica")
+
+    # -- room in shared memory, failures -----------------------------------------------------------------------
+    def check_room(self, estimate: int) -> tuple[str | None, str | None]:
+        """Whether snapshots of `estimate` bytes on this rank (every rank passes its own) fit in the free shared
+        memory of every node: (why not even one fits, why the next does not fit beside the one kept), each None
+        when it does. When not even one fits the tier turns off. Collective; every rank gets the same answer."""
+        table = self._space_table(estimate)
+        short = self._shortfall(table, copies=1)
+        if short is not None:
+            self.off = f"no room for a snapshot: {short}; {SHM_ADVICE}"
+        return self.off, self._shortfall(table, copies=2)
+
+    def _space_table(self, estimate: int) -> torch.Tensor:
+        """Per rank (one all-gather): its snapshot's size, its node's shared memory, the free bytes there, and what
+        this job holds there now."""
+        return self._all_gather([estimate, *node_room(self.job_dir.parent), _dir_bytes(self.job_dir)])
+
+    def _held(self, sizes: list[int]) -> list[int]:
+        """What each rank keeps per snapshot: its own copy and the replica of the rank before it."""
+        w = self.world_size
+        return [sizes[r] + (sizes[(r - 1) % w] if w > 1 else 0) for r in range(w)]
+
+    def _shortfall(self, table: torch.Tensor, copies: int) -> str | None:
+        rows = table.tolist()
+        return shortfall(rows, self._held([row[0] for row in rows]), copies, self.job_dir.parent)
+
+    def _agree(self, step: int, error: BaseException | None, what: str) -> None:
+        """After a write every rank did: go on together, or (when it failed on some rank) remove this step's files
+        and raise SnapshotFailed on every rank, with the first failed rank's error."""
+        failed = self._all_gather([int(error is not None)])[:, 0].tolist()
+        if not any(failed):
+            return
+        mine = f"{type(error).__name__}: {str(error).strip()}" if error is not None else ""
+        errors = [mine]
+        if self.world_size > 1:
+            errors = [""] * self.world_size
+            dist.all_gather_object(errors, mine, group=self.group)
+        first = failed.index(1)
+        shutil.rmtree(_step_dir(self.own, step), ignore_errors=True)
+        if self.replica is not None:
+            shutil.rmtree(_step_dir(self.replica, step), ignore_errors=True)
+        self._turn_off(f"{what} of step {step} failed on rank {first}: {errors[first]}")
+
+    def _turn_off(self, reason: str) -> None:
+        self.off = f"{reason}; {SHM_ADVICE}"
+        raise SnapshotFailed(self.off)
 
     def _retain(self, slot: Path | None, keep: int) -> None:
         if slot is None or not slot.is_dir():
@@ -563,6 +664,8 @@ def _map_file(path: Path, n: int, *, create: bool = False) -> torch.Tensor:
     """The file as a uint8 tensor mapped from shared memory: bytes are sent from and received into /dev/shm with
     no extra copy."""
     if create:
+        # Allocated now, so that a full tmpfs fails here with ENOSPC, not with SIGBUS when the mapping is written.
         with open(path, "wb") as f:
-            f.truncate(n)
+            if n:
+                os.posix_fallocate(f.fileno(), 0, n)
     return torch.from_file(str(path), shared=True, size=n, dtype=torch.uint8)

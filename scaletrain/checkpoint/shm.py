@@ -1,13 +1,16 @@
 """The memory tier's folders in shared memory, kept private: /dev/shm is writable by every user, so each user gets
 a root of their own (mode 0700, files 0600), a root that is a link or another user's is refused, and the TTL
-cleanup never follows or deletes a link (issue 10, item 8)."""
+cleanup never follows or deletes a link (issue 10, item 8). And the room there: containers get little shared memory
+(Docker: 64 MiB), so the tier checks whether its snapshots fit before it writes them (issue 21, item 8)."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
+import socket
 import stat
 import tempfile
 import time
@@ -20,6 +23,10 @@ log = logging.getLogger("scaletrain")
 # rmtree on this platform removes a tree by file descriptors: it never follows a link below its top, and refuses
 # a top that is a link. Without that guarantee (some platforms lack it) the cleanup removes nothing.
 _SAFE_RMTREE = shutil.rmtree.avoids_symlink_attacks
+SHM_ADVICE = (
+    "give the job more shared memory (docker run --shm-size=8g; Kubernetes: an emptyDir volume with medium: Memory "
+    "mounted at /dev/shm; Slurm: a node whose /dev/shm holds it), or set resilience.memory_interval = 0"
+)
 
 
 def default_root() -> Path:
@@ -86,3 +93,31 @@ def remove_stale_jobs(root: Path, ttl_s: float, keep: str = "") -> list[str]:
                     (now - newest) / 3600,
                 )
     return removed
+
+
+def node_room(root: Path) -> tuple[int, int]:
+    """(an id of the shared memory `root` is in: its host and device, the bytes free there)."""
+    st = os.statvfs(root)
+    node = hashlib.sha256(f"{socket.gethostname()}|{os.stat(root).st_dev}".encode()).digest()
+    return int.from_bytes(node[:7], "big"), st.f_bavail * st.f_frsize
+
+
+def shortfall(rows: list[list[int]], held: list[int], copies: int, root: Path) -> str | None:
+    """Why `copies` generations of snapshots do not fit in some node's shared memory, None when they fit. `rows`:
+    per rank (snapshot size, node, free bytes, bytes the job holds there now); `held`: per rank, what it keeps of one
+    generation (own copy and replica). The ranks of a node share its memory; the job's snapshots there now are one
+    of the generations."""
+    need: dict[int, int] = {}
+    room: dict[int, int] = {}
+    for r, (_, node, free, have) in enumerate(rows):
+        need[node] = need.get(node, 0) + copies * held[r]
+        room[node] = min(room.get(node, free + have * (copies - 1)), free + have * (copies - 1))
+    for node, n in need.items():
+        if n > room[node]:
+            ranks = [r for r, row in enumerate(rows) if row[1] == node]
+            what = "a snapshot" if copies == 1 else "a new snapshot beside the one kept"
+            return (
+                f"{what} needs {n / 2**20:.1f} MiB in {root} on the node of ranks {ranks} (each rank's own copy and "
+                f"the replica it holds), which has {room[node] / 2**20:.1f} MiB free"
+            )
+    return None
