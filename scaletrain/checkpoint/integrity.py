@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 
 import fsspec
 
 COMMIT = "commit.json"
+_STEP_DIR = re.compile(r"step-(\d{8})$")
 
 
 def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -70,3 +72,32 @@ def verify(fs: fsspec.AbstractFileSystem, ckpt_dir: str) -> str | None:
         if _sha256(fs, path) != want["sha256"]:
             return f"{name} does not match its checksum (corrupted)"
     return None
+
+
+def step_path(root: str, step: int) -> str:
+    """The folder of the checkpoint of `step` under a run's checkpoint root."""
+    return f"{root.rstrip('/')}/step-{step:08d}"
+
+
+def checkpoint_steps(fs: fsspec.AbstractFileSystem, root: str) -> list[int]:
+    """The steps of every checkpoint folder under `root`, committed or not, oldest first."""
+    if not fs.exists(root):
+        return []
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    return sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
+
+
+def committed_steps(fs: fsspec.AbstractFileSystem, root: str) -> list[int]:
+    return [s for s in checkpoint_steps(fs, root) if read_commit(fs, step_path(root, s)) is not None]
+
+
+def newest_intact(fs: fsspec.AbstractFileSystem, root: str) -> tuple[int | None, list[tuple[int, str, bool]]]:
+    """The newest checkpoint under `root` that is committed and intact (None when there is none), and each newer
+    one that is not: (step, the reason, whether it was committed — a committed one was damaged after its save)."""
+    failed = []
+    for step in reversed(checkpoint_steps(fs, root)):
+        reason = verify(fs, step_path(root, step))
+        if reason is None:
+            return step, failed
+        failed.append((step, reason, read_commit(fs, step_path(root, step)) is not None))
+    return None, failed

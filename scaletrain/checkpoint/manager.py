@@ -11,7 +11,6 @@ protected final save, and which tier a resume loads from.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +24,13 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from scaletrain.checkpoint.integrity import read_commit, verify, write_commit
+from scaletrain.checkpoint.integrity import (
+    checkpoint_steps,
+    committed_steps,
+    newest_intact,
+    step_path,
+    write_commit,
+)
 from scaletrain.checkpoint.interval import interval_steps, slowest_rank
 from scaletrain.checkpoint.memory_tier import (
     MemoryTier,
@@ -41,7 +46,6 @@ from scaletrain.parallel.mesh import any_rank, broadcast_object
 from scaletrain.rundir import RunDir
 
 log = logging.getLogger("scaletrain")
-_STEP_DIR = re.compile(r"step-(\d{8})$")
 # What a failed write raises: OSError from our own file operations, CheckpointException (a BaseException) from
 # DCP, which gathers every rank's write errors and raises it on all of them.
 SAVE_ERRORS = (OSError, CheckpointException)
@@ -275,7 +279,7 @@ class CheckpointManager:
 
     # -- saving ------------------------------------------------------------------------------------------------
     def path(self, step: int) -> str:
-        return f"{self.root}/step-{step:08d}"
+        return step_path(self.root, step)
 
     def save(self, step: int, *, blocking: bool = False) -> float:
         """Save the state at `step`; return how long training was blocked (seconds). Raises SAVE_ERRORS."""
@@ -394,7 +398,7 @@ class CheckpointManager:
         if self.cfg.keep_every > 0:
             keep |= {s for s in steps if s % self.cfg.keep_every == 0}
         newest = steps[-1] if steps else -1
-        for s in self._all_steps():
+        for s in checkpoint_steps(self.fs, self.root):
             if s not in keep and s < newest:
                 self.fs.rm(self.path(s), recursive=True)
 
@@ -403,14 +407,8 @@ class CheckpointManager:
             dist.barrier(group=self.group)
 
     # -- loading -----------------------------------------------------------------------------------------------
-    def _all_steps(self) -> list[int]:
-        if not self.fs.exists(self.root):
-            return []
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
-        return sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
-
     def committed_steps(self) -> list[int]:
-        return [s for s in self._all_steps() if read_commit(self.fs, self.path(s)) is not None]
+        return committed_steps(self.fs, self.root)
 
     def load_latest(self) -> int | None:
         """Load the newest complete copy across tiers into the state: the memory snapshot when it is at least as
@@ -454,19 +452,14 @@ class CheckpointManager:
         it, and a committed one is then moved aside (rejected-step-N-<time>: kept for a look, and out of the way of
         a later save of the same step). `refuse`: raise UserError, moving nothing, when committed checkpoints exist
         and none is intact (unless run.start_over)."""
-        choice, rejected = (
-            None,
-            [],
-        )  # rejected: (step, reason) of committed checkpoints that failed their check
+        rejected = []  # (step, reason) of the committed checkpoints that failed their check
+        choice = None
         if self.rank == 0:
-            for step in reversed(self._all_steps()):
-                reason = verify(self.fs, self.path(step))
-                if reason is None:
-                    choice = step
-                    break
+            choice, failed = newest_intact(self.fs, self.root)
+            for step, reason, committed in failed:
                 log.warning("checkpoint %s skipped: %s", self.path(step), reason)
                 self.event("checkpoint_rejected", step=step, path=self.path(step), reason=reason)
-                if read_commit(self.fs, self.path(step)) is not None:  # committed, then damaged
+                if committed:  # committed, then damaged
                     rejected.append((step, reason))
         choice, rejected = broadcast_object((choice, rejected), self.group)
         if choice is None and rejected and refuse and not self.start_over:
@@ -511,11 +504,7 @@ class CheckpointManager:
 
 def has_committed_checkpoint(root: str) -> bool:
     fs, _ = fsspec.core.url_to_fs(root)
-    return fs.exists(root) and any(
-        read_commit(fs, p.rstrip("/")) is not None
-        for p in fs.ls(root, detail=False)
-        if _STEP_DIR.match(p.rstrip("/").rsplit("/", 1)[-1])
-    )
+    return bool(committed_steps(fs, root))
 
 
 def build_checkpointing(
