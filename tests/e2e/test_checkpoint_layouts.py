@@ -1,7 +1,8 @@
 """Save under one parallel layout, resume under another: the losses continue as in the uninterrupted
 single-process run (a constant LR after warmup, so that the schedule does not depend on each
-run's length). One chain covers world-size changes (1 -> 4 -> 2 -> 4 -> 2 -> 1), tensor and sequence parallel,
-pipeline changes, context parallel and every data-parallel mode's optimizer shards."""
+run's length). One chain covers world-size changes (1 -> 4 -> 2 -> 4 -> 2 -> 1: the elastic 4 -> 2 -> 4 keeps the
+data order and the losses), tensor and sequence parallel, pipeline changes, context parallel and every data-parallel
+mode's optimizer shards."""
 
 import pytest
 
@@ -53,3 +54,6 @@ def test_resume_across_layouts_continues_the_reference_losses(tmp_path):
         assert got[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
     loaded = [e["step"] for e in read_jsonl(run / "events.jsonl") if e["kind"] == "checkpoint_loaded"]
     assert loaded == [2 * i for i in range(1, len(CHAIN))]
+    # Where each link ran: its world size, as each start recorded it.
+    starts = [e["world_size"] for e in read_jsonl(run / "events.jsonl") if e["kind"] == "start"]
+    assert starts == [nproc for nproc, _ in CHAIN]
