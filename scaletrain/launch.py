@@ -2,7 +2,8 @@
 
 The launcher validates the config, fixes the run directory and tokenises the data once, so that workers start
 on a checked config and a warm data cache, and a bad input is reported before any worker starts. The worker
-entry and its crash path live here too: the CLI calls into this module, never the other way round.
+entry and its crash path live here too, and how the launcher stops its workers on a signal (_Stop): the CLI calls
+into this module, never the other way round.
 """
 
 from __future__ import annotations
@@ -11,22 +12,26 @@ import contextlib
 import faulthandler
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import re
 import signal
 import socket
 import sys
 import time
 import traceback
 import uuid
+from multiprocessing.connection import Connection
 from pathlib import Path
+from types import FrameType
 
 from torch.distributed import TCPStore
+from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
-from torch.distributed.launcher.api import elastic_launch
-from torch.distributed.run import config_from_args, get_args_parser
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from scaletrain.config import Config
 from scaletrain.config_io import load_config
@@ -41,12 +46,22 @@ from scaletrain.resilience.diagnose import (
     root_cause,
     tail,
 )
+from scaletrain.resilience.preemption import Lifelines, follow_launcher
 from scaletrain.resilience.timelimit import JOB_START_ENV
+from scaletrain.rundir import EVENTS, LOGS, read_jsonl
 from scaletrain.train import train
 
 log = logging.getLogger("scaletrain")
 
 LINGER_S = 3.0  # many times the agent's monitor interval (0.1 s)
+STOP_GRACE_S = 300.0
+"""The least time the workers get after the launcher's SIGTERM to reach a step boundary and save, before they are
+killed (stop_grace): the grace our Kubernetes example gives a pod (terminationGracePeriodSeconds: 300), so that the
+launcher never cuts short a save that its scheduler would let finish. It costs nothing when the save is quick (the
+launcher exits as soon as the workers do), and a scheduler with a shorter grace (Slurm's KillWait and Kubernetes'
+default are 30 s) kills the launcher sooner anyway, the workers with it."""
+# The signals torch's agent handles under launch_local: all but SIGTERM, which is the launcher's own (_Stop).
+TORCH_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
 
 def install_stack_dump() -> None:
@@ -91,9 +106,16 @@ def _linger_if_a_peer_failed(error: str) -> None:
         time.sleep(LINGER_S)
 
 
-def worker_main(config_path: str, *overrides: str) -> None:
+def worker_main(lifelines: tuple[Connection, ...], config_path: str, *overrides: str) -> None:
     """A worker of launch_local, in a process forked from the warm fork server: load the config the launcher
     checked (the run directory is its own job's, so it is not checked again) and train."""
+    # The fork server ignores and blocks SIGTERM (_start_fork_server): take it back. Until the trainer's Preemption
+    # handler is in place SIGTERM ends a starting worker, as the agent expects when it stops a group whose peer
+    # failed (a worker that ignored it would wait in the rendezvous for the dead peer until its SIGKILL).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGINT, _interrupt_once)
+    follow_launcher(lifelines, int(os.environ["LOCAL_RANK"]))
     install_stack_dump()
     sys.stdout.reconfigure(line_buffering=True)  # its stdout is a log file: keep lines up to a SIGKILL
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -107,11 +129,19 @@ def worker_main(config_path: str, *overrides: str) -> None:
         sys.exit(code)
 
 
+def _interrupt_once(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C reaches a worker twice, from the terminal (the process group) and from the agent passing it on; the
+    second must not break into the clean exit that the first started (a traceback instead of "interrupted")."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def launch_local(
     cfg: Config, config_path: str | None, overrides: list[str], nproc: int, max_restarts: int
 ) -> int:
     """Run the job, and when a worker fails: diagnose why, write it to events.jsonl, and restart the group (which
-    resumes from the newest complete checkpoint) unless the cause is one a restart cannot cure."""
+    resumes from the newest complete checkpoint) unless the cause is one a restart cannot cure. SIGTERM ends it
+    after a committed save with status 0, Ctrl-C with 130, neither with a traceback (_Stop)."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
@@ -125,20 +155,42 @@ def launch_local(
     # run.time_limit counts from here for every attempt: the fork server, started below, hands it to the workers.
     os.environ.setdefault(JOB_START_ENV, f"{time.time():.3f}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    append_event(run_dir, "job_start", None, nproc=nproc, max_restarts=max_restarts)
+    logs = _start_log_dir(run_dir)
+    start = str(logs.relative_to(run_dir))
+    append_event(run_dir, "job_start", None, nproc=nproc, max_restarts=max_restarts, logs=start)
+    with _Stop(run_dir) as stop:
+        try:
+            return _attempts(stop, run_dir, logs, nproc, max_restarts, [config_path or "", *worker_args])
+        except SignalException as e:
+            return stop.exit_code(e, logs)
+
+
+def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: int, args: list[str]) -> int:
     policy = RestartPolicy(max_restarts)
     attempt = 0
-    while True:
-        log_dir = run_dir / "logs" / f"attempt-{attempt}"
+    while not stop.requested:
+        log_dir = logs / f"attempt-{attempt}"
         log.info("launching %d worker(s) (attempt %d); run directory %s", nproc, attempt, run_dir)
+        _start_fork_server()
         try:
-            _run_workers(nproc, log_dir, [config_path or "", *worker_args])
+            _run_workers(nproc, log_dir, args, stop)
             return run_exit_code(run_dir)  # 0, or STOPPED_EXIT_CODE when the workers stopped early
         except ChildFailedError as e:
             diag, rank = _diagnose(e, log_dir)
+            killed = all(f.exitcode == -signal.SIGTERM for f in e.failures.values())
         append_event(
             run_dir, "failure", diag.step, rank=rank, cause=diag.kind, detail=diag.detail, attempt=attempt
         )
+        if stop.requested:
+            # SIGTERM ends a worker whose Preemption handler is not in place yet: it had trained nothing to save.
+            if killed:
+                log.warning("SIGTERM stopped the workers before they trained: nothing to save")
+                return 0
+            print(
+                f"error: rank {rank} failed while stopping ({diag.kind}: {diag.detail}). Logs: {log_dir}",
+                file=sys.stderr,
+            )
+            return 1
         restart, reason = policy.decide(diag)
         if not restart:
             append_event(run_dir, "stopped", diag.step, cause=diag.kind, reason=reason)
@@ -153,6 +205,146 @@ def launch_local(
         log.warning(
             "rank %d failed (%s: %s); restart %d of %d", rank, diag.kind, diag.detail, attempt, max_restarts
         )
+    log.warning("SIGTERM before the workers started: nothing to save")
+    return 0
+
+
+def stop_grace(run_dir: Path) -> float:
+    """Seconds the workers get after the launcher's SIGTERM to reach a step boundary and save, before they are
+    killed: STOP_GRACE_S, or 3x the slowest save this run has measured (its checkpoint_saved events) if longer."""
+    saves = [
+        float(e.get("blocking_s") or 0) + float(e.get("background_commit_s") or 0)
+        for e in read_jsonl(run_dir / EVENTS)
+        if e.get("kind") == "checkpoint_saved"
+    ]
+    return max([STOP_GRACE_S, *(3 * s for s in saves)])
+
+
+class _Stop:
+    """The launcher's signals, from the start of launch_local to its end.
+
+    SIGTERM (a scheduler's, or `kill`, to the launcher alone or to its process group) is handled here, not by
+    torch's agent. The agent's own handling stops the workers with SIGTERM and waits for them to exit; but a worker
+    that saved and returned waits in turn for the agent to read its return value, which the agent does not do while
+    it closes, so every such stop ended in SIGKILL after the agent's 30 s and a SignalException traceback (issue 21).
+    Here the SIGTERM goes on to the workers over their lifelines, the agent keeps watching them, and they end as at
+    the end of training: every rank stops after the same step, saves it and exits 0, and so does the launcher.
+    Workers still stopping after stop_grace() seconds are killed (their save is then not committed, and the newest
+    committed checkpoint stands).
+
+    Ctrl-C, SIGHUP and SIGQUIT stay torch's: its agent passes them on to the workers, waits for them (its shutdown
+    timeout, then SIGKILL) and raises SignalException, which exit_code turns into the status (130 for Ctrl-C)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.requested = False
+        self.grace = STOP_GRACE_S
+        self._lifelines: Lifelines | None = None
+        self._saved: dict[int, object] = {}
+
+    def __enter__(self) -> _Stop:
+        for sig in (signal.SIGTERM, signal.SIGALRM, *(getattr(signal, s) for s in TORCH_SIGNALS.split(","))):
+            self._saved[sig] = signal.getsignal(sig)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in self._saved.items():  # torch's agent leaves its handlers in place
+            if handler is not None:
+                signal.signal(sig, handler)
+
+    def attach(self, lifelines: Lifelines | None) -> None:
+        """The running attempt's lifelines (None between attempts); a SIGTERM that came first is passed on now."""
+        self._lifelines = lifelines
+        if lifelines is not None and self.requested:
+            lifelines.stop()
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        # Passed on once: a second one could reach a worker whose Preemption handler is gone, on its way out.
+        if self.requested:
+            return
+        self.requested = True
+        self.grace = stop_grace(self.run_dir)
+        log.warning("SIGTERM: the workers stop after the same step and save it (given %.0f s)", self.grace)
+        if self._lifelines is not None:
+            self._lifelines.stop()
+        signal.signal(signal.SIGALRM, self._on_overdue)
+        signal.setitimer(signal.ITIMER_REAL, self.grace)
+
+    def _on_overdue(self, signum: int, frame: FrameType | None) -> None:
+        # Raised where the agent waits for its workers: it kills them at once (the sigval) and raises it again.
+        raise SignalException(f"the workers had not stopped {self.grace:.0f} s after SIGTERM", signal.SIGKILL)
+
+    def exit_code(self, e: SignalException, logs: Path) -> int:
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None  # report_errors: the "interrupted" line and 130, as without --nproc
+        if e.sigval == signal.SIGKILL:  # _on_overdue
+            print(
+                f"error: {e}: killed them; the newest committed checkpoint stands. Logs: {logs}",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"stopped by {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
+
+
+def _start_fork_server() -> None:
+    """Start the fork server the workers are forked from (if it is not running), with SIGTERM ignored: a SIGTERM to
+    the process group must stop the workers after their save, not kill the process that reports their exit statuses
+    to the agent (its death reads as every worker failing with status 255 while they save). An ignored signal stays
+    ignored across fork and exec; it is blocked meanwhile, so that one sent in that instant reaches the launcher
+    afterwards instead of being lost (multiprocessing's resource tracker does the same). The workers take SIGTERM
+    back in worker_main."""
+    # Set before the fork server starts, which then keeps these imported for every restart (this module imports the
+    # trainer).
+    multiprocessing.set_forkserver_preload(["scaletrain.launch"])
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _start_log_dir(run_dir: Path) -> Path:
+    """<run dir>/logs/start-N, N counting this run's starts from 1: each start's attempts log into folders of their
+    own (logs/start-N/attempt-A/rank-R.stderr.log), never over an earlier start's."""
+    logs = run_dir / LOGS
+    logs.mkdir(parents=True, exist_ok=True)
+    n = 1 + max((int(m[1]) for p in logs.iterdir() if (m := re.fullmatch(r"start-(\d+)", p.name))), default=0)
+    while True:
+        try:
+            (logs / f"start-{n}").mkdir()
+            return logs / f"start-{n}"
+        except FileExistsError:  # taken since the listing
+            n += 1
+
+
+class _RankLogs(LogsSpecs):
+    """One attempt's worker logs side by side in its folder: rank-R.stdout.log, rank-R.stderr.log and, when a
+    worker records its exception, rank-R.error.json (torch's default nests them as <run id>/attempt_0/R/stdout.log).
+    Both streams are shown on the console too, each line prefixed [defaultR]:. R is the local rank, which is the
+    rank under --nproc (one node)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(str(log_dir), redirects=Std.ALL, tee=Std.ALL)
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        folder = Path(self.root_log_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        out, err, error = ({r: str(folder / f"rank-{r}.{name}") for r in envs} for name in _LOG_NAMES)
+        for r, env in envs.items():
+            env["TORCHELASTIC_ERROR_FILE"] = error[r]
+        return LogsDest(stdouts=out, stderrs=err, tee_stdouts=out, tee_stderrs=err, error_files=error)
+
+
+_LOG_NAMES = ("stdout.log", "stderr.log", "error.json")
 
 
 LOOPBACK_RDZV = "scaletrain-loopback"
@@ -189,39 +381,39 @@ def _loopback_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
 rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_handler)
 
 
-def _run_workers(nproc: int, log_dir: Path, worker_args: list[str]) -> None:
+def _run_workers(nproc: int, log_dir: Path, worker_args: list[str], stop: _Stop | None = None) -> None:
     """One attempt: what `torchrun --standalone --nproc-per-node N -m scaletrain train ARGS` does, except that the
-    workers are forked from a fork server that has already imported torch and scaletrain. A fresh interpreter
-    spends ~3 s on imports on this CPU: most of a restart's cost, paid again on every restart without this."""
-    args = get_args_parser().parse_args(
-        [
-            "--nproc-per-node",
-            str(nproc),
-            "--max-restarts",
-            "0",
-            "--log-dir",
-            str(log_dir),
-            "--redirects",
-            "3",
-            "--tee",
-            "3",
-            "--start-method",
-            "forkserver",
-            "--module",
-            "scaletrain",
-        ]
+    workers are forked from a fork server that has already imported torch and scaletrain (_start_fork_server; a fresh
+    interpreter spends ~3 s on imports on this CPU: most of a restart's cost, paid again on every restart without
+    it), that each gets a lifeline to the launcher (SIGTERM passed on, death with the launcher), and that their
+    logs lie flat (_RankLogs)."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        role="default",
+        # As torchrun --standalone (a private c10d rendezvous on a free port), but listening on loopback only;
+        # local_addr makes the workers' MASTER_ADDR 127.0.0.1 too. Multi-node runs use torchrun's own flags.
+        rdzv_backend=LOOPBACK_RDZV,
+        rdzv_endpoint="127.0.0.1:0",
+        local_addr="127.0.0.1",
+        max_restarts=0,  # launch_local restarts, after its diagnosis
+        monitor_interval=0.1,
+        start_method="forkserver",
+        logs_specs=_RankLogs(log_dir),
+        signals_to_handle=TORCH_SIGNALS,  # not SIGTERM: the launcher's own (_Stop)
     )
-    # "--module scaletrain" only satisfies the parser (it wants a script); the entrypoint is worker_main above,
-    # which the fork server finds by reference (module and name), so it must stay a module-level function.
-    # As torchrun --standalone (a private c10d rendezvous on a free port), but listening on loopback only;
-    # local_addr makes the workers' MASTER_ADDR 127.0.0.1 too. Multi-node runs use torchrun's own flags.
-    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = LOOPBACK_RDZV, "127.0.0.1:0", str(uuid.uuid4())
-    args.local_addr = "127.0.0.1"
-    config, _, _ = config_from_args(args)
-    # Set before the first launch starts the fork server, which then keeps these imported for every restart
-    # (this module imports the trainer).
-    multiprocessing.set_forkserver_preload(["scaletrain.launch"])
-    elastic_launch(config, worker_main)(*worker_args)
+    lifelines = Lifelines(nproc)
+    try:
+        if stop is not None:
+            stop.attach(lifelines)
+        # The fork server finds worker_main by reference (module and name): it must stay a module-level function.
+        elastic_launch(config, worker_main)(lifelines.readers, *worker_args)
+    finally:
+        if stop is not None:
+            stop.attach(None)
+        lifelines.close()
 
 
 def _diagnose(e: ChildFailedError, log_dir: Path) -> tuple[Diagnosis, int]:
@@ -229,10 +421,7 @@ def _diagnose(e: ChildFailedError, log_dir: Path) -> tuple[Diagnosis, int]:
     (diagnosis, rank)."""
     found = []
     for rank, failure in e.failures.items():
-        # The agent's log folder: <log_dir>/<run id>/attempt_0/<local rank>/ (error.json is only there when the
-        # worker wrote one; a function worker's may be elsewhere).
-        logs = sorted(log_dir.glob(f"*/attempt_*/{failure.local_rank}/stderr.log"))
-        text = tail(logs[-1], 60) if logs else ""
+        text = tail(log_dir / f"rank-{failure.local_rank}.stderr.log", 60)  # _RankLogs; "" when there is none
         if failure.error_file:
             text += "\n" + read_error_file(failure.error_file)
         code = failure.exitcode
