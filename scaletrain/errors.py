@@ -3,10 +3,8 @@ tracebacks; the launcher's diagnosis reads the statuses back (scaletrain.resilie
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 USER_ERROR_EXIT_CODE = 1
 """A UserError: bad input or environment, printed as one "error: ..." line."""
@@ -17,22 +15,6 @@ INTERRUPTED_EXIT_CODE = 130
 STOPPED_EXIT_CODE = 75
 """Stopped early by run.time_limit or run.stop_at_step with a committed checkpoint: run the same command again to
 continue (a requeue script's cue). 75 is sysexits.h's EX_TEMPFAIL, "try again later"."""
-
-
-def run_exit_code(run_dir: str | Path) -> int:
-    """The status the job's last start in `run_dir` ended with, from its events.jsonl: STOPPED_EXIT_CODE when its
-    end event says it stopped early, else 0. For launchers whose workers exit 0 to an elastic agent (which takes
-    any other status for a failure); a job script reads it without importing torch (examples/slurm)."""
-    path = Path(run_dir) / "events.jsonl"
-    last: dict = {}
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a full disk
-        if isinstance(record, dict) and record.get("kind") in ("start", "end"):
-            last = record
-    return STOPPED_EXIT_CODE if last.get("kind") == "end" and last.get("stopped") else 0
 
 
 class UserError(Exception):

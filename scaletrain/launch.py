@@ -36,7 +36,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from scaletrain.config import Config
 from scaletrain.config_io import load_config
 from scaletrain.data import load_tokenizer, prepare_data
-from scaletrain.errors import STOPPED_EXIT_CODE, UserError, report_errors, run_exit_code
+from scaletrain.errors import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE, UserError, report_errors
 from scaletrain.metrics.writer import append_event
 from scaletrain.resilience.diagnose import (
     Diagnosis,
@@ -48,7 +48,7 @@ from scaletrain.resilience.diagnose import (
 )
 from scaletrain.resilience.preemption import Lifelines, follow_launcher
 from scaletrain.resilience.timelimit import JOB_START_ENV
-from scaletrain.rundir import EVENTS, LOGS, read_jsonl
+from scaletrain.rundir import EVENTS, LOGS, RunDir, read_jsonl
 from scaletrain.train import train
 
 log = logging.getLogger("scaletrain")
@@ -83,7 +83,7 @@ def run_training(cfg: Config) -> int:
 
     Returns the exit status: STOPPED_EXIT_CODE when run.time_limit or run.stop_at_step ended the job early, but 0
     under an elastic agent, which takes any other status for a failure (it stops the peers and restarts them): its
-    launcher reads the stop back from events.jsonl (run_exit_code)."""
+    launcher reads the stop back from events.jsonl (RunDir.exit_code)."""
     try:
         stopped = train(cfg)["stopped"]
     except (UserError, KeyboardInterrupt):
@@ -94,6 +94,9 @@ def run_training(cfg: Config) -> int:
         sys.stderr.flush()
         _linger_if_a_peer_failed(text)
         os._exit(1)
+    if stopped == "interrupted":  # a first Ctrl-C: stopped after a step, saved (Preemption)
+        print("\ninterrupted (Ctrl-C): stopped after a step and saved it", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
     return STOPPED_EXIT_CODE if stopped and not under_torchrun() else 0
 
 
@@ -174,7 +177,7 @@ def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: 
         _start_fork_server()
         try:
             _run_workers(nproc, log_dir, args, stop)
-            return run_exit_code(run_dir)  # 0, or STOPPED_EXIT_CODE when the workers stopped early
+            return RunDir(run_dir).exit_code()  # 0, or STOPPED_EXIT_CODE when the workers stopped early
         except ChildFailedError as e:
             diag, rank = _diagnose(e, log_dir)
             killed = all(f.exitcode == -signal.SIGTERM for f in e.failures.values())

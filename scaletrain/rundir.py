@@ -15,16 +15,16 @@ import re
 import shlex
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import tomli_w
-import torch.distributed as dist
 
 from scaletrain.config import CheckpointConfig
-from scaletrain.parallel.mesh import broadcast_object
+from scaletrain.errors import STOPPED_EXIT_CODE
 from scaletrain.resume import resume_problems
 
 if sys.version_info >= (3, 11):
@@ -130,6 +130,14 @@ class RunDir:
                 last = e
         return last if last is not None and last.get("kind") == "end" else None
 
+    def exit_code(self) -> int:
+        """The status the last start ended with, from its events: STOPPED_EXIT_CODE when its end event says it
+        stopped early (run.time_limit, run.stop_at_step), else 0. For launchers whose workers exit 0 to an elastic
+        agent (which takes any other status for a failure); a job script reads it without importing torch
+        (examples/slurm)."""
+        end = self.last_outcome()
+        return STOPPED_EXIT_CODE if end is not None and end.get("stopped") else 0
+
     def finished(self, steps: int) -> int | None:
         """The step a finished run ended at (>= steps, with no early stop), None when it has more to train."""
         end = self.last_outcome()
@@ -209,15 +217,18 @@ def continue_command(argv: list[str], run_dir: Path) -> str:
     return shlex.join(["scaletrain", *out])
 
 
-def open_run_dir(resolved: dict, is_main: bool, group: dist.ProcessGroup | None) -> tuple[RunDir, str]:
+def open_run_dir(
+    resolved: dict, is_main: bool, share: Callable[[Any], Any] = lambda x: x
+) -> tuple[RunDir, str]:
     """The run directory and the run id on every rank; rank 0 opens it and writes `resolved` (the config) there.
-    `group` is the CPU control group (None on one process). A job started by an outside torchrun without --run.dir
-    goes where rank 0's default_run_dir says (the CLI fills it in for every other start)."""
+    `share` hands rank 0's value to every rank (a broadcast over the CPU control group; on one process, itself).
+    A job started by an outside torchrun without --run.dir goes where rank 0's default_run_dir says (the CLI fills
+    it in for every other start)."""
     path = resolved["run"].get("dir")
     if not path:
-        path = str(default_run_dir(resolved["run"].get("name", ""), resolved).path) if is_main else None
-        path = broadcast_object(path, group)
+        path = share(
+            str(default_run_dir(resolved["run"].get("name", ""), resolved).path) if is_main else None
+        )
         resolved = {**resolved, "run": {**resolved["run"], "dir": path}}
     run = RunDir.at(path)
-    run_id = run.open(resolved) if is_main else None
-    return run, broadcast_object(run_id, group)
+    return run, share(run.open(resolved) if is_main else None)

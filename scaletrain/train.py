@@ -26,16 +26,16 @@ from scaletrain.models import build_model, count_parameters, resolve_model_args
 from scaletrain.optim import Optimizers
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.data_parallel import optimizer_builder
-from scaletrain.parallel.mesh import all_reduce_mean, main_first, setup_process
+from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
 from scaletrain.parallel.parallelize import fsdp_applies, parallelize
 from scaletrain.parallel.pipeline import resolve_microbatches
 from scaletrain.precision import resolve_precision
 from scaletrain.resilience.faults import FaultInjector
-from scaletrain.resilience.goodput import final_goodput, read_jsonl
+from scaletrain.resilience.goodput import final_goodput
 from scaletrain.resilience.guard import Guard
 from scaletrain.resilience.preemption import Preemption
 from scaletrain.resilience.timelimit import JobLimits
-from scaletrain.rundir import open_run_dir
+from scaletrain.rundir import RunDir, open_run_dir
 from scaletrain.step import StepRunner, build_step_runner, evaluate
 from scaletrain.validate import global_batch_sequences
 
@@ -88,7 +88,8 @@ def train(cfg: Config) -> dict:
                 job.meter.exclude(job.ckpt.maybe_save(step))
                 job.guard.step_end(step)
                 job.meter.exclude(profiler.step_end(step))  # writing the trace is not training time
-        stopped = job.limits.stopped(step)  # ended early to be continued (exit 75): time_limit, stop_at_step
+        # Ended early, to be continued: time_limit, stop_at_step (exit 75), Ctrl-C (130).
+        stopped = job.limits.stopped(step) or job.preemption.stop_reason()
         job.ckpt.close(step, finished=step == t.steps)  # the final save, protected by the memory tier
     except KeyboardInterrupt:
         job.writer.event("interrupted", step=step)
@@ -149,7 +150,7 @@ def build(cfg: Config) -> Job:
     dims = ParallelDims.from_config(cfg.parallel, env.world_size)
     dims.build_mesh(env.device.type)
     first = partial(main_first, env.is_main, dims.control)  # rank 0 first, then the others
-    run, run_id = open_run_dir(to_dict(cfg), env.is_main, dims.control)
+    run, run_id = open_run_dir(to_dict(cfg), env.is_main, partial(broadcast_object, group=dims.control))
     run_dir = run.path
     writer = MetricsWriter(run_dir, env.is_main, cfg.metrics.tensorboard, cfg.metrics.wandb_project)
 
@@ -220,8 +221,9 @@ def _is_eval_step(step: int, t: TrainingConfig) -> bool:
 def _stopping(job: Job, step: int) -> bool:
     """SIGTERM or run.time_limit ends the job after this step (each agreed by every rank)."""
     if job.preemption.requested():
-        job.writer.event("preempted", step=step, signal="SIGTERM")
-        log.warning("SIGTERM: stopping after step %d (%s)", step, job.ckpt.final_save_note())
+        received = job.preemption.received or "SIGTERM"  # another rank's, when not this one's
+        job.writer.event("preempted", step=step, signal=received)
+        log.warning("%s: stopping after step %d (%s)", received, step, job.ckpt.final_save_note())
         return True
     return job.limits.time_up(step, job.ckpt.save_seconds)
 
@@ -254,8 +256,9 @@ def _finish(job: Job, step: int, last: dict, wall: float, stopped: str | None) -
     save included)."""
     evals, goodput = job.evals, None
     if job.env.is_main:
-        evals = {**metrics.recorded_evals(read_jsonl(job.run_dir / "events.jsonl")), **job.evals}
-        last = last or metrics.record_at(read_jsonl(job.run_dir / "metrics.jsonl"), step)
+        run = RunDir(job.run_dir)
+        evals = {**metrics.recorded_evals(run.read_events()), **job.evals}
+        last = last or metrics.record_at(run.read_metrics(), step)
         goodput = final_goodput(job.run_dir)
     summary = metrics.run_summary(step, step * job.tokens_per_step, last, evals, goodput=goodput, wall_s=wall,
                                   world_size=job.env.world_size)  # fmt: skip

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from scaletrain.rundir import CONFIG, EVENTS, METRICS, RUN_ID
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -67,7 +69,7 @@ def append_event(run_dir: Path, kind: str, step: int | None, **fields: Any) -> b
     if "time" in fields:
         raise ValueError("event fields must not contain 'time'; the writer stamps it")
     record = {"time": time.time(), "kind": kind, "step": step, **{k: _jsonable(v) for k, v in fields.items()}}
-    return append_line(Path(run_dir) / "events.jsonl", json.dumps(record, allow_nan=False) + "\n")
+    return append_line(Path(run_dir) / EVENTS, json.dumps(record, allow_nan=False) + "\n")
 
 
 def append_line(path: Path, line: str) -> bool:
@@ -180,7 +182,7 @@ class MetricsWriter:
         if "step" in values:
             raise ValueError("values must not contain 'step'; it is passed as its own argument")
         record = {"step": int(step), **{k: _jsonable(v) for k, v in values.items()}}
-        self._append("metrics.jsonl", record)
+        self._append(METRICS, record)
         numbers = _numbers(values)
         self._to_sinks(partial(_tb_scalars, int(step), numbers), partial(_wandb_scalars, int(step), numbers))
 
@@ -189,7 +191,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         if not append_event(self.run_dir, kind, step, **fields):
-            self.dropped["events.jsonl"] = self.dropped.get("events.jsonl", 0) + 1
+            self.dropped[EVENTS] = self.dropped.get(EVENTS, 0) + 1
         self.last_event = kind if step is None else f"{kind} (step {step})"
         self._to_sinks(partial(_tb_event, kind, step, fields), partial(_wandb_event, kind, step, fields))
 
@@ -267,7 +269,7 @@ class MetricsWriter:
         if self._wandb is None:
             import wandb  # optional: validate() refused the config without it
 
-            config, id_file = self.run_dir / "config.toml", self.run_dir / "run_id"
+            config, id_file = self.run_dir / CONFIG, self.run_dir / RUN_ID
             self._wandb = wandb.init(
                 project=self.wandb_project,
                 name=self.run_dir.name,

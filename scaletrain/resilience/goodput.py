@@ -35,10 +35,11 @@ Fields relied on (every event has `time`, `kind`, `step`):
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
+
+from scaletrain.rundir import RunDir
 
 # Events after which the segment has stopped training; the time from the earliest one to the next `start` is
 # restart time.
@@ -54,12 +55,10 @@ def compute_goodput(run_dir: Path, pending: dict | None = None, now: float | Non
     """
     run_dir = Path(run_dir)
     events = sorted(
-        (e for e in read_jsonl(run_dir / "events.jsonl") if _num(e.get("time")) is not None),
+        (e for e in RunDir(run_dir).read_events() if _num(e.get("time")) is not None),
         key=lambda e: e["time"],
     )
-    records = [
-        r for r in read_jsonl(run_dir / "metrics.jsonl") + [pending or {}] if isinstance(r.get("step"), int)
-    ]
+    records = [r for r in RunDir(run_dir).read_metrics() + [pending or {}] if isinstance(r.get("step"), int)]
     starts = [e for e in events if e.get("kind") == "start"]
     if not starts:
         raise ValueError(
@@ -96,23 +95,6 @@ def final_goodput(run_dir: Path) -> float | None:
         return compute_goodput(run_dir, now=time.time())["goodput"]
     except (ValueError, OSError):
         return None
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects in a .jsonl file, skipping blank and unreadable lines (a crash can cut the last one);
-    [] when the file does not exist."""
-    if not path.exists():
-        return []
-    out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(obj, dict):
-                out.append(obj)
-    return out
 
 
 def _step_time(events: list[dict], records: list[dict], timed: bool) -> tuple[float, float]:

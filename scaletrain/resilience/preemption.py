@@ -6,6 +6,7 @@ launcher's SIGTERM reaches the workers over their lifelines, which also end a wo
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
@@ -16,28 +17,48 @@ import torch.distributed as dist
 
 from scaletrain.parallel.mesh import any_rank
 
+log = logging.getLogger("scaletrain")
+
 
 class Preemption:
+    """The stop request of one start: SIGTERM, and Ctrl-C in a process of its own. A first Ctrl-C stops like
+    SIGTERM (after the step, with a committed save: the same command continues the run), a second one at once (a
+    KeyboardInterrupt, nothing saved). Under an elastic agent (`--nproc`, torchrun) Ctrl-C is the agent's to pass
+    on, and a worker stops at once."""
+
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.flag = False
-        self._previous = None
+        self.received = ""  # the signal that asked for the stop, on this rank
+        self._previous: dict[int, object] = {}
+        own = "LOCAL_RANK" not in os.environ  # not a worker of an elastic agent
         with contextlib.suppress(ValueError):  # not the main thread (e.g. inside a test harness)
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for sig in (signal.SIGTERM, signal.SIGINT) if own else (signal.SIGTERM,):
+                self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.flag = True
+        self.received = self.received or signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
+            log.warning(
+                "Ctrl-C: stopping after this step and saving it (Ctrl-C again to stop at once, unsaved)"
+            )
 
     def requested(self) -> bool:
         """True on every rank once any rank got SIGTERM (one small all-reduce on the CPU group per call)."""
         return any_rank(self.flag, self.group)
 
+    def stop_reason(self) -> str | None:
+        """ "interrupted" when Ctrl-C stopped this start (its exit status is 130), else None."""
+        return "interrupted" if self.received == "SIGINT" else None
+
     def close(self) -> None:
-        """Give SIGTERM back its previous action: after training, a SIGTERM should end the process again."""
-        if self._previous is not None:
-            with contextlib.suppress(ValueError):
-                signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        """Give the signals back their previous actions: after training, a signal should end the process again."""
+        with contextlib.suppress(ValueError):
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)
+        self._previous = {}
 
 
 class Lifelines:

@@ -1,7 +1,8 @@
 """Bounded jobs end to end: run.time_limit and run.stop_at_step stop the debug job with exit status 75 and a
 committed checkpoint, and the job continued to its end reproduces the golden (uninterrupted) losses bit for bit."""
 
-from scaletrain.errors import STOPPED_EXIT_CODE, run_exit_code
+from scaletrain.errors import STOPPED_EXIT_CODE
+from scaletrain.rundir import RunDir
 from tests.golden.record import COMMON, golden_problem
 from tests.helpers import DEBUG, events, per_step, run_cli
 
@@ -20,7 +21,9 @@ def test_time_limit_then_stop_at_step_then_the_rest_equals_the_uninterrupted_run
     assert _committed(run) == [1]
     (limit,) = events(run, "time_limit")
     assert limit["step"] == 1 and limit["limit_s"] == 1.0 and limit["elapsed_s"] >= 1.0
-    assert events(run, "end")[-1]["stopped"] == "time_limit" and run_exit_code(run) == STOPPED_EXIT_CODE
+    assert (
+        events(run, "end")[-1]["stopped"] == "time_limit" and RunDir.at(run).exit_code() == STOPPED_EXIT_CODE
+    )
 
     # The same command with a stop step instead (run.* may change on resume): steps 2..6, then exit 75 again.
     second = run_cli(*train, "--run.stop_at_step", "6", check=False)
@@ -29,7 +32,7 @@ def test_time_limit_then_stop_at_step_then_the_rest_equals_the_uninterrupted_run
 
     # Without either, the job runs to training.steps (20) and exits 0.
     run_cli(*train)
-    assert run_exit_code(run) == 0 and events(run, "end")[-1]["stopped"] is None
+    assert RunDir.at(run).exit_code() == 0 and events(run, "end")[-1]["stopped"] is None
     assert [e["step"] for e in events(run, "checkpoint_loaded")] == [1, 6]
     got = per_step(run, ("loss", "grad_norm"))
     assert sorted(got) == list(range(1, 21))

@@ -5,6 +5,10 @@ run started at (a deterministic restart from step 0 has the same losses)."""
 import argparse
 import re
 import shlex
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +134,28 @@ def test_every_documented_command_parses():
             if arg.startswith("--") and "." in arg:
                 key = arg[2:].split("=", 1)[0].replace("-", "_")
                 assert key in keys or key.startswith("data.sources"), f"{where}: unknown config key {key}"
+
+
+def test_ctrl_c_stops_after_the_step_saves_it_and_the_printed_command_continues(tmp_path):
+    """The first hour's flow (issue 21): train, Ctrl-C, the same command again. A first Ctrl-C to a single
+    process stops after the step with a committed save (exit 130, no traceback); the printed command continues
+    from that step. (--nproc's Ctrl-C: tests/e2e/test_launcher_signals.py.)"""
+    cmd = ["train", "--config", DEBUG, "--run.dir", "runs/c", *QUICK, "--training.steps", "5000",
+           "--metrics.log_interval", "1", "--training.eval_interval", "0"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "scaletrain", *cmd], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    metrics = tmp_path / "runs" / "c" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    run = tmp_path / "runs" / "c"
+    (saved,) = events(run, "checkpoint_saved")
+    stop = saved["step"]
+    assert 3 <= stop < 5000 and (run / "checkpoints" / f"step-{stop:08d}" / "commit.json").is_file()
+    assert events(run, "end")[-1]["stopped"] == "interrupted"
+    line = re.search(r"to continue this run: (.*)", err).group(1)
+    run_cli(*shlex.split(line)[1:], "--run.stop_at_step", str(stop + 1), cwd=tmp_path, check=False)
+    assert starts(run) == [0, stop]

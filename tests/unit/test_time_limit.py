@@ -10,10 +10,11 @@ import pytest
 
 from scaletrain.config import RunConfig
 from scaletrain.config_io import load_config
-from scaletrain.errors import STOPPED_EXIT_CODE, ConfigError, run_exit_code
+from scaletrain.errors import STOPPED_EXIT_CODE, ConfigError
 from scaletrain.resilience import timelimit
 from scaletrain.resilience.timelimit import MARGIN_S, JobLimits, limit_problems, parse_duration
 from scaletrain.resume import resume_problems
+from scaletrain.rundir import RunDir
 
 
 @pytest.mark.parametrize(
@@ -162,13 +163,13 @@ def test_exit_code_read_back_from_the_last_start(tmp_path):
     def write(*records):
         (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
-    assert run_exit_code(tmp_path) == 0  # no events at all
+    assert RunDir.at(tmp_path).exit_code() == 0  # no events at all
     write({"kind": "start"}, {"kind": "end", "stopped": "time_limit"})
-    assert run_exit_code(tmp_path) == STOPPED_EXIT_CODE
+    assert RunDir.at(tmp_path).exit_code() == STOPPED_EXIT_CODE
     write({"kind": "start"}, {"kind": "end", "stopped": "time_limit"}, {"kind": "start"}, {"kind": "end"})
-    assert run_exit_code(tmp_path) == 0
+    assert RunDir.at(tmp_path).exit_code() == 0
     write({"kind": "end", "stopped": "stop_at_step"}, {"kind": "start"}, {"kind": "checkpoint_saved"})
-    assert run_exit_code(tmp_path) == 0  # the last start did not end (a crash): not a stop
+    assert RunDir.at(tmp_path).exit_code() == 0  # the last start did not end (a crash): not a stop
 
 
 @pytest.mark.parametrize("async_save", [False, True])
