@@ -60,8 +60,8 @@ killed (stop_grace): the grace our Kubernetes example gives a pod (terminationGr
 launcher never cuts short a save that its scheduler would let finish. It costs nothing when the save is quick (the
 launcher exits as soon as the workers do), and a scheduler with a shorter grace (Slurm's KillWait and Kubernetes'
 default are 30 s) kills the launcher sooner anyway, the workers with it."""
-# The signals torch's agent handles under launch_local: all but SIGTERM, which is the launcher's own (_Stop).
-TORCH_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+# The signals torch's agent handles under launch_local: all but SIGTERM and Ctrl-C, the launcher's own (_Stop).
+TORCH_SIGNALS = "SIGHUP,SIGQUIT"
 
 
 def install_stack_dump() -> None:
@@ -117,7 +117,8 @@ def worker_main(lifelines: tuple[Connection, ...], config_path: str, *overrides:
     # failed (a worker that ignored it would wait in the rendezvous for the dead peer until its SIGKILL).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    signal.signal(signal.SIGINT, _interrupt_once)
+    # Ctrl-C reaches the whole process group; the launcher passes it on as a stop over the lifelines (_Stop).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     follow_launcher(lifelines, int(os.environ["LOCAL_RANK"]))
     install_stack_dump()
     sys.stdout.reconfigure(line_buffering=True)  # its stdout is a log file: keep lines up to a SIGKILL
@@ -130,13 +131,6 @@ def worker_main(lifelines: tuple[Connection, ...], config_path: str, *overrides:
     code = report_errors(work)
     if code:
         sys.exit(code)
-
-
-def _interrupt_once(signum: int, frame: FrameType | None) -> None:
-    """Ctrl-C reaches a worker twice, from the terminal (the process group) and from the agent passing it on; the
-    second must not break into the clean exit that the first started (a traceback instead of "interrupted")."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
 
 
 def launch_local(
@@ -177,7 +171,8 @@ def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: 
         _start_fork_server()
         try:
             _run_workers(nproc, log_dir, args, stop)
-            return RunDir(run_dir).exit_code()  # 0, or STOPPED_EXIT_CODE when the workers stopped early
+            # 130 after a Ctrl-C's saved stop; else 0, or STOPPED_EXIT_CODE when the workers stopped early.
+            return stop.stopped_code() if stop.interrupted else RunDir(run_dir).exit_code()
         except ChildFailedError as e:
             diag, rank = _diagnose(e, log_dir)
             killed = all(f.exitcode == -signal.SIGTERM for f in e.failures.values())
@@ -187,8 +182,8 @@ def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: 
         if stop.requested:
             # SIGTERM ends a worker whose Preemption handler is not in place yet: it had trained nothing to save.
             if killed:
-                log.warning("SIGTERM stopped the workers before they trained: nothing to save")
-                return 0
+                log.warning("the stop came before the workers trained: nothing to save")
+                return stop.stopped_code()
             print(
                 f"error: rank {rank} failed while stopping ({diag.kind}: {diag.detail}). Logs: {log_dir}",
                 file=sys.stderr,
@@ -208,8 +203,8 @@ def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: 
         log.warning(
             "rank %d failed (%s: %s); restart %d of %d", rank, diag.kind, diag.detail, attempt, max_restarts
         )
-    log.warning("SIGTERM before the workers started: nothing to save")
-    return 0
+    log.warning("the stop came before the workers started: nothing to save")
+    return stop.stopped_code()
 
 
 def stop_grace(run_dir: Path) -> float:
@@ -235,20 +230,29 @@ class _Stop:
     Workers still stopping after stop_grace() seconds are killed (their save is then not committed, and the newest
     committed checkpoint stands).
 
-    Ctrl-C, SIGHUP and SIGQUIT stay torch's: its agent passes them on to the workers, waits for them (its shutdown
-    timeout, then SIGKILL) and raises SignalException, which exit_code turns into the status (130 for Ctrl-C)."""
+    A first Ctrl-C (the terminal sends it to the whole group; the workers ignore theirs) stops the same way and ends
+    with 130, as without --nproc; a second one kills the workers at once (their save in flight is not committed).
+    SIGHUP and SIGQUIT stay torch's: its agent passes them on to the workers, waits for them (its shutdown timeout,
+    then SIGKILL) and raises SignalException, which exit_code turns into the status."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.requested = False
+        self.interrupted = False  # the stop is a Ctrl-C's: the launcher ends with 130
         self.grace = STOP_GRACE_S
         self._lifelines: Lifelines | None = None
         self._saved: dict[int, object] = {}
 
     def __enter__(self) -> _Stop:
-        for sig in (signal.SIGTERM, signal.SIGALRM, *(getattr(signal, s) for s in TORCH_SIGNALS.split(","))):
+        for sig in (
+            signal.SIGTERM,
+            signal.SIGINT,
+            signal.SIGALRM,
+            *(getattr(signal, s) for s in TORCH_SIGNALS.split(",")),
+        ):
             self._saved[sig] = signal.getsignal(sig)
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGINT, self._on_sigint)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -269,18 +273,35 @@ class _Stop:
             return
         self.requested = True
         self.grace = stop_grace(self.run_dir)
-        log.warning("SIGTERM: the workers stop after the same step and save it (given %.0f s)", self.grace)
+        if not self.interrupted:
+            log.warning(
+                "SIGTERM: the workers stop after the same step and save it (given %.0f s)", self.grace
+            )
         if self._lifelines is not None:
             self._lifelines.stop()
         signal.signal(signal.SIGALRM, self._on_overdue)
         signal.setitimer(signal.ITIMER_REAL, self.grace)
 
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        if self.interrupted:  # a second Ctrl-C: at once, unsaved (the agent kills the workers)
+            raise SignalException("Ctrl-C twice", signal.SIGKILL)
+        self.interrupted = True
+        log.warning("Ctrl-C: the workers stop after the same step and save it (Ctrl-C again to stop at once)")
+        self._on_sigterm(signum, frame)
+
     def _on_overdue(self, signum: int, frame: FrameType | None) -> None:
         # Raised where the agent waits for its workers: it kills them at once (the sigval) and raises it again.
         raise SignalException(f"the workers had not stopped {self.grace:.0f} s after SIGTERM", signal.SIGKILL)
 
+    def stopped_code(self) -> int:
+        """The status of a stop the workers completed: 130 for a Ctrl-C (as without --nproc), 0 for SIGTERM."""
+        if self.interrupted:
+            print("\ninterrupted (Ctrl-C): the workers stopped after a step and saved it", file=sys.stderr)
+            return INTERRUPTED_EXIT_CODE
+        return 0
+
     def exit_code(self, e: SignalException, logs: Path) -> int:
-        if e.sigval == signal.SIGINT:
+        if e.sigval == signal.SIGKILL and self.interrupted and str(e) == "Ctrl-C twice":
             raise KeyboardInterrupt from None  # report_errors: the "interrupted" line and 130, as without --nproc
         if e.sigval == signal.SIGKILL:  # _on_overdue
             print(
