@@ -18,7 +18,7 @@ from pathlib import Path
 
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.metrics import cpu_features
-from scaletrain.parity import run_train
+from scaletrain.parity import check_configs, run_train
 
 PLAIN = "plain"
 # Every run: metrics every step, no evaluation, no checkpoints, no progress bar (the user's overrides come first,
@@ -146,14 +146,17 @@ def run_bench(
     out: Callable[[str], None] = print,
     runner: Callable[[list[str], int, Path], list[dict]] = run_train,
 ) -> list[VariantResult]:
-    """Run the matrix and print the table; every variant is parsed before anything runs."""
+    """Run the matrix and print the table; every variant is parsed and its whole config validated before anything
+    runs."""
     if steps < 2 or rounds < 1 or nproc < 1:
         raise ConfigError(
             f"bench needs --steps >= 2, --rounds >= 1, --nproc >= 1 (got {steps}, {rounds}, {nproc})"
         )
     parsed = [[]] + [parse_variant(v) for v in variants]
     names = [PLAIN, *variants]
-    base = (["--config", config] if config else []) + overrides + FORCED + ["--training.steps", str(steps)]
+    settings = overrides + FORCED + ["--training.steps", str(steps)]
+    check_configs(config, [(name, settings + args, nproc) for name, args in zip(names, parsed, strict=True)])
+    base = (["--config", config] if config else []) + settings
     out(f"CPU: {cpu_features()}")
     runs: dict[tuple[int, int], dict | str] = {}
     with tempfile.TemporaryDirectory(prefix="scaletrain-bench-") as tmp:

@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from scaletrain import __version__
 from scaletrain.bench import results_json, run_bench
 from scaletrain.config import Config
 from scaletrain.config_io import all_keys, help_text, load_config, to_dict
@@ -70,6 +74,7 @@ def build_parser() -> _Parser:
     """One sub-parser per command, each with only its own flags; config overrides are what parse_known_args
     leaves over, checked by _overrides_only."""
     root = _Parser(prog="scaletrain", usage=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    root.add_argument("--version", action="version", version=version_line())
     commands = root.add_subparsers(
         prog="scaletrain", dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )
@@ -128,6 +133,17 @@ def build_parser() -> _Parser:
     root.commands["plan"] = _add_plan_command(commands)
     root.commands["bench"] = _add_bench_command(commands)
     return root
+
+
+def version_line() -> str:
+    """`scaletrain --version`: the package's version and torch's (the one a bug report needs beside it)."""
+    return f"scaletrain {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
+def _entered(path: str) -> Path:
+    """A path as the user typed it, resolved against the working directory as it enters (~ expanded): every
+    later step and message names the same place."""
+    return Path(path).expanduser().absolute()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,14 +350,15 @@ def _parity(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
-    if args.to == "hf" and len(args.paths) == 2:
-        print(to_hf(Path(args.paths[0]), Path(args.paths[1])))
+    paths = [_entered(p) for p in args.paths]
+    if args.to == "hf" and len(paths) == 2:
+        print(to_hf(*paths))
         return 0
-    if args.from_ == "hf" and len(args.paths) == 1:
-        print(from_hf(Path(args.paths[0]), Path(args.out)))
+    if args.from_ == "hf" and len(paths) == 1:
+        print(from_hf(paths[0], _entered(args.out)))
         return 0
-    if args.quantize and len(args.paths) == 2:
-        print(to_quantized(Path(args.paths[0]), Path(args.paths[1]), args.quantize))
+    if args.quantize and len(paths) == 2:
+        print(to_quantized(*paths, args.quantize))
         return 0
     raise ConfigError(
         "usage: scaletrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR, or "
@@ -376,7 +393,7 @@ def _add_inference_commands(commands: argparse._SubParsersAction) -> dict[str, _
 
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the model is loaded
-    loaded = load_model(args.path, args.tokenizer, args.device)
+    loaded = load_model(_entered(args.path), _tokenizer(args.tokenizer), args.device)
     ids, result, text = generate_text(
         loaded, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed
     )
@@ -387,10 +404,16 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    loaded = load_model(args.path, args.tokenizer, args.device)
-    result = evaluate_text(loaded, args.data, args.seq_len, args.batch, args.max_windows, args.field)
+    loaded = load_model(_entered(args.path), _tokenizer(args.tokenizer), args.device)
+    data = str(_entered(args.data))  # a glob stays a glob
+    result = evaluate_text(loaded, data, args.seq_len, args.batch, args.max_windows, args.field)
     print(result.render(args.json))
     return 0
+
+
+def _tokenizer(flag: str | None) -> str | None:
+    """--tokenizer: 'byte', or a tokenizer.json's path resolved as it enters."""
+    return flag if flag in (None, "byte") else str(_entered(flag))
 
 
 def _prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -4,9 +4,15 @@ training from its weights (`model.init_from = "hf:DIR"`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
@@ -18,17 +24,20 @@ from scaletrain.checkpoint.hf import (
     args_from_hf_config,
     export_hf,
     hf_dir_problems,
+    quiet_torchao,
     read_hf_config,
+    umask_permissions,
     verify_with_transformers,
 )
 from scaletrain.checkpoint.hf_moe import config_sections
-from scaletrain.checkpoint.integrity import COMMIT, verify
+from scaletrain.checkpoint.integrity import COMMIT, newest_intact, step_path, verify
 from scaletrain.checkpoint.safe_load import make_reader
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import Config
 from scaletrain.config_io import read_toml, to_dataclass, to_dict
 from scaletrain.data import Tokenizer, build_loader, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.host import unwritable
 from scaletrain.models import Transformer, build_meta_model, resolve_model_args
 from scaletrain.precision.qat import (
     WEIGHTS_FILE,
@@ -42,16 +51,58 @@ from scaletrain.precision.qat import (
 from scaletrain.rundir import RunDir
 
 log = logging.getLogger("scaletrain")
+_STEP_DIR = re.compile(r"step-\d+")
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """A run's checkpoint directory (`checkpoints/step-N`), committed or not, rather than a run directory."""
+    if (path / COMMIT).exists():
+        return True
+    return bool(_STEP_DIR.fullmatch(path.name)) and path.is_dir() and not (path / "config.toml").exists()
+
+
+def claim_out_dir(out: Path) -> bool:
+    """Make OUT_DIR for an export, before any work: UserError when it is a file, holds anything already (nothing
+    is overwritten) or cannot be created or written. True when it was created here (remove it if the export
+    fails: a half-written export would block the next attempt)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file, not a directory; choose a new OUT_DIR (nothing is overwritten)")
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(f"{out} exists and is not empty; choose a new OUT_DIR (nothing is overwritten)")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"cannot create {out} ({unwritable(out, e)}); choose an OUT_DIR in a writable place"
+        ) from None
+    if not os.access(out, os.W_OK):
+        raise UserError(f"{out} is not writable; choose an OUT_DIR in a writable place")
+    return created
+
+
+@contextlib.contextmanager
+def _into(out: Path, created: bool) -> Iterator[None]:
+    """Remove `out` (made by claim_out_dir) when the export in the block fails, or is interrupted: a half-written
+    export would block the next attempt. The files of a finished one get the umask's permissions."""
+    try:
+        yield
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    umask_permissions(out)
 
 
 def _newest_intact(ckpt_root: Path) -> Path:
-    fs = fsspec.filesystem("file")
-    for path in sorted(ckpt_root.glob("step-*"), reverse=True):
-        reason = verify(fs, str(path))
-        if reason is None:
-            return path
-        log.warning("skipping %s: %s", path, reason)
-    raise UserError(f"no committed, intact checkpoint under {ckpt_root}")
+    step, failed = newest_intact(fsspec.filesystem("file"), str(ckpt_root))
+    reasons = [f"step-{s:08d}: {reason}" for s, reason, _ in failed]
+    if step is None:
+        because = f" ({'; '.join(reasons)})" if reasons else ""
+        raise UserError(f"no committed, intact checkpoint under {ckpt_root}{because}")
+    for reason in reasons:
+        log.warning("skipping %s", reason)
+    return Path(step_path(str(ckpt_root), step))
 
 
 def _run_config(run_dir: Path) -> Config:
@@ -63,9 +114,17 @@ def _run_config(run_dir: Path) -> Config:
 
 def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, Path]:
     """The model of a run directory (or one of its checkpoint directories), on CPU in fp32, with the weights of
-    the newest intact checkpoint; also the run's config, its tokenizer and the checkpoint read."""
-    if (src / COMMIT).exists():
+    the newest intact checkpoint; also the run's config, its tokenizer and the checkpoint read. A checkpoint
+    directory given by itself is verified as the newest is (every file against its checksum)."""
+    src = src.expanduser().absolute()
+    if is_checkpoint_dir(src):
         ckpt, run_dir = src, src.parent.parent
+        reason = verify(fsspec.filesystem("file"), str(src))
+        if reason is not None:
+            raise UserError(
+                f"{src} is not an intact checkpoint: {reason}; give the run directory (its newest intact "
+                "checkpoint is read) or another checkpoints/step-N directory"
+            )
     else:
         run_dir = src
         ckpt = _newest_intact(Path(RunDir.at(src).checkpoint_root(_run_config(src).checkpoint)))
@@ -78,14 +137,24 @@ def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, Path]:
     )
     model.to_empty(device="cpu")
     model.init_weights()
-    dcp.load({"model": ModelState([model])}, storage_reader=make_reader(str(ckpt)), no_dist=True)
+    with warnings.catch_warnings():
+        # DCP's note that it loads on one process ("torch.distributed is disabled ..."): what is meant here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load({"model": ModelState([model])}, storage_reader=make_reader(str(ckpt)), no_dist=True)
     return model, cfg, tokenizer, ckpt
 
 
 def to_hf(src: Path, out: Path) -> str:
-    model, cfg, tokenizer, ckpt = load_run_model(src)
-    tok_file = Path(cfg.data.tokenizer) if cfg.data.tokenizer != "byte" else None
-    export_hf(model.eval(), out, tok_file, tokenizer.eod_id)
+    """A run's newest intact checkpoint (or the checkpoint directory `src`) as a Hugging Face directory `out`:
+    config.json, model.safetensors and, for a run with a tokenizer.json, that file and a tokenizer_config.json;
+    checked against transformers' own forward when it is installed."""
+    out = out.expanduser().absolute()
+    created = claim_out_dir(out)
+    with _into(out, created):
+        model, cfg, tokenizer, ckpt = load_run_model(src)
+        tok_file = Path(cfg.data.tokenizer) if cfg.data.tokenizer != "byte" else None
+        eod_token = getattr(tokenizer, "eod_token", None)
+        export_hf(model.eval(), out, tok_file, tokenizer.eod_id, eod_token)
     diff = verify_with_transformers(model, out)
     checked = (
         f"transformers.{architecture(model.args)} logits match (max abs diff {diff:.1e})"
@@ -96,6 +165,8 @@ def to_hf(src: Path, out: Path) -> str:
 
 
 def from_hf(hf_dir: Path, out_toml: Path) -> str:
+    # Absolute: the config names hf_dir (model.init_from, data.tokenizer) for a training started from anywhere.
+    hf_dir = hf_dir.expanduser().absolute()
     if out_toml.exists():
         raise UserError(f"{out_toml} exists; choose another --out (nothing is overwritten)")
     cfg_json = read_hf_config(hf_dir)
@@ -117,7 +188,13 @@ def from_hf(hf_dir: Path, out_toml: Path) -> str:
             "router input; our router has none).\n"
         )
     sections = {"model": model, **({"moe": moe} if moe else {}), **({"data": data} if data else {})}
-    out_toml.write_text(header + tomli_w.dumps(sections))
+    try:
+        with out_toml.open("x") as f:  # "x": never overwritten
+            f.write(header + tomli_w.dumps(sections))
+    except OSError as e:
+        raise UserError(
+            f"cannot write {out_toml} ({unwritable(out_toml, e)}); choose another --out"
+        ) from None
     return f"wrote {out_toml}; train with: scaletrain train --config {out_toml}"
 
 
@@ -125,8 +202,13 @@ def to_quantized(src: Path, out: Path, scheme: str) -> str:
     """A run's newest checkpoint as the real quantised model (torchao's QAT convert step) in `out`:
     model.safetensors (see save_quantized), config.toml (the run's, precision.qat = scheme) and
     quantization.json: the float, fake-quant and converted models' mean loss on the run's validation split."""
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} exists and is not empty; choose another OUT_DIR (nothing is overwritten)")
+    out = out.expanduser().absolute()
+    created = claim_out_dir(out)
+    with _into(out, created):
+        return _quantize(src, out, scheme)
+
+
+def _quantize(src: Path, out: Path, scheme: str) -> str:
     model, cfg, tokenizer, ckpt = load_run_model(src)
     if cfg.data.val_fraction == 0:
         raise UserError(
@@ -140,14 +222,14 @@ def to_quantized(src: Path, out: Path, scheme: str) -> str:
     batches = list(loader.val_batches(cfg.training.eval_sequences, cfg.training.micro_batch))
     eod = tokenizer.eod_id if cfg.data.document_mask else None
     losses = {"float": mean_loss(model, batches, eod)}
-    losses["fake_quant"] = mean_loss(apply_qat(model, p), batches, eod)
-    losses["converted"] = mean_loss(convert_qat(model, p), batches, eod)
+    with quiet_torchao():  # precision.qat imports torchao here
+        losses["fake_quant"] = mean_loss(apply_qat(model, p), batches, eod)
+        losses["converted"] = mean_loss(convert_qat(model, p), batches, eod)
     report = dict(
         scheme=scheme, group_size=p.qat_group_size, trained_with_qat=cfg.precision.qat, checkpoint=str(ckpt),
         val_sequences=sum(len(x) for x, _ in batches), loss=losses,
         converted_vs_fake_quant_rel=abs(losses["converted"] - losses["fake_quant"]) / losses["fake_quant"],
     )  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
     save_quantized(model, out, {"scheme": scheme, "group_size": p.qat_group_size})
     cfg.precision = p
     (out / "config.toml").write_text(tomli_w.dumps(to_dict(cfg)))
@@ -164,7 +246,8 @@ def to_quantized(src: Path, out: Path, scheme: str) -> str:
 def load_quantized(out: Path) -> Transformer:
     """The model `to_quantized` wrote, rebuilt on CPU: its architecture converted, then its tensors assigned."""
     cfg = _run_config(out)
-    state, meta = load_quantized_state(out / WEIGHTS_FILE)
+    with quiet_torchao():  # precision.qat imports torchao here
+        state, meta = load_quantized_state(out / WEIGHTS_FILE)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model = build_meta_model(
         resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)

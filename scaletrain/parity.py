@@ -11,7 +11,6 @@ import math
 import os
 import sys
 import tempfile
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from scaletrain.config_io import load_config
 from scaletrain.convert import load_run_model
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.parallel.mesh import MESH_DIMS
@@ -74,6 +74,20 @@ def parse_layout(text: str) -> tuple[int, list[str]]:
     return world, overrides
 
 
+def check_configs(config: str | None, runs: list[tuple[str, list[str], int]]) -> None:
+    """Validate the whole config of every run before the first starts: (name, its overrides of `config`, world
+    size) each. A bad variant or layout is refused with every problem of every run at once, named by run, instead
+    of after minutes of the runs before it."""
+    problems = []
+    for name, overrides, world in runs:
+        try:
+            load_config(config, overrides, world_size=world, check_run_dir=False)
+        except ConfigError as e:
+            problems += [f"{name}: {p}" for p in e.problems]
+    if problems:
+        raise ConfigError(problems)
+
+
 def run_train(args: list[str], nproc: int, run_dir: Path) -> list[dict]:
     """`scaletrain train --nproc N ARGS --run.dir RUN_DIR` in a subprocess; its metrics.jsonl records. Shared by
     parity and bench. Started from a bare interpreter so that the run's peak memory is its own (see
@@ -99,10 +113,7 @@ def run_train(args: list[str], nproc: int, run_dir: Path) -> list[dict]:
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     """The parameters of the run's newest checkpoint, by name, as whole CPU tensors (DCP reshards any layout)."""
     try:
-        # Silenced: DCP's note that it loads without a process group, which is the intent here.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            model, *_ = load_run_model(run_dir)
+        model, *_ = load_run_model(run_dir)
     except CheckpointException as e:  # e.g. a parameter the whole model has and the checkpoint lacks
         causes = sorted({str(exc) for exc, _ in e.failures.values()})
         raise UserError(
@@ -187,19 +198,23 @@ def run_parity(
         raise ConfigError(
             f"parity needs --steps >= 1, --rtol >= 0, --atol >= 0 (got {steps}, {rtol}, {atol})"
         )
-    base = (
-        (["--config", config] if config else [])
-        + overrides
+    settings = (
+        overrides
         + FINAL_SAVE
         + ["--training.steps", str(steps), "--training.precision", "fp32", "--training.eval_interval", "0"]
         + ["--metrics.log_interval", "1", "--metrics.progress", "false", "--metrics.tensorboard", "false"]
         + ["--training.threads", "1"]
     )
-    parsed = [(layout, *parse_layout(layout)) for layout in layouts]  # every layout checked before any run
+    base = (["--config", config] if config else []) + settings
+    parsed = [(layout, *parse_layout(layout)) for layout in layouts]
     # The reference: every mesh dim of size 1 (dp_shard -1 is the one process), plain DDP.
     single = ["--parallel.data_parallel", "ddp"]
     for dim in MESH_DIMS:
         single += [f"--parallel.{dim}", "-1" if dim == "dp_shard" else "1"]
+    runs = [("reference", settings + single, 1)] + [
+        (f"layout {lay!r}", settings + a, n) for lay, n, a in parsed
+    ]
+    check_configs(config, runs)  # every layout's whole config, before any run
     results = []
     with tempfile.TemporaryDirectory(prefix="scaletrain-parity-") as tmp:
         ref_dir = Path(tmp) / "reference"

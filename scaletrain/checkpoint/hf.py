@@ -6,9 +6,13 @@ the names differ. Import reads safetensors only (never pickles).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -99,7 +103,7 @@ def hf_config(args: ModelArgs, eod_id: int | None = None) -> dict:
             "original_max_position_embeddings": args.rope_original_max_len,
         }
     if eod_id is not None:
-        cfg["eos_token_id"] = eod_id
+        cfg["eos_token_id"] = cfg["bos_token_id"] = eod_id  # see tokenizer_config
     if args.n_experts > 0:
         del cfg["mlp_bias"], cfg["attention_bias"]  # not Mixtral fields (it has no biases)
         cfg |= hf_moe.config_json(args)
@@ -260,9 +264,43 @@ def hf_dir_problems(path: Path) -> list[str]:
     return [f"{path}: {p}" for p in problems]
 
 
+def umask_permissions(out: Path) -> None:
+    """Give every file in `out` the mode a plain open() gives (0644 under the usual umask 022): safetensors writes
+    0600, which another user, or a serving container under another uid, cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+
+
+def tokenizer_config(eod_token: str, max_len: int) -> dict:
+    """tokenizer_config.json beside a copied tokenizer.json, so that transformers.AutoTokenizer knows its special
+    tokens (without it eos_token is None). Our end-of-document token is both: packing puts it between documents,
+    so it ends one and opens the next (GPT-2's convention for <|endoftext|>)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eod_token,
+        "bos_token": eod_token,
+        "model_max_length": max_len,
+        "add_bos_token": False,  # documents are not prefixed at training: encode() adds no special tokens
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
 def export_hf(
-    model: Transformer, out: Path, tokenizer_file: Path | None = None, eod_id: int | None = None
+    model: Transformer,
+    out: Path,
+    tokenizer_file: Path | None = None,
+    eod_id: int | None = None,
+    eod_token: str | None = None,
 ) -> None:
+    """config.json and model.safetensors in `out` (created; if it exists it must be an empty directory), with the
+    tokenizer.json copied and a tokenizer_config.json naming `eod_token` when given; files get the umask's
+    permissions."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file, not a directory; choose a new output directory")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty; choose a new output directory")
     state = model.state_dict()
@@ -281,7 +319,12 @@ def export_hf(
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(model.args, eod_id), indent=2))
     if tokenizer_file is not None:
-        shutil.copy(tokenizer_file, out / "tokenizer.json")
+        # The contents only (copyfile): not the mode of a source that may be read-only or private.
+        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+        if eod_token is not None:
+            tok_cfg = tokenizer_config(eod_token, model.args.max_seq_len)
+            (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    umask_permissions(out)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -373,14 +416,48 @@ def load_hf_weights(model: Transformer, path: Path) -> None:
             v.copy_(ours[k].to(v.dtype))
 
 
+@contextlib.contextmanager
+def quiet_torchao() -> Iterator[None]:
+    """For a block that may import torchao: on a CPU build of torch it logs that its CUDA kernels (mxfp8, cutlass)
+    do not load, and torch's pytree logs a deprecation for each Enum it registers; neither concerns a user of its
+    CPU paths. Only those two loggers are held at ERROR, only during the block."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _quiet_load() -> Iterator[None]:
+    """transformers' from_pretrained, without what does not concern the export it loads: torchao's load messages
+    (transformers imports it for its quantizers when it is installed) and a "Loading weights" progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with quiet_torchao():
+            yield
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
 def verify_with_transformers(model: Transformer, out: Path, atol: float = 1e-5) -> float | None:
     """Load the export with transformers and compare logits; None when transformers is not installed."""
     try:
         import transformers
     except ImportError:
         return None
-    cls = getattr(transformers, architecture(model.args))
-    hf = cls.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    with _quiet_load():
+        # A lazy import, inside: it brings the modeling code and the quantizers (torchao).
+        cls = getattr(transformers, architecture(model.args))
+        hf = cls.from_pretrained(str(out), torch_dtype=torch.float32).eval()
     x = torch.randint(
         0,
         model.args.vocab_size,

@@ -7,6 +7,7 @@ half-written directory that looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -15,6 +16,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +38,7 @@ from scaletrain.data.sources import (
 )
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer, fingerprint
 from scaletrain.errors import UserError
+from scaletrain.host import unwritable, usable_cpus
 
 logger = logging.getLogger("scaletrain")
 
@@ -48,6 +51,7 @@ SHARD_TOKENS = 1 << 26
 # HF documents are encoded in batches of this many: one Rust call per batch instead of one per document.
 _ENCODE_BATCH = 256
 TOKEN_CHUNK = 1 << 24  # ids of a pre-tokenised file checked and copied at a time (64 MiB as int32)
+PROGRESS_INTERVAL_S = 5.0  # at most one progress line per source this often (a 65 MB jsonl takes ~20 s)
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,12 @@ def tokenize_file(path: Path, job: _Job) -> tuple[np.ndarray, int, Skipped]:
     return np.concatenate(parts).astype(job.dtype, copy=False), n_docs, skipped
 
 
-def _token_files(files: list[Path], job: _Job) -> Iterator[tuple[np.ndarray, int, Skipped]]:
+# What the tokenising generators yield: tokens, their document count, what was left out as not UTF-8 text, and the
+# file these tokens complete (None while a file is only partly read).
+_Chunk = tuple[np.ndarray, int, Skipped, Path | None]
+
+
+def _token_files(files: list[Path], job: _Job) -> Iterator[_Chunk]:
     """Pre-tokenised files, each one stream as it is: no eod is added (their documents already end in the
     tokenizer's eod id, as nanoGPT's and Megatron's --append-eod files do). Read (I/O: no pool), checked against
     the vocabulary and converted to the shards' dtype TOKEN_CHUNK ids at a time, so memory stays bounded whatever
@@ -118,7 +127,10 @@ def _token_files(files: list[Path], job: _Job) -> Iterator[tuple[np.ndarray, int
         for start in range(0, len(ids), TOKEN_CHUNK):
             chunk = np.asarray(ids[start : start + TOKEN_CHUNK])
             check_token_ids(chunk, start, path, job.tokenizer.vocab_size)
-            yield chunk.astype(job.dtype), int(np.count_nonzero(chunk == job.tokenizer.eod_id)), Skipped()
+            docs = int(np.count_nonzero(chunk == job.tokenizer.eod_id))
+            yield chunk.astype(job.dtype), docs, Skipped(), path if start + TOKEN_CHUNK >= len(ids) else None
+        if len(ids) == 0:
+            yield np.zeros(0, dtype=job.dtype), 0, Skipped(), path
 
 
 def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
@@ -138,26 +150,51 @@ def _init_worker(job: _Job) -> None:
     # A forked worker inherits the trainer's SIGTERM handler (which only sets a preemption flag): restore the
     # default so that Pool.terminate() really stops it instead of waiting forever.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Ctrl-C reaches the whole process group. A worker that raised KeyboardInterrupt while writing its result left
+    # half a message in the pool's pipe, and Pool.terminate() then waited forever for the rest (1 time in 7): the
+    # parent alone handles Ctrl-C, by terminating the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # forked while the parent held it back
 
 
-def _tokenize_in_worker(path: Path) -> tuple[np.ndarray, int, Skipped]:
+def _tokenize_in_worker(task: tuple[Path, Path]) -> tuple[Path, int, Skipped]:
+    """Tokenise a file into `part` (raw ids): the pool's pipe carries only a small message, so a worker stopped
+    at any moment by Pool.terminate() leaves no partial message in it, and the tokens are not pickled."""
     assert _JOB is not None, "worker started without _init_worker"
-    return tokenize_file(path, _JOB)
+    path, part = task
+    tokens, n_docs, skipped = tokenize_file(path, _JOB)
+    tokens.tofile(part)
+    return part, n_docs, skipped
 
 
-def _tokenized(files: list[Path], job: _Job, workers: int) -> Iterator[tuple[np.ndarray, int, Skipped]]:
-    """Token arrays in file order, whatever the worker count, so the shards are deterministic."""
+def _tokenized(files: list[Path], job: _Job, workers: int, part_dir: Path) -> Iterator[_Chunk]:
+    """Token arrays in file order, whatever the worker count, so the shards are deterministic. Workers pass their
+    tokens through files in `part_dir`, each read and deleted as it is consumed."""
     workers = min(workers, len(files))
     if workers <= 1:
         for p in files:
-            yield tokenize_file(p, job)
+            yield *tokenize_file(p, job), p
         return
     # The Rust tokenizer's own thread pool must not run in forked children (it can deadlock).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     ctx = mp.get_context("fork")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
+    tasks = [(p, part_dir / f"part-{i:06d}.bin") for i, p in enumerate(files)]
+    # Ctrl-C is held back while the workers are forked: one that lands in the parent's at-fork hooks is printed
+    # as "Exception ignored" and lost (the preparation went on to the end). It is delivered after.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(job,))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    # The context manager's exit terminates the workers whatever ends the loop (Ctrl-C, an error, close()).
+    with pool:
         # imap (not imap_unordered) yields results in submission order; chunksize 1 balances uneven files.
-        yield from pool.imap(_tokenize_in_worker, files, chunksize=1)
+        for (path, part), (_, n_docs, skipped) in zip(
+            tasks, pool.imap(_tokenize_in_worker, tasks, chunksize=1), strict=True
+        ):
+            tokens = np.fromfile(part, dtype=job.dtype)
+            part.unlink()
+            yield tokens, n_docs, skipped, path
         pool.close()  # let idle workers exit on their own before the context manager's terminate()
         pool.join()
 
@@ -194,6 +231,54 @@ class _ShardWriter:
             self._f = None
 
 
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class Progress:
+    """Calls `emit` with a line at most once per `interval_s` seconds (none in the first): a long job shows it
+    is moving, a short one stays quiet."""
+
+    def __init__(self, emit: Callable[[str], None], interval_s: float | None = None):
+        self.emit = emit
+        self.interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
+        self.start = self.last = time.monotonic()
+
+    def due(self) -> bool:
+        """True (and the clock restarted) when a line is due."""
+        now = time.monotonic()
+        if now - self.last < self.interval_s:
+            return False
+        self.last = now
+        return True
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+class _PrepareProgress:
+    """`data: NAME: 3/12 files, 14.2/51.0 MB, 14,080,000 tokens, 5s`, through a Progress."""
+
+    def __init__(self, name: str, files: list[Path], emit: Callable[[str], None]):
+        self.name, self.n_files = name, len(files)
+        self.sizes = {p: p.stat().st_size for p in files}
+        self.total_mb = sum(self.sizes.values()) / 1e6
+        self.files = self.tokens = 0
+        self.mb = 0.0
+        self.clock = Progress(emit)
+
+    def update(self, tokens: int, done: Path | None) -> None:
+        self.tokens += tokens
+        if done is not None:
+            self.files += 1
+            self.mb += self.sizes.get(done, 0) / 1e6
+        if self.clock.due():
+            self.clock.emit(
+                f"data: {self.name}: {self.files}/{self.n_files} files, {self.mb:.1f}/{self.total_mb:.1f} MB, "
+                f"{self.tokens:,} tokens, {self.clock.elapsed():.0f}s"
+            )
+
+
 def _source_name(index: int | None) -> str:
     return f"data.sources[{index}]" if index is not None else "the embedded corpus"
 
@@ -213,19 +298,42 @@ def _check_skipped(skipped: Skipped, n_docs: int, n_files: int, index: int | Non
     logger.warning("%s: left out %s; %s to keep them", name, skipped.describe(), CONVERT_HINT)
 
 
-def _write_prepared(target: Path, files: list[Path], job: _Job, workers: int, tok_fp: str) -> dict:
+def _make_temp_dir(target: Path) -> Path:
+    """A fresh temporary sibling of `target`; UserError naming the cache and how to move it when it cannot be
+    written (a path under a regular file, no permission, a read-only file system)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    except OSError as e:
+        why = unwritable(target.parent, e)
+        raise UserError(
+            f"cannot write prepared data into the cache {target.parent.parent} ({why}); set data.cache_dir or the "
+            "SCALETRAIN_CACHE environment variable to a writable directory"
+        ) from None
+
+
+def _write_prepared(
+    target: Path, files: list[Path], job: _Job, workers: int, tok_fp: str, progress: Callable[[str], None]
+) -> dict:
     """Tokenise into a temporary sibling of `target`, then rename it into place; return the index."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    tmp = _make_temp_dir(target)
     try:
         writer = _ShardWriter(tmp, job.dtype, SHARD_TOKENS)
         n_docs, skipped = 0, Skipped()
-        chunks = _token_files(files, job) if job.fmt == "tokens" else _tokenized(files, job, workers)
-        for tokens, docs, left_out in chunks:
-            writer.write(tokens)
-            n_docs += docs
-            skipped.update(left_out)
+        parts = tmp / ".parts"  # the pool workers' output, each file deleted once it is in a shard
+        parts.mkdir()
+        chunks = _token_files(files, job) if job.fmt == "tokens" else _tokenized(files, job, workers, parts)
+        meter = _PrepareProgress(_source_name(job.index), files, progress)
+        # closing(): the pool stops here, not whenever the generator is collected, when the loop ends early
+        # (Ctrl-C, an error in this loop).
+        with contextlib.closing(chunks):
+            for tokens, docs, left_out, done in chunks:
+                writer.write(tokens)
+                n_docs += docs
+                skipped.update(left_out)
+                meter.update(tokens.size, done)
         writer.close()
+        parts.rmdir()
         _check_skipped(skipped, n_docs, len(files), job.index)
         index = {
             "version": INDEX_VERSION,
@@ -260,8 +368,10 @@ def prepare_source(
     workers: int,
     index: int | None = None,
     src_dtype: str = "",
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Path, dict, bool]:
-    """Prepared directory for one source, its index, and whether it was a cache hit."""
+    """Prepared directory for one source, its index, and whether it was a cache hit. `progress` gets a line every
+    PROGRESS_INTERVAL_S while files are tokenised (default: stderr)."""
     if fmt == "auto" and all(resolve_format(p, fmt) == "tokens" for p in files):
         fmt = "tokens"  # .npy files: ids, not documents
     tok_fp = fingerprint(tokenizer)
@@ -271,17 +381,19 @@ def prepare_source(
     if index_path.is_file():
         return target, json.loads(index_path.read_text()), True
     job = _Job(tokenizer, fmt, field, index, token_dtype(tokenizer.vocab_size), src_dtype)
-    return target, _write_prepared(target, files, job, workers, tok_fp), False
+    return target, _write_prepared(target, files, job, workers, tok_fp, progress or to_stderr), False
 
 
 def prepare_data(
     data_cfg: DataConfig,
     tokenizer: ByteTokenizer | HFTokenizer,
     log: Callable[[str], None] = print,
+    progress: Callable[[str], None] = to_stderr,
 ) -> list[tuple[Path, float]]:
-    """Prepare every source (or the embedded corpus when none is given); return (prepared dir, weight) pairs."""
+    """Prepare every source (or the embedded corpus when none is given); return (prepared dir, weight) pairs.
+    `log` gets one line per source; `progress` a line every PROGRESS_INTERVAL_S while a source is tokenised."""
     cache_dir = resolve_cache_dir(data_cfg)
-    workers = data_cfg.workers or min(8, os.cpu_count() or 1)
+    workers = data_cfg.workers or min(8, usable_cpus())
     if data_cfg.sources:
         sources = [(f"data.sources[{i}]", s, i) for i, s in enumerate(data_cfg.sources)]
     else:
@@ -293,7 +405,7 @@ def prepare_data(
         files = list_files(src, i) if i is not None else embedded_corpus_files()
         t0 = time.perf_counter()
         target, index, hit = prepare_source(
-            files, src.format, src.field, tokenizer, cache_dir, workers, i, src_dtype=src.dtype
+            files, src.format, src.field, tokenizer, cache_dir, workers, i, src.dtype, progress
         )
         if hit:
             left_out = Skipped(**index.get("skipped", {}))

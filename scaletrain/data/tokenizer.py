@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from scaletrain.errors import UserError
+from scaletrain.host import unwritable
 
 # Looked up in this order; the first one present in the vocabulary ends each document.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
@@ -119,12 +120,32 @@ def fingerprint(tok: ByteTokenizer | HFTokenizer) -> str:
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path) -> HFTokenizer:
     """Train a byte-level BPE tokenizer (GPT-2 style) on `texts` and save it as a tokenizer.json."""
-    from tokenizers import Tokenizer as _HF
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     out_path = Path(out_path)
     if out_path.exists():
         raise UserError(f"{str(out_path)!r} already exists; choose another output path or delete it first")
+    try:
+        # Claimed before training (minutes on a large corpus), so an unwritable place is refused at once; opened
+        # exclusively ("x": never overwritten) with the umask's permissions.
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.open("x").close()
+    except OSError as e:
+        raise UserError(
+            f"cannot write the tokenizer to {str(out_path)!r} ({unwritable(out_path, e)}); choose an output path in a "
+            "writable directory"
+        ) from None
+    try:
+        _train(texts, vocab_size, out_path)
+    except BaseException:
+        # A training that failed or was interrupted leaves nothing behind, not an empty tokenizer.json.
+        out_path.unlink(missing_ok=True)
+        raise
+    return HFTokenizer(out_path)
+
+
+def _train(texts: Iterable[str], vocab_size: int, out_path: Path) -> None:
+    from tokenizers import Tokenizer as _HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
     tok = _HF(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -136,6 +157,4 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path) -> HFTokeni
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_path))
-    return HFTokenizer(out_path)
+    out_path.write_text(tok.to_str(pretty=True))

@@ -15,7 +15,7 @@ import torch
 
 from scaletrain.config import DataConfig, SourceConfig
 from scaletrain.data import TokenShards, list_files, resolve_cache_dir, split_windows
-from scaletrain.data.prepare import prepare_source
+from scaletrain.data.prepare import Progress, prepare_source, to_stderr
 from scaletrain.errors import UserError
 from scaletrain.inference.loader import LoadedModel
 from scaletrain.models import Transformer, cross_entropy
@@ -52,14 +52,19 @@ def token_stream(data: str, tokenizer: object, field: str = "text") -> TokenShar
     try:
         files = list_files(src, 0)
         prepared, _, _ = prepare_source(
-            files, src.format, src.field, tokenizer, resolve_cache_dir(DataConfig()), workers=1, index=0
-        )
+            files, src.format, src.field, tokenizer, resolve_cache_dir(DataConfig()), workers=1, index=0,
+            progress=lambda line: to_stderr(_flags(line)),
+        )  # fmt: skip
     except UserError as e:
-        # The data package names its source as it is configured for training; here it is the --data flag.
-        raise UserError(
-            str(e).replace("data.sources[0].path", "--data").replace("data.sources[0]", "--data")
-        ) from None
+        raise UserError(_flags(str(e))) from None
     return TokenShards(prepared)
+
+
+def _flags(text: str) -> str:
+    """The data package names its source as it is configured for training (data.sources[0].field); here it is
+    the command's flags."""
+    text = text.replace("data.sources[0].field", "--field").replace("data.sources[0].path", "--data")
+    return text.replace("data.sources[0]", "--data")
 
 
 @torch.no_grad()
@@ -83,7 +88,11 @@ def mean_loss(
         )
     device = next(model.parameters()).device
     total, count = 0.0, 0
+    progress = Progress(to_stderr)
     for first in range(0, n, batch):
+        if progress.due():
+            done = f"{first:,}/{n:,} windows ({first * seq_len:,} tokens)"
+            progress.emit(f"eval: {done}, {progress.elapsed():.0f}s")
         rows = [stream.window(i * seq_len, seq_len + 1) for i in range(first, min(first + batch, n))]
         x = torch.from_numpy(np.stack(rows)).to(device)
         inputs, targets = x[:, :-1], x[:, 1:]

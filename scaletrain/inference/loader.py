@@ -5,15 +5,13 @@ tokenizer."""
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from scaletrain.checkpoint.hf import args_from_hf_config, hf_dir_problems, load_hf_weights
-from scaletrain.checkpoint.integrity import COMMIT
-from scaletrain.convert import load_run_model
+from scaletrain.convert import is_checkpoint_dir, load_run_model
 from scaletrain.data import Tokenizer, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models import ModelArgs, Transformer, build_meta_model
@@ -55,16 +53,13 @@ def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cp
     tokenizer: 'byte' or a tokenizer.json, instead of the run's data.tokenizer or the HF directory's tokenizer.json
     (an HF directory without one needs it). device: cpu, cuda or auto. Bad input raises UserError saying what to
     give instead."""
-    path = Path(path)
+    path = Path(path).expanduser().absolute()  # resolved as it enters: what every later message names
     if not path.exists():
         raise UserError(
             f"{path} does not exist; give a run directory or a Hugging Face Llama or Mixtral directory"
         )
-    if (path / COMMIT).exists() or (path / "config.toml").is_file():
-        with warnings.catch_warnings():
-            # DCP's note that it loads on one process: what is meant here.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            model, cfg, tok, ckpt = load_run_model(path)
+    if is_checkpoint_dir(path) or (path / "config.toml").is_file():
+        model, cfg, tok, ckpt = load_run_model(path)
         loaded = LoadedModel(model, tok, model.args, str(ckpt), cfg.data.document_mask)
     elif (path / "config.json").is_file():
         loaded = _load_hf(path)

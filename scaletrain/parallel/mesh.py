@@ -7,6 +7,7 @@ import datetime
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -17,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scaletrain.config import ParallelConfig
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.host import usable_cpus
 
 T = TypeVar("T")
 
@@ -60,14 +62,18 @@ def init_distributed(device_pref: str, timeout_s: float = 600.0) -> DistEnv:
 
 def setup_process(env: DistEnv, threads: int, deterministic: bool) -> None:
     """Per-process settings: rank 0 logs at INFO (the others only warnings), the intra-op thread count (0: the
-    cores divided by the local processes), deterministic kernels, and fp32 that means fp32 on GPUs."""
+    CPUs this process may use divided by the local processes), deterministic kernels, and fp32 that means fp32 on
+    GPUs."""
     logging.basicConfig(
         level=logging.INFO if env.is_main else logging.WARNING,
         format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
         force=True,
     )
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
+    torch.set_num_threads(threads or max(1, usable_cpus() // env.local_world_size))
+    if env.world_size == 1:
+        # DCP warns on every single-process save and load that it assumes the intent is one process: it is.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
     if deterministic:
         # Same kernels, same reduction order, same thread count: bit-identical CPU runs. cuBLAS is deterministic
         # only with a fixed workspace (without it the first matmul raises under use_deterministic_algorithms).

@@ -13,6 +13,7 @@ from scaletrain.config import DataConfig, SourceConfig
 from scaletrain.data import prepare
 from scaletrain.data.loader import TokenShards
 from scaletrain.data.prepare import prepare_data, resolve_cache_dir, token_dtype
+from scaletrain.data.sources import Skipped
 from scaletrain.data.tokenizer import ByteTokenizer, train_bpe
 from scaletrain.errors import UserError
 
@@ -66,11 +67,17 @@ def test_workers_stop_on_sigterm_even_when_the_trainer_catches_it(
     # handler, ignored Pool.terminate() and hung the run (seen in CI). Workers must restore the default action.
     previous = signal.signal(signal.SIGTERM, lambda *a: None)
     try:
-        monkeypatch.setattr(prepare, "tokenize_file", lambda path, job: _worker_sigterm_is_default(path))
-        results = list(prepare._tokenized([tmp_path / f"f{i}" for i in range(4)], object(), workers=2))
+        monkeypatch.setattr(
+            prepare,
+            "tokenize_file",
+            lambda path, job: (np.array([_worker_sigterm_is_default(path)], "uint16"), 1, Skipped()),
+        )
+        job = prepare._Job(ByteTokenizer(), "text", "text", 0, "uint16")
+        files = [tmp_path / f"f{i}" for i in range(4)]
+        results = [t.tolist() for t, *_ in prepare._tokenized(files, job, workers=2, part_dir=tmp_path)]
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert results == [True] * 4
+    assert results == [[1]] * 4
 
 
 def test_hf_tokenizer_in_worker_processes(tmp_path: Path):

@@ -9,6 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import fsspec
 import pytest
 import tomli_w
 import torch
@@ -23,7 +24,7 @@ from scaletrain.checkpoint.hf import (
     load_hf_weights,
     verify_with_transformers,
 )
-from scaletrain.checkpoint.integrity import COMMIT
+from scaletrain.checkpoint.integrity import write_commit
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import Config, ModelConfig, MoEConfig
 from scaletrain.config_io import read_toml, to_dict
@@ -247,7 +248,8 @@ def _run_checkpoint(root: Path, **moe) -> Path:
     _decisive_router(_gates(model))
     ckpt = root / "checkpoints" / "step-00000002"
     dcp.save({"model": ModelState([model])}, checkpoint_id=str(ckpt), no_dist=True)
-    (ckpt / COMMIT).write_text("{}")
+    # With checksums: a checkpoint directory given by itself is verified.
+    write_commit(fsspec.filesystem("file"), str(ckpt), {"step": 2})
     return ckpt
 
 
