@@ -46,7 +46,5 @@ def report_errors(command: Callable[[], int]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
-        print(
-            "\ninterrupted (Ctrl-C); everything written so far is kept in the run directory", file=sys.stderr
-        )
+        print("\ninterrupted (Ctrl-C); nothing already written was removed", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE

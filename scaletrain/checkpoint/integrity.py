@@ -63,7 +63,10 @@ def verify(fs: fsspec.AbstractFileSystem, ckpt_dir: str) -> str | None:
     commit = read_commit(fs, ckpt_dir)
     if commit is None:
         return "no commit marker (the save did not finish)"
-    for name, want in commit["files"].items():
+    files = commit.get("files") if isinstance(commit, dict) else None
+    if not isinstance(files, dict):
+        return f"{COMMIT} lists no files (written by something else, or damaged)"
+    for name, want in files.items():
         path = f"{ckpt_dir}/{name}"
         if not fs.exists(path):
             return f"{name} is missing"

@@ -237,3 +237,11 @@ def test_a_disabled_manager_saves_nothing_and_loads_nothing(tmp_path):
     assert mgr.maybe_save(1) == 0.0
     mgr.close(1)
     assert not (tmp_path / "ck").exists() and events == []
+
+
+def test_a_commit_marker_without_its_file_list_is_a_reason_not_a_crash(tmp_path):
+    import fsspec
+
+    (tmp_path / "step-00000001").mkdir()
+    (tmp_path / "step-00000001" / "commit.json").write_text('{"step": 1}')
+    assert "lists no files" in verify(fsspec.filesystem("file"), str(tmp_path / "step-00000001"))
