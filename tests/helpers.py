@@ -43,6 +43,17 @@ def run_cli(
     return proc
 
 
+def start_cli(*args: str, cwd: Path = ROOT, **popen: object) -> subprocess.Popen:
+    """`scaletrain ARGS` started in the background (text pipes unless `popen` says otherwise), with Ctrl-C as a
+    terminal's foreground job gets it: a suite started in the background of a non-interactive shell (as CI may be)
+    inherits SIGINT ignored, which the process would keep."""
+    kw: dict = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    return subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", *args], cwd=cwd,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **{**kw, **popen},
+    )  # fmt: skip
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Every record of a JSON-lines file, in order (blank lines skipped)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

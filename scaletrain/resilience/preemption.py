@@ -31,7 +31,8 @@ class Preemption:
         self.flag = False
         self.received = ""  # the signal that asked for the stop, on this rank
         self._previous: dict[int, object] = {}
-        own = "LOCAL_RANK" not in os.environ  # not a worker of an elastic agent
+        # Ctrl-C: not in a worker of an elastic agent, nor where it is ignored (a shell script's background job).
+        own = "LOCAL_RANK" not in os.environ and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
         with contextlib.suppress(ValueError):  # not the main thread (e.g. inside a test harness)
             for sig in (signal.SIGTERM, signal.SIGINT) if own else (signal.SIGTERM,):
                 self._previous[sig] = signal.signal(sig, self._handle)

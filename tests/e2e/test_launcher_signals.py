@@ -5,12 +5,11 @@ traceback; after `kill -9` of the launcher no worker lives on. Each start's work
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
-from tests.helpers import DEBUG, QUICK, ROOT, events
+from tests.helpers import DEBUG, QUICK, events, start_cli
 
 TAG = "SCALETRAIN_TEST_TAG"  # in the environment of the launcher and of every process it starts
 ARGS = [
@@ -37,27 +36,9 @@ class Launcher:
         metrics = run / "metrics.jsonl"
         self.logged = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
         with open(out, "w") as f:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "scaletrain",
-                    "train",
-                    "--config",
-                    DEBUG,
-                    "--run.dir",
-                    str(run),
-                    *ARGS,
-                ],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                env={**os.environ, TAG: self.tag},
-                start_new_session=True,
-                # Ctrl-C as a terminal's job gets it: a suite started in the background of a non-interactive
-                # shell inherits SIGINT ignored (see tests/e2e/test_train_cli.py).
-                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-            )
+            self.proc = start_cli("train", "--config", DEBUG, "--run.dir", str(run), *ARGS, stdout=f,
+                                  stderr=subprocess.STDOUT, env={**os.environ, TAG: self.tag},
+                                  start_new_session=True)  # fmt: skip
 
     def wait_training(self, timeout: float = 180) -> None:
         """Until this start has logged two steps of its own."""

@@ -6,8 +6,6 @@ import argparse
 import re
 import shlex
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from scaletrain.cli import _overrides_only, build_parser
 from scaletrain.config import Config
 from scaletrain.config_io import all_keys
 from scaletrain.errors import STOPPED_EXIT_CODE
-from tests.helpers import DEBUG, QUICK, ROOT, events, losses, run_cli
+from tests.helpers import DEBUG, QUICK, ROOT, events, losses, run_cli, start_cli
 
 # Six deterministic steps, each logged, a checkpoint every three.
 SIX = ["--training.steps", "6", "--checkpoint.interval", "3", "--metrics.log_interval", "1",
@@ -142,8 +140,7 @@ def test_ctrl_c_stops_after_the_step_saves_it_and_the_printed_command_continues(
     from that step. (--nproc's Ctrl-C: tests/e2e/test_launcher_signals.py.)"""
     cmd = ["train", "--config", DEBUG, "--run.dir", "runs/c", *QUICK, "--training.steps", "5000",
            "--metrics.log_interval", "1", "--training.eval_interval", "0"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "scaletrain", *cmd], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = start_cli(*cmd, cwd=tmp_path)
     metrics = tmp_path / "runs" / "c" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
