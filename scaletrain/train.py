@@ -52,7 +52,7 @@ def train(cfg: Config) -> dict:
         job.evaluate(0)
     last: dict = {}
     end = job.limits.begin(start)  # run.stop_at_step, else training.steps
-    profiler = metrics.Profiler(cfg.profile, job.run_dir, job.env.rank, device)  # profile.steps, if any
+    profiler = metrics.Profiler(cfg.profile, job.run.path, job.env.rank, device)  # profile.steps, if any
     try:
         with metrics.Progress(t.steps, start, enabled=job.env.is_main and cfg.metrics.progress) as progress:
             while step < end:
@@ -81,7 +81,9 @@ def train(cfg: Config) -> dict:
                     last = _log(job, step, loss, grad_norm, lr)
                 progress.update(step, last.get("loss", math.nan), last.get("tokens_per_s", 0.0), lr,
                                 last.get("mfu"), job.writer.last_event)  # fmt: skip
-                if _stopping(job, step):
+                # SIGTERM, Ctrl-C or run.time_limit ends the job after this step (each agreed by every rank).
+                if (job.preemption.stopping(step, job.writer.event, job.ckpt.final_save_note())
+                        or job.limits.time_up(step, job.ckpt.save_seconds)):  # fmt: skip
                     if last.get("step") != step:  # stopped between logged steps: the summary shows this one
                         last = _log(job, step, loss, grad_norm, lr)
                     break
@@ -108,7 +110,7 @@ class Job:
     cfg: Config
     env: DistEnv
     dims: ParallelDims
-    run_dir: Path
+    run: RunDir
     writer: MetricsWriter
     loader: object
     runner: StepRunner
@@ -151,8 +153,7 @@ def build(cfg: Config) -> Job:
     dims.build_mesh(env.device.type)
     first = partial(main_first, env.is_main, dims.control)  # rank 0 first, then the others
     run, run_id = open_run_dir(to_dict(cfg), env.is_main, partial(broadcast_object, group=dims.control))
-    run_dir = run.path
-    writer = MetricsWriter(run_dir, env.is_main, cfg.metrics.tensorboard, cfg.metrics.wandb_project)
+    writer = MetricsWriter(run.path, env.is_main, cfg.metrics.tensorboard, cfg.metrics.wandb_project)
 
     # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
     # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
@@ -194,9 +195,9 @@ def build(cfg: Config) -> Job:
     # -- Resilience: faults attach where each failure happens (loader, output layer, storage writer, commit).
     faults = None
     if cfg.resilience.inject:
-        faults = FaultInjector(cfg.resilience.inject, env.rank, run_dir, writer.event if env.is_main else None)  # fmt: skip
+        faults = FaultInjector(cfg.resilience.inject, env.rank, run.path, writer.event if env.is_main else None)  # fmt: skip
         loader = faults.attach(loader, pm.parts, ckpt, vocab_size=args.vocab_size)
-    guard = Guard(cfg.resilience, run_dir, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
+    guard = Guard(cfg.resilience, run.path, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
                   faults)  # fmt: skip
 
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).
@@ -209,7 +210,7 @@ def build(cfg: Config) -> Job:
     metrics.announce(cfg, env, n_params, layout, global_batch, tokens_per_step, peak_source, precision)
     info = dict(world_size=env.world_size, precision=cfg.training.precision, device=env.device.type, layout=layout,
                 parameters=n_params["total"], peak_flops_source=peak_source)  # fmt: skip
-    parts = (cfg, env, dims, run_dir, writer, loader, runner, optimizers, train_state, ckpt, guard)
+    parts = (cfg, env, dims, run, writer, loader, runner, optimizers, train_state, ckpt, guard)
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)
     return Job(*parts, Preemption(dims.control), limits, meter, tokens_per_step, info, moe)
 
@@ -218,19 +219,8 @@ def _is_eval_step(step: int, t: TrainingConfig) -> bool:
     return bool(t.eval_interval) and (step % t.eval_interval == 0 or step == t.steps)
 
 
-def _stopping(job: Job, step: int) -> bool:
-    """SIGTERM or run.time_limit ends the job after this step (each agreed by every rank)."""
-    if job.preemption.requested():
-        received = job.preemption.received or "SIGTERM"  # another rank's, when not this one's
-        job.writer.event("preempted", step=step, signal=received)
-        log.warning("%s: stopping after step %d (%s)", received, step, job.ckpt.final_save_note())
-        return True
-    return job.limits.time_up(step, job.ckpt.save_seconds)
-
-
 def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict:
-    """One metrics record (the loss averaged over data-parallel ranks), with validation on evaluation steps;
-    returned with its step."""
+    """One metrics record (the loss averaged over data-parallel ranks; validation on evaluation steps), with its step."""
     record = {
         "loss": all_reduce_mean(loss, job.dims.submesh("dp_cp")).item(),
         "lr": lr,
@@ -250,21 +240,18 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
 
 
 def _finish(job: Job, step: int, last: dict, wall: float, stopped: str | None) -> dict:
-    """The summary at the step the run stopped at, the end event, the printed table. Its figures are the run's, read
-    back from rank 0's records where this start lacks them: the validation losses of every start (the first is the
-    first start's), the record of the stop step when this start trained none, goodput over the whole job (the final
-    save included)."""
+    """The summary at the stop step, the end event, the printed table; rank 0 reads the run's records back for what
+    this start lacks (every start's validation losses, the stop step's record, goodput over the whole job)."""
     evals, goodput = job.evals, None
     if job.env.is_main:
-        run = RunDir(job.run_dir)
-        evals = {**metrics.recorded_evals(run.read_events()), **job.evals}
-        last = last or metrics.record_at(run.read_metrics(), step)
-        goodput = final_goodput(job.run_dir)
+        evals = {**metrics.recorded_evals(job.run.read_events()), **job.evals}
+        last = last or metrics.record_at(job.run.read_metrics(), step)
+        goodput = final_goodput(job.run.path)
     summary = metrics.run_summary(step, step * job.tokens_per_step, last, evals, goodput=goodput, wall_s=wall,
                                   world_size=job.env.world_size)  # fmt: skip
     job.writer.event("end", step=step, stopped=stopped, **summary)
     job.writer.close()
     if job.env.is_main:
         metrics.print_summary(summary)
-        print(f"run directory: {job.run_dir}")
-    return {**summary, "run_dir": str(job.run_dir), "stopped": stopped}
+        print(f"run directory: {job.run.path}")
+    return {**summary, "run_dir": str(job.run.path), "stopped": stopped}

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import signal
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch.distributed as dist
@@ -49,6 +50,15 @@ class Preemption:
     def requested(self) -> bool:
         """True on every rank once any rank got SIGTERM (one small all-reduce on the CPU group per call)."""
         return any_rank(self.flag, self.group)
+
+    def stopping(self, step: int, event: Callable[..., object], note: str) -> bool:
+        """requested(), and when it is, the `preempted` event and the warning (`note`: what the stop saves)."""
+        if not self.requested():
+            return False
+        received = self.received or "SIGTERM"  # another rank's, when not this one's
+        event("preempted", step=step, signal=received)
+        log.warning("%s: stopping after step %d (%s)", received, step, note)
+        return True
 
     def stop_reason(self) -> str | None:
         """ "interrupted" when Ctrl-C stopped this start (its exit status is 130), else None."""
