@@ -34,7 +34,7 @@ from scaletrain.parity import run_parity
 from scaletrain.planner.commands import auto_overrides, dry_run, run_plan
 from scaletrain.precision.qat import WEIGHT_DTYPES
 from scaletrain.report import write_report
-from scaletrain.rundir import RunDir, continue_command, default_run_dir, shown
+from scaletrain.rundir import RunDir, continue_command, default_run_dir, find_run, shown
 
 USAGE = """\
 scaletrain train        --config FILE [--nproc N] [--max-restarts R] [--section.key VALUE ...]
@@ -226,17 +226,20 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.dry_run:
         print(dry_run(cfg, world))
         return 0
-    if not cfg.run.dir and not under:
-        # No --run.dir: the run this same command trained before, else a new directory (scaletrain.rundir);
-        # loaded again so that every check sees it (an outside torchrun's rank 0 picks it in train.build).
-        run = default_run_dir(cfg.run.name, to_dict(cfg))
-        overrides = [*overrides, "--run.dir", str(run.path)]
+    # No --run.dir: the run this same command trained before, else a new directory (scaletrain.rundir), loaded
+    # again so that every check sees it. Under an outside torchrun every rank finds the same earlier run, and a new
+    # directory is rank 0's to make (train.build).
+    run = None if cfg.run.dir else (find_run if under else default_run_dir)(cfg.run.name, to_dict(cfg))
+    if run is not None:
         try:
-            cfg = load_config(args.config, overrides, world_size=world, check_run_dir=first)
+            cfg = load_config(
+                args.config, [*overrides, "--run.dir", str(run.path)], world, check_run_dir=first
+            )
         except ConfigError:
             if not any(run.path.iterdir()):
                 run.path.rmdir()  # made just now for this start: nothing to keep
             raise
+        overrides = [*overrides, "--run.dir", str(run.path)]
     run = RunDir.at(cfg.run.dir) if cfg.run.dir else None
     is_main = os.environ.get("RANK", "0") == "0"
     if run is not None and (done := run.finished(cfg.training.steps)) is not None:

@@ -173,11 +173,10 @@ class RunDir:
 _DEFAULT_NAME = re.compile(r"-(\d{8}-\d{6})(?:-(\d+))?$")
 
 
-def default_run_dir(name: str, resolved: dict, root: str | Path = RUNS_ROOT) -> RunDir:
-    """The run directory of a command without --run.dir (`resolved`: its resolved config): the newest
-    runs/<name>-<date>-<time>[-n] whose run this config continues (the same run by scaletrain.resume's rules, so
-    typing the command again, with or without run.stop_at_step or another layout, continues its run), else a new
-    one, made here with an exclusive mkdir so that two runs started in the same second get two directories."""
+def find_run(name: str, resolved: dict, root: str | Path = RUNS_ROOT) -> RunDir | None:
+    """The newest runs/<name>-<date>-<time>[-n] whose run the config `resolved` continues (the same run by
+    scaletrain.resume's rules: typing the command again, with or without run.stop_at_step or in another layout,
+    continues its run), None when there is none."""
     name, root = name or "run", absolute(root)
     accepted = resolved.get("run", {}).get("accept_changes", [])
     made = []
@@ -189,8 +188,19 @@ def default_run_dir(name: str, resolved: dict, root: str | Path = RUNS_ROOT) -> 
         saved = RunDir(d).saved_config()
         if saved is not None and not resume_problems(saved, resolved, accepted):
             return RunDir(d)
+    return None
+
+
+def default_run_dir(name: str, resolved: dict, root: str | Path = RUNS_ROOT) -> RunDir:
+    """The run directory of a command without --run.dir (`resolved`: its resolved config): the run it continues
+    (find_run), else a new one, made here with an exclusive mkdir so that two runs started in the same second get
+    two directories."""
+    found = find_run(name, resolved, root)
+    if found is not None:
+        return found
+    root = absolute(root)
     root.mkdir(parents=True, exist_ok=True)
-    stamp = f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    stamp = f"{name or 'run'}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     for n in range(1, 1000):
         path = root / (stamp if n == 1 else f"{stamp}-{n}")
         try:
