@@ -48,7 +48,7 @@ from scaletrain.precision.qat import (
     qat_problems,
     save_quantized,
 )
-from scaletrain.rundir import RunDir
+from scaletrain.rundir import CONFIG, RunDir, absolute
 
 log = logging.getLogger("scaletrain")
 _STEP_DIR = re.compile(r"step-\d+")
@@ -58,7 +58,7 @@ def is_checkpoint_dir(path: Path) -> bool:
     """A run's checkpoint directory (`checkpoints/step-N`), committed or not, rather than a run directory."""
     if (path / COMMIT).exists():
         return True
-    return bool(_STEP_DIR.fullmatch(path.name)) and path.is_dir() and not (path / "config.toml").exists()
+    return bool(_STEP_DIR.fullmatch(path.name)) and path.is_dir() and not (path / CONFIG).exists()
 
 
 def claim_out_dir(out: Path) -> bool:
@@ -94,43 +94,43 @@ def _into(out: Path, created: bool) -> Iterator[None]:
     umask_permissions(out)
 
 
-def _newest_intact(ckpt_root: Path) -> Path:
-    step, failed = newest_intact(fsspec.filesystem("file"), str(ckpt_root))
+def _newest_intact(ckpt_root: str) -> str:
+    """The newest intact checkpoint under a run's checkpoint root (a folder or an fsspec URL)."""
+    step, failed = newest_intact(fsspec.core.url_to_fs(ckpt_root)[0], ckpt_root)
     reasons = [f"step-{s:08d}: {reason}" for s, reason, _ in failed]
     if step is None:
         because = f" ({'; '.join(reasons)})" if reasons else ""
         raise UserError(f"no committed, intact checkpoint under {ckpt_root}{because}")
     for reason in reasons:
         log.warning("skipping %s", reason)
-    return Path(step_path(str(ckpt_root), step))
+    return step_path(ckpt_root, step)
 
 
 def _run_config(run_dir: Path) -> Config:
-    cfg, problems = to_dataclass(Config, read_toml(str(run_dir / "config.toml")))
+    cfg, problems = to_dataclass(Config, read_toml(str(run_dir / CONFIG)))
     if problems:
         raise ConfigError(problems)
     return cfg
 
 
-def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, Path]:
+def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, str]:
     """The model of a run directory (or one of its checkpoint directories), on CPU in fp32, with the weights of
     the newest intact checkpoint; also the run's config, its tokenizer and the checkpoint read. A checkpoint
     directory given by itself is verified as the newest is (every file against its checksum)."""
-    src = src.expanduser().absolute()
-    if is_checkpoint_dir(src):
-        ckpt, run_dir = src, src.parent.parent
+    src = absolute(src)
+    given = is_checkpoint_dir(src)
+    run_dir = src.parent.parent if given else src
+    if given:
         reason = verify(fsspec.filesystem("file"), str(src))
         if reason is not None:
             raise UserError(
                 f"{src} is not an intact checkpoint: {reason}; give the run directory (its newest intact "
                 "checkpoint is read) or another checkpoints/step-N directory"
             )
-    else:
-        run_dir = src
-        ckpt = _newest_intact(Path(RunDir.at(src).checkpoint_root(_run_config(src).checkpoint)))
-    if not (run_dir / "config.toml").is_file():
-        raise UserError(f"{run_dir} has no config.toml; give a run directory or a checkpoint inside one")
+    if not (run_dir / CONFIG).is_file():
+        raise UserError(f"{run_dir} has no {CONFIG}; give a run directory or a checkpoint inside one")
     cfg = _run_config(run_dir)
+    ckpt = str(src) if given else _newest_intact(RunDir(run_dir).checkpoint_root(cfg.checkpoint))
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model = build_meta_model(
         resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
@@ -232,7 +232,7 @@ def _quantize(src: Path, out: Path, scheme: str) -> str:
     )  # fmt: skip
     save_quantized(model, out, {"scheme": scheme, "group_size": p.qat_group_size})
     cfg.precision = p
-    (out / "config.toml").write_text(tomli_w.dumps(to_dict(cfg)))
+    (out / CONFIG).write_text(tomli_w.dumps(to_dict(cfg)))
     (out / "quantization.json").write_text(json.dumps(report, indent=2) + "\n")
     trained = report["trained_with_qat"]
     note = "" if trained == scheme else f" (post-training quantisation: the run trained with qat = {trained})"

@@ -6,7 +6,6 @@ with the single-process run: losses and gradient norms step by step, and every p
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -23,6 +22,7 @@ from scaletrain.convert import load_run_model
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.parallel.mesh import MESH_DIMS
 from scaletrain.planner.calibrate import run_from_small_parent
+from scaletrain.rundir import RunDir
 
 # Every run ends with one synchronous save into its own run directory, whatever the user's overrides say (they
 # come first, so these win): the final parameters are read back from it.
@@ -107,7 +107,7 @@ def run_train(args: list[str], nproc: int, run_dir: Path) -> list[dict]:
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         raise ConfigError(f"run failed ({' '.join(cmd[3:])}):\n{tail}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return RunDir(run_dir).read_metrics()
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from scaletrain.data import Tokenizer, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models import ModelArgs, Transformer, build_meta_model
 from scaletrain.models.attention import AttentionKernel
+from scaletrain.rundir import CONFIG
 
 # LlamaConfig's default, for a config.json that names no context length.
 _HF_DEFAULT_CONTEXT = 2048
@@ -58,7 +59,7 @@ def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cp
         raise UserError(
             f"{path} does not exist; give a run directory or a Hugging Face Llama or Mixtral directory"
         )
-    if is_checkpoint_dir(path) or (path / "config.toml").is_file():
+    if is_checkpoint_dir(path) or (path / CONFIG).is_file():
         model, cfg, tok, ckpt = load_run_model(path)
         loaded = LoadedModel(model, tok, model.args, str(ckpt), cfg.data.document_mask)
     elif (path / "config.json").is_file():

@@ -7,7 +7,6 @@ what is missing is None or empty, and the report says "no data" where it would h
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +14,6 @@ from scaletrain.errors import UserError
 from scaletrain.resilience.goodput import compute_goodput
 from scaletrain.resume import flatten
 from scaletrain.rundir import CONFIG, EVENTS, METRICS, RunDir
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 RUN_FILES = (CONFIG, METRICS, EVENTS)
 
@@ -65,14 +59,9 @@ def read_run(path: Path, name: str | None = None) -> Run:
         goodput = None
     metrics = [by_step[s] for s in sorted(by_step)]
     unreadable = {f: lines for f, lines in unreadable.items() if lines}
-    return Run(path, name or path.name, _read_config(path), metrics, events, summary, goodput, unreadable)
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        return tomllib.loads((path / "config.toml").read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return {}
+    return Run(
+        path, name or path.name, run.saved_config() or {}, metrics, events, summary, goodput, unreadable
+    )
 
 
 def run_names(paths: list[Path]) -> list[str]:
