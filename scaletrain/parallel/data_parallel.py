@@ -24,13 +24,14 @@ from scaletrain.parallel.comm import set_prefetch
 log = logging.getLogger(__name__)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_mb: int) -> nn.Module:
-    """Wrap in DDP (Li et al. 2020): bucketed gradient all-reduce overlapped with backward.
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, device: torch.device, bucket_mb: int) -> nn.Module:
+    """Wrap in DDP (Li et al. 2020): bucketed gradient all-reduce overlapped with backward. `device`: this rank's
+    (resolved once by init_distributed), the one DDP's device_ids names on CUDA.
 
     Buffers are not re-broadcast before every forward: the only buffer (the RoPE table) is computed identically on
     every rank (DDP still copies rank 0's once at construction, like the parameters: the same values anyway).
     """
-    device_ids = [model.rope.device.index] if model.rope.device.type == "cuda" else None
+    device_ids = [device.index] if device.type == "cuda" else None
     wrapped = DDP(
         model,
         process_group=dp_mesh.get_group(),

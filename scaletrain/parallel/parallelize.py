@@ -62,6 +62,8 @@ def apply_data_parallel(
     mem: MemoryConfig | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     comm: CommMeter | None = None,
+    *,
+    device: torch.device,
 ) -> nn.Module:
     """Gradients are averaged over data-parallel AND context-parallel ranks: each cp rank holds part of every
     sequence, so its gradient is a partial sum of the same samples' gradient (hence the dp_cp / dp_shard_cp meshes).
@@ -71,7 +73,7 @@ def apply_data_parallel(
     mode = pcfg.data_parallel
     if mode in ("ddp", "zero1"):
         if dims.size("dp_cp") > 1:
-            ddp = apply_ddp(model, dims.submesh("dp_cp"), bucket_mb=pcfg.ddp_bucket_mb)
+            ddp = apply_ddp(model, dims.submesh("dp_cp"), device=device, bucket_mb=pcfg.ddp_bucket_mb)
             apply_comm_hook(ddp, pcfg, comm or CommMeter(), dims.submesh("dp_cp").get_group())
             return ddp
         return model
@@ -143,7 +145,7 @@ def parallelize(
 
             m = apply_cp(m, dims.submesh("cp"), load_balance=pcfg.cp_load_balance)
         m = apply_memory(m, memory, compile=compile, device=device)
-        return apply_data_parallel(m, dims, pcfg, memory, mp_policy, comm)
+        return apply_data_parallel(m, dims, pcfg, memory, mp_policy, comm, device=device)
 
     if dims.pp_enabled:
         from scaletrain.parallel.pipeline import apply_pp
