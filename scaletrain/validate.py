@@ -32,6 +32,7 @@ from scaletrain.config import (
 from scaletrain.data.sources import list_files
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.hardware import cuda_available, uses_cuda
 from scaletrain.memory.offload import offload_problems
 from scaletrain.metrics.profile import profile_problems
 from scaletrain.metrics.writer import wandb_problem
@@ -84,7 +85,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     if cfg.parallel.ddp_bucket_mb < 1:
         problems.append("parallel.ddp_bucket_mb must be >= 1")
     problems += comm_problems(cfg.parallel, world_size)
-    cuda = cfg.training.device != "cpu" and torch.cuda.is_available()
+    cuda = uses_cuda(cfg.training.device)
     problems += profile_problems(cfg.profile, cfg.training.steps, world_size, cuda)
     problems += _checkpoint(cfg.checkpoint)
     problems += _checkpoint_saving(cfg.checkpoint, check_storage=check_run_dir)
@@ -112,7 +113,7 @@ def _attention(cfg: Config) -> list[str]:
         )
     masked = cfg.data.document_mask or m.window > 0
     t = cfg.training
-    cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    cuda = uses_cuda(t.device)
     if m.attention in ("efficient", "cudnn", "flex") and not cuda:
         why = "FlexAttention has no backward on CPU" if m.attention == "flex" else "a CUDA-only SDPA kernel"
         problems.append(
@@ -153,7 +154,7 @@ def _memory(cfg: Config, world_size: int) -> list[str]:
         problems.append(
             f"memory.recompute_every must be >= 1 with recompute every_k, got {m.recompute_every}"
         )
-    cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    cuda = uses_cuda(cfg.training.device)
     try:
         applied = fsdp_applies(ParallelDims.from_config(cfg.parallel, world_size), cfg.parallel.data_parallel)
     except ConfigError:
@@ -163,7 +164,7 @@ def _memory(cfg: Config, world_size: int) -> list[str]:
 
 def _precision(cfg: Config, world_size: int) -> list[str]:
     """training.precision against the layout (where the FSDP2 policy can apply) and the device (fp8's hardware)."""
-    cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    cuda = uses_cuda(cfg.training.device)
     try:
         fsdp = fsdp_applies(ParallelDims.from_config(cfg.parallel, world_size), cfg.parallel.data_parallel)
     except ConfigError:
@@ -492,7 +493,7 @@ def _training(t: TrainingConfig, seq_len: int, dp_size: int) -> list[str]:
         problems.append("training.eval_interval must be >= 0 and training.eval_sequences >= 1")
     if t.threads < 0:
         problems.append("training.threads must be >= 0 (0 = cores / local processes)")
-    if t.device == "cuda" and not torch.cuda.is_available():
+    if t.device == "cuda" and not cuda_available():
         problems.append("training.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
     return problems
 
@@ -569,7 +570,7 @@ def _fits_in_memory(cfg: Config, world_size: int, args: ModelArgs) -> list[str]:
 def _device_memory(cfg: Config, world_size: int) -> tuple[int, str, int]:
     """(bytes one process may use, what they are, the framework overhead to count): a GPU's total memory, or on
     CPU this process's share of the host memory (the node's processes share it)."""
-    cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    cuda = uses_cuda(cfg.training.device)
     if cuda:
         return torch.cuda.get_device_properties(0).total_memory, "GPU", GPU_OVERHEAD_BYTES
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

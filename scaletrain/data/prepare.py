@@ -38,7 +38,8 @@ from scaletrain.data.sources import (
 )
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer, fingerprint
 from scaletrain.errors import UserError
-from scaletrain.host import unwritable, usable_cpus
+from scaletrain.hardware import usable_cpus
+from scaletrain.host import unwritable
 
 logger = logging.getLogger("scaletrain")
 

@@ -14,6 +14,7 @@ from scaletrain.checkpoint.hf import args_from_hf_config, hf_dir_problems, load_
 from scaletrain.convert import is_checkpoint_dir, load_run_model
 from scaletrain.data import Tokenizer, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.hardware import cuda_available, uses_cuda
 from scaletrain.models import ModelArgs, Transformer, build_meta_model
 from scaletrain.models.attention import AttentionKernel
 from scaletrain.rundir import CONFIG
@@ -40,8 +41,8 @@ class LoadedModel:
 def resolve_device(name: str) -> torch.device:
     """--device: cpu, cuda, or auto (CUDA when available)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        return torch.device("cuda" if uses_cuda(name) else "cpu")
+    if name == "cuda" and not cuda_available():
         raise UserError("--device cuda: no CUDA device is available here; use --device cpu")
     if name not in ("cpu", "cuda"):
         raise UserError(f"--device {name!r}: choose cpu, cuda or auto")

@@ -3,15 +3,12 @@ mixture-of-experts load monitor."""
 
 from __future__ import annotations
 
+from scaletrain.hardware import cpu_features, cpu_model_name  # re-exported: what benchmarks print
 from scaletrain.metrics.memory import peak_memory_mib
 from scaletrain.metrics.meter import StepMeter
 from scaletrain.metrics.mfu import (
-    GPU_PEAK_TFLOPS,
-    cpu_features,
-    cpu_model_name,
     device_peak_flops,
     flops_per_token,
-    lookup_gpu_peak,
     measure_cpu_peak,
     measure_matmul_flops,
     mfu,
@@ -30,7 +27,6 @@ from scaletrain.metrics.progress import (
 from scaletrain.metrics.writer import MetricsWriter
 
 __all__ = [
-    "GPU_PEAK_TFLOPS",
     "MetricsWriter",
     "MoEMonitor",
     "Profiler",
@@ -41,7 +37,6 @@ __all__ = [
     "cpu_model_name",
     "device_peak_flops",
     "flops_per_token",
-    "lookup_gpu_peak",
     "measure_cpu_peak",
     "measure_matmul_flops",
     "mfu",

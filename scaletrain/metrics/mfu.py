@@ -1,20 +1,21 @@
 """Model FLOPs utilisation: FLOPs per token, the device's peak FLOP/s, and their ratio.
 
-The peak comes from a config override, a table of GPU datasheet figures, or a timed matmul (cached for CPUs).
+The peak comes from a config override, the GPU table of scaletrain/hardware.py (the planner's figures too), or a
+timed matmul (cached for CPUs).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import time
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from scaletrain.precision.policy import cpu_flags
+from scaletrain.hardware import best_time, cpu_model_name, gpu_peak_flops
 
 Precision = Literal["bf16", "fp32"]  # as in TrainingConfig.precision
 
@@ -40,70 +41,12 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_total: float) ->
     return tokens_per_s * flops_per_token / peak_flops_total
 
 
-# Dense (no structured sparsity) peak TFLOP/s from the vendors' datasheets and architecture whitepapers.
-# "bf16" is the tensor-core rate with fp32 accumulation; "fp32" is plain fp32 on the vector units, not TF32.
-# Keys are matched as case-insensitive substrings of torch.cuda.get_device_name() in order, first match wins:
-# more specific names come first ("H100 PCIe" before "H100", "A100" before "A10", "L40S" before "L4").
-# A GPU without a bf16 entry (V100 has no bf16 tensor cores) is measured instead.
-GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "B200": {"bf16": 2250.0, "fp32": 75.0},
-    "GH200": {"bf16": 989.0, "fp32": 67.0},
-    "H200": {"bf16": 989.0, "fp32": 67.0},
-    "H100 PCIe": {"bf16": 756.0, "fp32": 51.0},
-    "H100 NVL": {"bf16": 835.0, "fp32": 60.0},
-    "H100": {"bf16": 989.0, "fp32": 67.0},  # SXM, reported as e.g. "NVIDIA H100 80GB HBM3"
-    "H800 PCIe": {"bf16": 756.0, "fp32": 51.0},
-    "H800": {"bf16": 989.0, "fp32": 67.0},
-    "H20": {"bf16": 148.0, "fp32": 44.0},
-    "A100": {"bf16": 312.0, "fp32": 19.5},
-    "A800": {"bf16": 312.0, "fp32": 19.5},
-    "A10G": {"bf16": 125.0, "fp32": 31.2},  # AWS publishes no datasheet; these are the A10's figures
-    "A10": {"bf16": 125.0, "fp32": 31.2},
-    "L40S": {"bf16": 362.0, "fp32": 91.6},
-    "L40": {"bf16": 181.0, "fp32": 90.5},
-    "L4": {"bf16": 121.0, "fp32": 30.3},
-    "RTX 6000 Ada": {"bf16": 364.0, "fp32": 91.1},
-    "RTX A6000": {"bf16": 155.0, "fp32": 38.7},
-    "RTX 4090": {"bf16": 165.2, "fp32": 82.6},
-    "RTX 3090": {"bf16": 71.0, "fp32": 35.6},
-    "V100": {"fp32": 15.7},  # SXM2; no bf16 tensor cores
-    "MI300X": {"bf16": 1307.4, "fp32": 163.4},
-    "MI250X": {"bf16": 383.0, "fp32": 47.9},
-}
-
-
-def lookup_gpu_peak(name: str, precision: Precision) -> float | None:
-    """Datasheet peak in FLOP/s for a GPU name as torch reports it, or None when the table does not know it."""
-    lowered = name.lower()
-    for key, peaks in GPU_PEAK_TFLOPS.items():
-        if key.lower() in lowered:
-            tflops = peaks.get(precision)
-            return None if tflops is None else tflops * 1e12
-    return None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_matmul_flops(device: torch.device, precision: Precision, size: int, budget_s: float) -> float:
     """Best FLOP/s of square `size` matmuls on `device`, after one warm-up, repeated for about `budget_s`."""
     dtype = _DTYPES[precision]
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
-    torch.matmul(a, b)  # warm-up: first call pays for kernel selection and allocation
-    _sync(device)
-    best = float("inf")
-    deadline = time.perf_counter() + budget_s
-    repeats = 0
-    # Best of several: the fastest run is the one least disturbed by other processes sharing the machine.
-    while repeats < 3 or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-        repeats += 1
+    best = best_time(partial(torch.matmul, a, b), budget_s, least=3, device=device)
     return 2.0 * size**3 / best  # a size³ matmul is size³ multiply-adds
 
 
@@ -115,25 +58,6 @@ def measure_cpu_peak(precision: Precision, threads: int, size: int = 1024, budge
         return measure_matmul_flops(torch.device("cpu"), precision, size, budget_s)
     finally:
         torch.set_num_threads(previous)
-
-
-def cpu_model_name() -> str:
-    """The CPU model as /proc/cpuinfo names it, else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown-cpu"
-
-
-def cpu_features() -> str:
-    """The CPU and the vector/matrix features that decide its fp32 and bf16 speed (AVX2, AVX-512, AVX512-BF16, AMX),
-    as /proc/cpuinfo lists them: what every benchmark prints beside its figures."""
-    flags = cpu_flags()
-    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"{cpu_model_name()} ({', '.join(have) or 'none of avx2/avx512/amx'})"
 
 
 def _read_cache(path: Path) -> dict[str, dict]:
@@ -189,7 +113,7 @@ def device_peak_flops(
         return override_tflops * 1e12, f"configured: metrics.peak_tflops={override_tflops:g}"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = lookup_gpu_peak(name, precision)
+        peak = gpu_peak_flops(name, precision)
         if peak is not None:
             return peak, f"table: {name} {precision} {peak / 1e12:g} TFLOP/s"
         flops = measure_matmul_flops(device, precision, size=8192, budget_s=1.0)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scaletrain.config import ParallelConfig
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.host import usable_cpus
+from scaletrain.hardware import usable_cpus, uses_cuda
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ def init_distributed(device_pref: str, timeout_s: float = 600.0) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     check_restartable_store(os.environ)
-    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(device_pref)
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

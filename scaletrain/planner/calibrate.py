@@ -18,29 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scaletrain.metrics.mfu import cpu_model_name
+from scaletrain.hardware import best_time, cpu_model_name, usable_cpus
 from scaletrain.planner.hardware import DEFAULT_CPU, DeviceProfile, save_profile
 from scaletrain.planner.inputs import model_args, parse_unvalidated
 from scaletrain.planner.search import estimate
 
 SHAPES = (64, 128, 256, 512)  # square matmul sizes: from dispatch-bound to rate-bound
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
-
-
-def _best(fn, budget_s: float = 0.15, least: int = 3, device: torch.device | None = None) -> float:
-    """Fastest of several calls of fn (the run least disturbed by other processes), each closed by a synchronisation
-    on a CUDA `device` (a CUDA call returns at launch)."""
-    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    best, n, end = float("inf"), 0, time.perf_counter() + budget_s
-    while n < least or time.perf_counter() < end:
-        t = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t)
-        n += 1
-    return best
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -60,7 +44,7 @@ def measure_matmul(
     for n in shapes:
         a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
         flops.append(2.0 * n**3)
-        times.append(_best(partial(torch.mm, a, b), device=device))
+        times.append(best_time(partial(torch.mm, a, b), device=device))
     t0, slope = fit_line(flops, times)
     return t0, 1.0 / max(slope, 1e-18)
 
@@ -87,8 +71,8 @@ def measure_block(matmul: tuple[float, float]) -> tuple[float, float, float, flo
     xs, ys, extra = [], [], []
     for seq in (64, 512):
         tokens = torch.randint(0, 64, (1, seq))
-        took = _best(partial(_forward_backward, model, tokens), budget_s=0.4)
-        extra.append(_best(partial(_forward_backward, selective, tokens), budget_s=0.4) - took)
+        took = best_time(partial(_forward_backward, model, tokens), budget_s=0.4)
+        extra.append(best_time(partial(_forward_backward, selective, tokens), budget_s=0.4) - took)
         shape = _Shape(seq, seq, args.dim, args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden)
         mm = sum(3 * (t0 + f / rate) for f in _matmuls(shape))
         xs.append(ELEMENTWISE_TRAFFIC * layer_activation_bytes(args, ParallelConfig(), 1, seq, 4))
@@ -123,7 +107,7 @@ def measure_step_overhead(block_overhead: float) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return max(_best(step, budget_s=0.3) - block_overhead, 0.0)
+    return max(best_time(step, budget_s=0.3) - block_overhead, 0.0)
 
 
 def measure_adam_bandwidth(device: torch.device | None = None, n: int = 2**22) -> float:
@@ -135,7 +119,7 @@ def measure_adam_bandwidth(device: torch.device | None = None, n: int = 2**22) -
     p.grad = torch.randn_like(p)
     fused = device is not None and device.type == "cuda"
     opt = torch.optim.AdamW([p], lr=1e-4, fused=fused, foreach=not fused)
-    return ADAM_TRAFFIC * p.numel() / _best(opt.step, budget_s=0.3, device=device)
+    return ADAM_TRAFFIC * p.numel() / best_time(opt.step, budget_s=0.3, device=device)
 
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:
@@ -161,13 +145,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             "reduce_scatter": partial(scatter, part, whole),
         }
         for name, op in ops.items():
-            best = float("inf")
-            for _ in range(6):  # the first call sets up the pairs' buffers; the fastest of the rest counts
-                dist.barrier()
-                t = time.perf_counter()
-                op()
-                best = min(best, time.perf_counter() - t)
-            times[name].append((size, best))
+            # The same number of calls on every rank (no time budget), each after a barrier: the first sets up the
+            # pairs' buffers, the fastest of the rest counts.
+            times[name].append((size, best_time(op, 0.0, least=5, before=dist.barrier)))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if rank == 0:
         Path(out).write_text(json.dumps({"times": times, "rss": rss}))
@@ -351,7 +331,7 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
         selective_block_s=sel_fixed,
         selective_share=sel_share,
         step_overhead_s=step_overhead,
-        cores=os.cpu_count() or 1,
+        cores=usable_cpus(),
         threads=1,
         collectives=collectives,
         intra_bw=collectives.get("all_reduce@2", (0, DEFAULT_CPU.intra_bw))[1],

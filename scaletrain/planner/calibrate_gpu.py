@@ -20,27 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scaletrain.errors import ConfigError
-from scaletrain.planner.calibrate import _best, fit_line, measure_adam_bandwidth, measure_matmul
-from scaletrain.planner.hardware import GPUS, DeviceProfile, save_profile
+from scaletrain.hardware import best_time
+from scaletrain.planner.calibrate import fit_line, measure_adam_bandwidth, measure_matmul
+from scaletrain.planner.hardware import GPUS, DeviceProfile, gpu_kind, save_profile
 
-# Which datasheet profile a device name maps to (torch.cuda.get_device_name: "NVIDIA H200", "NVIDIA A100-SXM4-80GB").
-NAMES = {"H100": "h100", "H200": "h200", "A100": "a100", "B200": "b200"}
 # Square matmul sizes and all-reduce bytes: from launch-bound to rate-bound on a GPU; small enough for CI on a CPU.
 SHAPES = {"cuda": (1024, 2048, 4096, 8192), "cpu": (64, 128, 256)}
 ALL_REDUCE_BYTES = {"cuda": (2**20, 2**24, 2**27, 2**28), "cpu": (2**12, 2**16, 2**20)}
 ADAM_PARAMS = {"cuda": 2**26, "cpu": 2**20}
-
-
-def gpu_kind(name: str) -> str:
-    """The profile kind of a device named `name`; ConfigError naming the known ones for any other."""
-    for key, kind in NAMES.items():
-        if key in name.upper():
-            return kind
-    raise ConfigError(
-        f"plan --calibrate: the planner has no datasheet profile for '{name}' (it knows {', '.join(NAMES)}); "
-        "plan with --device set to the nearest of those, whose figures are datasheet peaks"
-    )
 
 
 def _all_reduce_rank(rank: int, world: int, port: int, device_type: str, out: str) -> None:
@@ -55,7 +42,7 @@ def _all_reduce_rank(rank: int, world: int, port: int, device_type: str, out: st
         x = torch.ones(size // 4, device=device)
         # The same number of calls on every rank (no time budget: ranks that stopped at different counts would pair
         # one size's all-reduce with another's); the first sets up the buffers, the fastest of the rest counts.
-        points.append((size, _best(partial(dist.all_reduce, x), 0.0, 8, device)))
+        points.append((size, best_time(partial(dist.all_reduce, x), 0.0, 8, device)))
     if rank == 0:
         Path(out).write_text(json.dumps(points))
     dist.barrier()

@@ -12,9 +12,10 @@ import torch
 from scaletrain.config import Config
 from scaletrain.data import resolve_cache_dir
 from scaletrain.errors import ConfigError
+from scaletrain.hardware import cuda_available, uses_cuda
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.planner.calibrate import calibrate as measure_machine
-from scaletrain.planner.hardware import GPUS, KINDS, DeviceProfile, load_profile
+from scaletrain.planner.hardware import GPUS, KINDS, DeviceProfile, gpu_kind, load_profile
 from scaletrain.planner.inputs import model_args, parse_unvalidated
 from scaletrain.planner.memory import PARTS, GiB
 from scaletrain.planner.search import (
@@ -31,13 +32,8 @@ from scaletrain.validate import global_batch_sequences, layout_problems
 
 def local_device_kind(cfg: Config) -> str:
     """The profile of the device this config trains on: a known GPU by name, else cpu."""
-    cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
-    if cuda:
-        name = torch.cuda.get_device_name(0).lower()
-        for kind in GPUS:
-            if kind in name:
-                return kind
-        raise ConfigError(f"the planner has no profile for the GPU '{name}'; it knows {', '.join(GPUS)}")
+    if uses_cuda(cfg.training.device):
+        return gpu_kind(torch.cuda.get_device_name(0))
     return "cpu"
 
 
@@ -119,8 +115,8 @@ def run_plan(
     if calibrate:
         cache = resolve_cache_dir(parse_unvalidated(config, overrides).data)
         # A GPU host measures its GPUs unless told --device cpu; a CPU host measures its cores.
-        if torch.cuda.is_available() and (device or "").lower() != "cpu":
-            from scaletrain.planner.calibrate_gpu import calibrate_gpu, gpu_kind
+        if cuda_available() and (device or "").lower() != "cpu":
+            from scaletrain.planner.calibrate_gpu import calibrate_gpu
 
             profile, path = calibrate_gpu(cache, min(nproc, torch.cuda.device_count()))
             kind = gpu_kind(profile.name)

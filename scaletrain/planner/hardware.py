@@ -1,4 +1,4 @@
-"""Device profiles for the planner: datasheet figures of the GPUs we plan for (each with its source) and a CPU
+"""Device profiles for the planner: the GPUs we plan for, from the hardware table (scaletrain/hardware.py) and a CPU
 profile measured on this machine by `scaletrain plan --calibrate` (planner/calibrate.py), saved as JSON."""
 
 from __future__ import annotations
@@ -8,6 +8,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from scaletrain.errors import ConfigError
+from scaletrain.hardware import PLANNED_GPUS, GpuSpec, match_gpu, usable_cpus
 
 GiB = 2**30
 GB = 10**9
@@ -92,48 +95,44 @@ class DeviceProfile:
         return cls(**data)
 
 
-def _gpu(
-    name: str, bf16: float, fp8: float | None, fp32: float, hbm: int, hbm_bw: float, nvlink: float, ib: float
-) -> DeviceProfile:
-    """A GPU from its datasheet: dense peaks in TFLOP/s (fp32: the plain vector rate, not TF32), HBM bytes, HBM
-    TB/s, NVLink GB/s (total, both directions, as NVIDIA quotes it), InfiniBand Gb/s per GPU."""
-    peaks = {"bf16": bf16 * TB, "fp16": bf16 * TB, "fp32": fp32 * TB}
-    if fp8:
-        peaks["fp8"] = fp8 * TB
+def _gpu(spec: GpuSpec) -> DeviceProfile:
+    """The planner's profile of a GPU of the hardware table: its dense datasheet peaks (the same figures the MFU at
+    run time divides by), memory, HBM and link bandwidths, with the stated achievable fractions applied."""
+    peaks = {"bf16": spec.peak_tflops["bf16"] * TB, "fp16": spec.peak_tflops["bf16"] * TB}
+    peaks.update({p: spec.peak_tflops[p] * TB for p in ("fp32", "fp8") if p in spec.peak_tflops})
     return DeviceProfile(
-        name=name,
+        name=spec.title,
         kind="gpu",
         peak_flops=peaks,
         # ~5 us per GEMM launch+tail (small-shape GEMMs on Hopper run at a few us), stated as a guess.
         matmul={p: (5e-6, v * ACHIEVABLE_MATMUL) for p, v in peaks.items()},
-        memory_bytes=hbm,
-        memory_bw=hbm_bw * TB * ACHIEVABLE_HBM,
-        intra_bw=nvlink / 2 * GB * ACHIEVABLE_LINK,  # per direction
+        memory_bytes=spec.memory_bytes,
+        memory_bw=spec.hbm_tbps * TB * ACHIEVABLE_HBM,
+        intra_bw=spec.nvlink_gbps / 2 * GB * ACHIEVABLE_LINK,  # per direction
         intra_latency=5e-6,  # NCCL ring step latency over NVLink, ~3-6 us (nccl-tests small messages)
-        inter_bw=ib / 8 * GB * ACHIEVABLE_LINK,
+        inter_bw=spec.ib_gbps / 8 * GB * ACHIEVABLE_LINK,
         inter_latency=15e-6,  # IB RDMA step latency through the NCCL proxy, ~10-20 us
     )
 
 
-# (fp32 vector peaks as in metrics/mfu.py's table: H100/H200 66.9, A100 19.5, HGX B200 80 TFLOPS.)
-# H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 989.4 TFLOPS dense (1,979 with sparsity), FP8
-# 1,979 dense (3,958 sparse), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s; DGX/HGX H100 pair each GPU with one
-# ConnectX-7 400 Gb/s NDR InfiniBand port (DGX H100 datasheet).
-# H200 SXM: NVIDIA H200 datasheet (2024): same Hopper compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s, NVLink
-# 900 GB/s, 400 Gb/s NDR per GPU in HGX H200.
-# A100 SXM4 80GB: NVIDIA A100 datasheet (2021): BF16 312 TFLOPS dense (624 sparse), no FP8, 80 GB HBM2e at
-# 2,039 GB/s, NVLink 600 GB/s; DGX A100 has one 200 Gb/s HDR InfiniBand port per GPU.
-# B200 (HGX, 1,000 W): NVIDIA HGX B200 / DGX B200 datasheets (2024): per GPU 2.25 PFLOPS BF16 dense (4.5 sparse),
-# FP8 4.5 PFLOPS dense (9 sparse), 180 GB HBM3e usable (192 GB physical) at 8 TB/s, NVLink 5 1.8 TB/s; DGX B200
-# pairs each GPU with a ConnectX-7 400 Gb/s port.
-# Memory in GiB as the device reports it (torch.cuda total_memory): the "80 GB" parts have 80 GiB of HBM (79.6 GiB
-# visible), an H200 reports ~140 GiB of its 141 GB, a B200 ~179 GiB.
-GPUS: dict[str, DeviceProfile] = {
-    "h100": _gpu("NVIDIA H100 SXM5 80GB", 989.4, 1978.9, 66.9, 80 * GiB, 3.35, 900, 400),
-    "h200": _gpu("NVIDIA H200 SXM 141GB", 989.4, 1978.9, 66.9, 140 * GiB, 4.8, 900, 400),
-    "a100": _gpu("NVIDIA A100 SXM4 80GB", 312.0, None, 19.5, 80 * GiB, 2.039, 600, 200),
-    "b200": _gpu("NVIDIA B200 (HGX)", 2250.0, 4500.0, 80.0, 179 * GiB, 8.0, 1800, 400),
-}
+# The GPUs the planner knows: those of the hardware table (scaletrain/hardware.py, where each figure's datasheet is
+# cited) with memory and link figures, by their --device name (h100, h200, a100, b200).
+GPUS: dict[str, DeviceProfile] = {kind: _gpu(PLANNED_GPUS[kind]) for kind in ("h100", "h200", "a100", "b200")}
+
+
+def gpu_kind(name: str) -> str:
+    """The profile kind (h100, ...) of a GPU named `name` as torch reports it, matched as the MFU matches it (an
+    "H100 PCIe" is not an h100: its peaks differ); ConfigError naming the known ones for any other."""
+    spec = match_gpu(name)
+    if spec is not None and spec.kind in GPUS:
+        return spec.kind
+    raise ConfigError(
+        f"the planner has no datasheet profile for '{name}' (it knows "
+        f"{', '.join(PLANNED_GPUS[k].match for k in GPUS)}); plan with --device set to the nearest of those, whose "
+        "figures are datasheet peaks"
+    )
+
+
 UNCALIBRATED = "uncalibrated defaults: run `scaletrain plan --calibrate` for this machine's figures"
 # A CPU until calibrated: a modest figure so that plans run (a calibrated profile replaces every one of these).
 DEFAULT_CPU = DeviceProfile(
@@ -149,11 +148,11 @@ DEFAULT_CPU = DeviceProfile(
     intra_latency=5e-5,
     inter_bw=1e9,
     inter_latency=1e-4,
-    devices_per_node=os.cpu_count() or 1,
+    devices_per_node=usable_cpus(),
     overhead_bytes=400 * 2**20,
     op_overhead_s=1e-3,
     step_overhead_s=5e-3,
-    cores=os.cpu_count() or 1,
+    cores=usable_cpus(),
     source=UNCALIBRATED,
 )
 KINDS = (*GPUS, "cpu")

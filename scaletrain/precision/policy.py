@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from scaletrain.config import TrainingConfig
+from scaletrain.hardware import cpu_flags
 from scaletrain.precision.fp8 import fp8_problems
 from scaletrain.precision.scaler import LossScaler
 
@@ -154,17 +154,6 @@ def mfu_precision(name: str, device_type: str) -> Literal["bf16", "fp32"]:
     if name == "fp32" or (device_type == "cpu" and name == "fp16"):
         return "fp32"
     return "bf16"
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (empty when /proc/cpuinfo is not readable)."""
-    try:
-        for line in Path(cpuinfo).read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_precision_warning(name: str, device_type: str, flags: set[str] | None = None) -> str | None:

@@ -27,7 +27,7 @@ from scaletrain.convert import to_hf
 from scaletrain.data import TokenShards, load_tokenizer, prepare
 from scaletrain.data.tokenizer import ByteTokenizer, train_bpe
 from scaletrain.errors import ConfigError
-from scaletrain.host import usable_cpus
+from scaletrain.hardware import usable_cpus
 from scaletrain.inference import mean_loss
 from scaletrain.models import build_model, resolve_model_args
 from tests.helpers import DEBUG, QUICK

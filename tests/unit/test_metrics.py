@@ -11,12 +11,12 @@ import pytest
 import torch
 from rich.console import Console
 
+from scaletrain.hardware import gpu_peak_flops
 from scaletrain.metrics import (
     MetricsWriter,
     Progress,
     device_peak_flops,
     flops_per_token,
-    lookup_gpu_peak,
     measure_cpu_peak,
     mfu,
     peak_memory_mib,
@@ -96,9 +96,9 @@ def test_measure_cpu_peak_returns_plausible_flops():
 @pytest.mark.parametrize(
     ("name", "precision", "tflops"),
     [
-        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
         ("NVIDIA H100 PCIe", "bf16", 756.0),
-        ("NVIDIA H200", "fp32", 67.0),
+        ("NVIDIA H200", "fp32", 66.9),
         ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
         ("NVIDIA A10G", "bf16", 125.0),
         ("NVIDIA L40S", "bf16", 362.0),  # must not be taken for an L4 or L40
@@ -107,19 +107,19 @@ def test_measure_cpu_peak_returns_plausible_flops():
     ],
 )
 def test_gpu_table_lookup(name, precision, tflops):
-    assert lookup_gpu_peak(name, precision) == pytest.approx(tflops * 1e12)
+    assert gpu_peak_flops(name, precision) == pytest.approx(tflops * 1e12)
 
 
 def test_gpu_table_misses_return_none():
-    assert lookup_gpu_peak("Some Future Accelerator", "bf16") is None
-    assert lookup_gpu_peak("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores: measure instead
+    assert gpu_peak_flops("Some Future Accelerator", "bf16") is None
+    assert gpu_peak_flops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores: measure instead
 
 
 def test_cuda_device_uses_table_without_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     peak, source = device_peak_flops(torch.device("cuda", 0), "bf16", override_tflops=0.0, cache_dir=tmp_path)
-    assert peak == pytest.approx(989e12)
-    assert source == "table: NVIDIA H100 80GB HBM3 bf16 989 TFLOP/s"
+    assert peak == pytest.approx(989.4e12)
+    assert source == "table: NVIDIA H100 80GB HBM3 bf16 989.4 TFLOP/s"
 
 
 def test_unknown_precision_is_refused(tmp_path):
