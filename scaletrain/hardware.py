@@ -49,7 +49,8 @@ class GpuSpec:
     with fp32 accumulation (fp16's is the same on every GPU here), "fp32" plain fp32 on the vector units (not TF32),
     "fp8" where the GPU has it. A GPU without "bf16" (V100) is measured instead. The planner plans the GPUs that have
     a `kind` (its --device name) and the figures after it: memory as the device reports it, HBM TB/s, NVLink GB/s
-    (total, both directions, as NVIDIA quotes it), InfiniBand Gb/s per GPU."""
+    (total, both directions, as NVIDIA quotes it), InfiniBand Gb/s per GPU; a GPU with `plans_as` is planned with
+    that kind's memory and links but its own peaks."""
 
     match: str
     peak_tflops: dict[str, float]
@@ -59,6 +60,7 @@ class GpuSpec:
     hbm_tbps: float = 0.0
     nvlink_gbps: float = 0.0
     ib_gbps: float = 0.0
+    plans_as: str | None = None
 
     def peak_flops(self, precision: str) -> float | None:
         """Dense peak FLOP/s at `precision` (fp16 as bf16), None where the datasheet has none."""
@@ -86,7 +88,8 @@ _HOPPER_SXM = {"bf16": 989.4, "fp8": 1978.9, "fp32": 66.9}
 # Matched in order, first match wins: more specific names come first ("GH200" before "H200", "H100 PCIe" before
 # "H100", "GB200" before "B200", "A100" before "A10", "L40S" before "L4").
 GPU_TABLE: tuple[GpuSpec, ...] = (
-    GpuSpec("GB200", {"bf16": 2500.0, "fp8": 5000.0, "fp32": 80.0}),  # the B200 of a GB200 at 1,200 W
+    # the B200 of a GB200 at 1,200 W; GB200, GH200 and the other H100s plan with a near kind's memory and links
+    GpuSpec("GB200", {"bf16": 2500.0, "fp8": 5000.0, "fp32": 80.0}, plans_as="b200"),
     GpuSpec(
         "B200",
         {"bf16": 2250.0, "fp8": 4500.0, "fp32": 75.0},
@@ -97,10 +100,10 @@ GPU_TABLE: tuple[GpuSpec, ...] = (
         1800,
         400,
     ),
-    GpuSpec("GH200", _HOPPER_SXM),
+    GpuSpec("GH200", _HOPPER_SXM, plans_as="h200"),
     GpuSpec("H200", _HOPPER_SXM, "h200", "NVIDIA H200 SXM 141GB", 140 * GiB, 4.8, 900, 400),
-    GpuSpec("H100 PCIe", {"bf16": 756.0, "fp32": 51.0}),
-    GpuSpec("H100 NVL", {"bf16": 835.0, "fp32": 60.0}),
+    GpuSpec("H100 PCIe", {"bf16": 756.0, "fp32": 51.0}, plans_as="h100"),
+    GpuSpec("H100 NVL", {"bf16": 835.0, "fp32": 60.0}, plans_as="h100"),
     # SXM, reported as e.g. "NVIDIA H100 80GB HBM3"
     GpuSpec("H100", _HOPPER_SXM, "h100", "NVIDIA H100 SXM5 80GB", 80 * GiB, 3.35, 900, 400),
     GpuSpec("H800 PCIe", {"bf16": 756.0, "fp32": 51.0}),

@@ -15,7 +15,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.hardware import cuda_available, uses_cuda
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.planner.calibrate import calibrate as measure_machine
-from scaletrain.planner.hardware import GPUS, KINDS, DeviceProfile, gpu_kind, load_profile
+from scaletrain.planner.hardware import GPUS, KINDS, DeviceProfile, gpu_kind, load_profile, local_gpu_profile
 from scaletrain.planner.inputs import model_args, parse_unvalidated
 from scaletrain.planner.memory import PARTS, GiB
 from scaletrain.planner.search import (
@@ -30,15 +30,12 @@ from scaletrain.planner.search import (
 from scaletrain.validate import global_batch_sequences, layout_problems
 
 
-def local_device_kind(cfg: Config) -> str:
-    """The profile of the device this config trains on: a known GPU by name, else cpu."""
-    if uses_cuda(cfg.training.device):
-        return gpu_kind(torch.cuda.get_device_name(0))
-    return "cpu"
-
-
 def profile_for(cfg: Config, kind: str | None) -> DeviceProfile:
-    return load_profile(kind or local_device_kind(cfg), resolve_cache_dir(cfg.data))
+    """The profile of `kind`, or (None) of the device this config trains on: a known GPU by name, else the CPU."""
+    cache = resolve_cache_dir(cfg.data)
+    if kind is None and uses_cuda(cfg.training.device):
+        return local_gpu_profile(torch.cuda.get_device_name(0), cache)
+    return load_profile(kind or "cpu", cache)
 
 
 def plan_json(plan: Plan, profile: DeviceProfile) -> dict:

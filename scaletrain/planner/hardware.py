@@ -121,11 +121,12 @@ GPUS: dict[str, DeviceProfile] = {kind: _gpu(PLANNED_GPUS[kind]) for kind in ("h
 
 
 def gpu_kind(name: str) -> str:
-    """The profile kind (h100, ...) of a GPU named `name` as torch reports it, matched as the MFU matches it (an
-    "H100 PCIe" is not an h100: its peaks differ); ConfigError naming the known ones for any other."""
+    """The profile kind (h100, ...) of a GPU named `name` as torch reports it, matched as the MFU matches it: its own,
+    or the kind it plans as (an H100 PCIe: h100); ConfigError naming the known ones for any other."""
     spec = match_gpu(name)
-    if spec is not None and spec.kind in GPUS:
-        return spec.kind
+    kind = spec and (spec.kind or spec.plans_as)
+    if kind in GPUS:
+        return kind
     raise ConfigError(
         f"the planner has no datasheet profile for '{name}' (it knows "
         f"{', '.join(PLANNED_GPUS[k].match for k in GPUS)}); plan with --device set to the nearest of those, whose "
@@ -181,6 +182,24 @@ def load_profile(kind: str, cache_dir: Path | None = None) -> DeviceProfile:
     if kind == "cpu":
         return DEFAULT_CPU
     return dataclasses.replace(GPUS[kind])
+
+
+def local_gpu_profile(name: str, cache_dir: Path | None = None) -> DeviceProfile:
+    """The profile of the local GPU named `name`: its kind's (calibrated, else the datasheet's), and for a GPU that
+    plans as a near kind (an H100 PCIe as h100) that profile's memory and links with the GPU's own datasheet peaks,
+    the ones the MFU at run time divides by (a datasheet profile's matmul rates follow them)."""
+    kind, spec = gpu_kind(name), match_gpu(name)
+    profile = load_profile(kind, cache_dir)
+    if spec is None or spec.kind == kind:
+        return profile
+    own = _gpu(dataclasses.replace(PLANNED_GPUS[kind], peak_tflops=spec.peak_tflops))
+    calibrated = profile.source != "datasheet"
+    return dataclasses.replace(
+        profile,
+        name=f"{name} (planned with the {kind} profile's memory and links)",
+        peak_flops=own.peak_flops,
+        matmul=profile.matmul if calibrated else own.matmul,
+    )
 
 
 def save_profile(profile: DeviceProfile, cache_dir: Path, kind: str = "cpu") -> Path:

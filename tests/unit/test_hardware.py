@@ -19,7 +19,7 @@ from scaletrain.hardware import (
     uses_cuda,
 )
 from scaletrain.metrics.mfu import device_peak_flops
-from scaletrain.planner.hardware import GPUS, gpu_kind, load_profile
+from scaletrain.planner.hardware import GPUS, gpu_kind, load_profile, local_gpu_profile
 from scaletrain.precision.policy import mfu_precision
 
 PACKAGE = Path(__file__).resolve().parents[2] / "scaletrain"
@@ -36,17 +36,30 @@ def test_every_planned_gpu_has_a_reported_name_here():
     assert set(REPORTED) == set(GPUS) == set(PLANNED_GPUS)
 
 
-@pytest.mark.parametrize("kind", sorted(REPORTED))
+# Every GPU the planner plans: its own kinds, by the names torch reports, and those it plans as a near kind.
+PLANNED_NAMES = [*REPORTED.values(), *(f"NVIDIA {g.match}" for g in GPU_TABLE if g.plans_as)]
+
+
+@pytest.mark.parametrize("name", PLANNED_NAMES)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
-def test_mfu_at_run_time_and_the_planner_use_the_same_peak(kind, precision, tmp_path, monkeypatch):
+def test_mfu_at_run_time_and_the_planner_use_the_same_peak(name, precision, tmp_path, monkeypatch):
     """For every known device and training precision: the peak the run divides by (device_peak_flops on that
-    device, at the precision MFU is reported against) is the planner's profile's peak at that precision."""
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: REPORTED[kind])
+    device, at the precision MFU is reported against) is the peak of the profile the planner plans that device
+    with (`plan`/`train --dry-run`/`parallel.auto` on it; `--device KIND` for the kinds themselves)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     against = mfu_precision(precision, "cuda")
     run_peak, source = device_peak_flops(torch.device("cuda", 0), against, 0.0, tmp_path)
     assert source.startswith("table: ")
-    assert gpu_kind(REPORTED[kind]) == kind
-    assert load_profile(kind).peak_flops[against] == run_peak
+    assert local_gpu_profile(name, tmp_path).peak_flops[against] == run_peak
+    if match_gpu(name).kind:
+        assert load_profile(gpu_kind(name)).peak_flops[against] == run_peak
+
+
+def test_a_gpu_planned_as_a_near_kind_keeps_its_memory_and_links():
+    pcie, sxm = local_gpu_profile("NVIDIA H100 PCIe"), GPUS["h100"]
+    assert gpu_kind("NVIDIA H100 PCIe") == "h100" and pcie.name.startswith("NVIDIA H100 PCIe")
+    assert (pcie.memory_bytes, pcie.intra_bw, pcie.inter_bw) == (sxm.memory_bytes, sxm.intra_bw, sxm.inter_bw)
+    assert pcie.matmul["bf16"][1] == pytest.approx(756e12 * 0.75)
 
 
 def test_every_planned_gpu_plans_with_its_table_peaks():
@@ -96,7 +109,7 @@ def test_one_name_matcher(name, match):
 def test_a_gpu_the_planner_has_no_profile_for_is_refused_with_the_known_ones():
     from scaletrain.errors import ConfigError
 
-    for name in ("NVIDIA H100 PCIe", "Tesla V100-SXM2-16GB"):
+    for name in ("NVIDIA L4", "Tesla V100-SXM2-16GB"):
         with pytest.raises(ConfigError, match="no datasheet profile.*H100, H200, A100, B200"):
             gpu_kind(name)
 
