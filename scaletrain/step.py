@@ -79,8 +79,10 @@ class StepRunner:
 
     def _scale_aux_losses(self, n_micro: int) -> None:
         """MoE's aux and z losses reach backward with the LM loss's factor, 1/n_micro (x the fp16 loss scale), so
-        their weight is the same in every layout (models/moe.py's _AuxLossScaler reads it)."""
-        set_aux_loss_scale((self.scaler.scale if self.scaler is not None else 1.0) / n_micro)
+        their weight is the same in every layout (set on each MoE layer, which hands it to backward)."""
+        scale = (self.scaler.scale if self.scaler is not None else 1.0) / n_micro
+        for part in self.parts:
+            set_aux_loss_scale(part, scale)
 
     def _grad_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients over data-parallel ranks after the last micro-batch only: DDP's no_sync, and FSDP2's

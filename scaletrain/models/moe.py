@@ -17,11 +17,6 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# What d(loss)/d(aux) is in backward: the LM loss is divided by the micro-batch count (and multiplied by the fp16
-# loss scale) before backward, so the aux losses must be too or their weight would depend on the layout. Set by
-# the step runner (Megatron-LM's MoEAuxLossAutoScaler keeps the same module-level factor).
-_AUX_LOSS_SCALE = 1.0
-
 
 class ModelArgs(Protocol):
     """The fields of llama.ModelArgs this module reads (a protocol: llama imports this module, not the reverse)."""
@@ -40,10 +35,12 @@ class ModelArgs(Protocol):
     z_loss_coef: float
 
 
-def set_aux_loss_scale(scale: float) -> None:
-    """The factor the aux and z losses' gradients get in backward: 1/n_microbatches (x the fp16 loss scale)."""
-    global _AUX_LOSS_SCALE
-    _AUX_LOSS_SCALE = float(scale)
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Set every MoE layer's `aux_loss_scale` in `model` (whatever wraps it): 1/n_microbatches (x the fp16 loss
+    scale). The step runner calls it before each forward; the value travels on the modules, not in a global."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.aux_loss_scale = float(scale)
 
 
 def is_moe_layer(args: ModelArgs, layer_id: int) -> bool:
@@ -54,18 +51,20 @@ def is_moe_layer(args: ModelArgs, layer_id: int) -> bool:
 
 
 class _AuxLossScaler(torch.autograd.Function):
-    """Identity on the MoE output whose backward also seeds d(aux)/d(router) with the module-level scale, so the
-    aux losses train the router without being added to the reported (LM) loss or threaded through the step."""
+    """Identity on the MoE output whose backward also seeds d(aux)/d(router) with `scale` (the layer's
+    aux_loss_scale when its forward ran), so the aux losses train the router without being added to the reported
+    (LM) loss or threaded through the step."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(aux)
+        ctx.scale = scale
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, _AUX_LOSS_SCALE)
+        return grad, torch.full_like(aux, ctx.scale), None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -253,6 +252,10 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = args.n_experts, args.top_k
         self.capacity_factor = args.capacity_factor
         self.aux_loss_coef, self.z_loss_coef = args.aux_loss_coef, args.z_loss_coef
+        # What d(loss)/d(aux) is in backward: the LM loss is divided by the micro-batch count (and multiplied by the
+        # fp16 loss scale) before backward, so the aux losses must be too or their weight would depend on the
+        # layout (Megatron-LM's MoEAuxLossAutoScaler). Its owner, the step runner, sets it (set_aux_loss_scale).
+        self.aux_loss_scale = 1.0
         self.router = Router(args.dim, args.n_experts, args.top_k, args.router, args.norm_topk)
         self.experts = GroupedExperts(args.dim, hidden, args.n_experts)
         self.shared = shared
@@ -282,7 +285,7 @@ class MoE(nn.Module):
                 self._record(experts, keep, aux, z)
             loss = self.aux_loss_coef * aux + self.z_loss_coef * z
             if loss.requires_grad and (self.aux_loss_coef > 0 or self.z_loss_coef > 0):
-                out = _AuxLossScaler.apply(out, loss)
+                out = _AuxLossScaler.apply(out, loss, self.aux_loss_scale)
         return out
 
     def _dispatch(

@@ -1,11 +1,14 @@
 """The MoE feed-forward against a naive per-token reference, its capacity dropping, its balance and z losses, its
 statistics, the MoE presets' parameter counts, and a few training steps of the debug MoE."""
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from scaletrain.config import ModelConfig
@@ -26,13 +29,6 @@ from scaletrain.models.moe import (
 )
 
 DIM, E = 16, 6
-
-
-@pytest.fixture(autouse=True)
-def _unit_aux_scale():
-    set_aux_loss_scale(1.0)
-    yield
-    set_aux_loss_scale(1.0)
 
 
 def make_moe(seed: int = 0, **kw) -> MoE:
@@ -153,12 +149,37 @@ def aux_grad(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 def test_aux_loss_value_and_its_scaled_gradient_reach_the_router():
     moe = make_moe(aux_loss_coef=0.1)
     x = torch.randn(3, 7, DIM, dtype=torch.float64)
-    set_aux_loss_scale(0.25)
+    set_aux_loss_scale(moe, 0.25)
     grad = aux_grad(moe, x)
     hand = hand_balance_loss(moe, x)
     torch.testing.assert_close(moe.aux_loss_sum, hand)  # recorded unweighted
     (expected,) = torch.autograd.grad(hand, moe.router.gate.weight)
     torch.testing.assert_close(grad, 0.25 * 0.1 * expected, rtol=1e-10, atol=1e-14)
+
+
+def test_aux_loss_scale_is_each_layers_own():
+    """The scale travels on the layer (set by its owner), so two models in one process train with their own."""
+    a, b = make_moe(aux_loss_coef=0.1), make_moe(aux_loss_coef=0.1)
+    x = torch.randn(3, 7, DIM, dtype=torch.float64)
+    set_aux_loss_scale(nn.Sequential(a), 0.25)  # found inside whatever wraps the layer
+    set_aux_loss_scale(b, 0.5)
+    torch.testing.assert_close(aux_grad(b, x), 2 * aux_grad(a, x), rtol=1e-12, atol=0)
+    assert b.aux_loss_scale == 0.5 and make_moe().aux_loss_scale == 1.0
+
+
+def test_models_keep_no_module_level_state_a_step_changes():
+    """models/ rebinds no module global but a per-process cache (the compiled flex kernel): a per-step value (the
+    aux-loss scale) is handed to the modules, not carried in a global that every model in the process reads."""
+    import scaletrain.models as models
+
+    rebound = {
+        f"{path.name}:{name}"
+        for path in Path(models.__file__).parent.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Global)
+        for name in node.names
+    }
+    assert rebound <= {"attention.py:_compiled_flex"}
 
 
 def test_z_loss_value_and_gradient():
