@@ -446,6 +446,10 @@ class MemoryTier:
         shutil.rmtree(_step_dir(self.own, step), ignore_errors=True)
         if self.replica is not None:
             shutil.rmtree(_step_dir(self.replica, step), ignore_errors=True)
+        if self.world_size > 1:
+            # Once any rank is past this point no rank's files of the step remain (a rank that lists the tier, or
+            # a restart that reads it, never finds a peer's half-written snapshot).
+            dist.barrier(group=self.group)
         self._turn_off(f"{what} of step {step} failed on rank {first}: {errors[first]}")
 
     def _turn_off(self, reason: str) -> None:
