@@ -37,12 +37,10 @@ def load_config(
 ) -> Config:
     """Read TOML, apply `--a.b value` overrides, type-check and validate; raise ConfigError listing every problem.
 
-    Type problems stop before the cross-field checks: those need a config whose fields have their types."""
-    raw: dict = read_toml(path) if path else {}
-    problems = parse_overrides(overrides or [], raw)
-    cfg, type_problems = to_dataclass(Config, raw)
-    problems += type_problems
-    if not problems:
+    Type problems stop before the cross-field checks: those need a config whose fields have their types. An
+    unknown key does not: the rest of its section is read, so a misspelt key hides none of the other problems."""
+    cfg, problems = parse_config(path, overrides or [])
+    if fields_typed(problems):
         if not cfg.run.name and path:
             cfg.run.name = Path(path).stem
         resolve_paths(cfg)
@@ -54,6 +52,21 @@ def load_config(
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def parse_config(path: str | None, overrides: list[str]) -> tuple[Config, list[str]]:
+    """The config a TOML file and its `--a.b value` overrides make, types checked, not validated; and every
+    problem found (a field with a problem keeps its default)."""
+    raw: dict = read_toml(path) if path else {}
+    problems = parse_overrides(overrides, raw)
+    cfg, type_problems = to_dataclass(Config, raw)
+    return cfg, problems + type_problems
+
+
+def fields_typed(problems: list[str]) -> bool:
+    """Whether a config parsed with these problems has every field as given (only unknown keys were found), so
+    that checks across fields can run on it."""
+    return all(isinstance(p, UnknownKey) for p in problems)
 
 
 def resolve_paths(cfg: Config) -> None:
@@ -168,6 +181,10 @@ def parse_overrides(args: list[str], raw: dict) -> list[str]:
     return problems
 
 
+class UnknownKey(str):
+    """The problem of a key the config does not have: its section is still built from the keys it knows."""
+
+
 def to_dataclass(cls: type, raw: dict, prefix: str = "") -> tuple[Any, list[str]]:
     """Build `cls` from nested dicts, converting CLI strings by field type; collect every problem."""
     problems: list[str] = []
@@ -179,7 +196,11 @@ def to_dataclass(cls: type, raw: dict, prefix: str = "") -> tuple[Any, list[str]
     for key, value in raw.items():
         dotted = prefix + key
         if key not in names:
-            problems.append(_unknown_key(dotted, cls, prefix))
+            problems.append(UnknownKey(_unknown_key(dotted, cls, prefix)))
+            continue
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            kwargs[key], inner = to_dataclass(hints[key], value, dotted + ".")
+            problems += inner
             continue
         converted, problem = _coerce(value, hints[key], dotted)
         if problem:

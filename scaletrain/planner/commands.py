@@ -10,6 +10,7 @@ import sys
 import torch
 
 from scaletrain.config import Config
+from scaletrain.config_io import fields_typed, parse_config
 from scaletrain.data import resolve_cache_dir
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import cuda_available, uses_cuda
@@ -184,9 +185,11 @@ def dry_run(cfg: Config, world: int) -> str:
 def auto_overrides(config: str | None, overrides: list[str], world: int) -> list[str]:
     """With parallel.auto true: the overrides plus the fastest fitting layout's (logged on rank 0), applied before
     validation; the overrides unchanged otherwise."""
-    cfg = parse_unvalidated(config, overrides)
+    cfg, problems = parse_config(config, overrides)
+    if not fields_typed(problems):
+        raise ConfigError(problems)
     if not cfg.parallel.auto:
-        return overrides
+        return overrides  # load_config reports the unknown keys with the other problems
     args = model_args(cfg)
     profile = profile_for(cfg, None)
     node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (

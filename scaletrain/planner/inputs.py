@@ -4,7 +4,7 @@ devices that are not this machine's) and the model shape it resolves to."""
 from __future__ import annotations
 
 from scaletrain.config import Config
-from scaletrain.config_io import parse_overrides, read_toml, to_dataclass
+from scaletrain.config_io import parse_config
 from scaletrain.data import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.llama import ModelArgs
@@ -14,11 +14,9 @@ from scaletrain.models.presets import PRESETS, resolve_model_args
 def parse_unvalidated(path: str | None, overrides: list[str]) -> Config:
     """The config with its overrides and types checked, not validated (the planner checks the layout itself, and
     plans for a device that is not this one)."""
-    raw: dict = read_toml(path) if path else {}
-    problems = parse_overrides(overrides, raw)
-    cfg, type_problems = to_dataclass(Config, raw)
-    if problems + type_problems:
-        raise ConfigError(problems + type_problems)
+    cfg, problems = parse_config(path, overrides)
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 

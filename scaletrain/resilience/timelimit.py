@@ -61,7 +61,7 @@ def limit_problems(run: RunConfig, steps: int, checkpoints: bool) -> list[str]:
             problems.append(str(e))
     if run.stop_at_step < 0:
         problems.append(f"run.stop_at_step must be >= 0 (0: off), got {run.stop_at_step}")
-    elif run.stop_at_step > steps:
+    elif run.stop_at_step > max(steps, 0):
         problems.append(
             f"run.stop_at_step {run.stop_at_step} is past training.steps {steps}: the run ends at step {steps} "
             f"anyway; use a step <= {steps}, or 0"

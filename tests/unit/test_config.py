@@ -60,6 +60,11 @@ def test_unknown_keys_name_the_nearest_valid_key():
     assert any("'modle'" in p or "'modle.dim'" in p for p in got)
 
 
+def test_an_unknown_key_hides_no_other_problem():
+    got = problems("--training.foo", "1", "--training.steps", "-3")
+    assert any("'training.foo'" in p for p in got) and any("training.steps" in p for p in got), got
+
+
 def test_every_problem_is_reported_at_once():
     got = problems(
         "--training.steps",
