@@ -4,11 +4,10 @@ and fault injection for drills. Both checkpoint tiers (storage and memory) live 
 from scaletrain.resilience.faults import FaultInjector, InjectedFault, label, validate_specs
 from scaletrain.resilience.health import NanGuard, SpikeDetector
 from scaletrain.resilience.straggler import StragglerMonitor
-from scaletrain.resilience.watchdog import HANG_EXIT_CODE, CollectiveTracker, Watchdog
+from scaletrain.resilience.watchdog import HANG_EXIT_CODE, Watchdog
 
 __all__ = [
     "HANG_EXIT_CODE",
-    "CollectiveTracker",
     "FaultInjector",
     "InjectedFault",
     "NanGuard",

@@ -17,7 +17,7 @@ from scaletrain.parallel.mesh import DistEnv
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.health import Decision, NanGuard, SpikeDetector
 from scaletrain.resilience.straggler import StragglerMonitor
-from scaletrain.resilience.watchdog import CollectiveTracker, Watchdog
+from scaletrain.resilience.watchdog import Watchdog
 
 log = logging.getLogger("scaletrain")
 
@@ -41,11 +41,7 @@ class Guard:
             mean_loss  # the loss averaged over data-parallel ranks (spike detection decides alike)
         )
         self.faults = faults
-        self.tracker = self.watchdog = None
-        if cfg.hang_timeout_s > 0:
-            self.tracker = CollectiveTracker()
-            self.tracker.install()
-            self.watchdog = Watchdog(cfg.hang_timeout_s, run_dir, rank, self.tracker)
+        self.watchdog = Watchdog(cfg.hang_timeout_s, run_dir, rank) if cfg.hang_timeout_s > 0 else None
         self.nan = NanGuard(cfg.nan_rollback_after) if cfg.nan_check else None
         self.spike = SpikeDetector(cfg.spike_window, cfg.spike_zscore) if cfg.spike_zscore > 0 else None
         self.straggler = (
@@ -138,5 +134,4 @@ class Guard:
         """Stop the watchdog (the final save after the loop is the checkpoint manager's to protect)."""
         if self.watchdog is not None:
             self.watchdog.stop()
-            self.tracker.uninstall()
             self.watchdog = None

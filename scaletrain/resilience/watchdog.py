@@ -1,18 +1,17 @@
 """Hang detection: a watchdog thread that, when a step overruns its timeout, writes every thread's stack and the
-last collective this rank entered to the run directory, then ends the process so the elastic agent restarts it."""
+last collective this rank entered (from torch's flight recorder) to the run directory, then ends the process so the
+elastic agent restarts it."""
 
 from __future__ import annotations
 
 import faulthandler
-import functools
-import inspect
 import json
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,83 +24,6 @@ HANG_EXIT_CODE = 86
 resilience.max_restarts); the launcher's diagnosis (resilience.diagnose) reads this status to report "hang" rather
 than "crash" for that rank."""
 
-TRACKED = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "broadcast_object_list",
-    "barrier",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "batch_isend_irecv",
-    "all_to_all_single",
-)
-
-
-class CollectiveTracker:
-    """Remembers the last collective this rank entered, by wrapping the `torch.distributed` functions in TRACKED.
-
-    Comparing ranks' records names the hang: the rank whose count is behind, or that sits in a different collective,
-    is the one the others wait for. Only calls through the `torch.distributed` namespace are seen: DTensor and
-    FSDP2 issue functional collectives (`torch.distributed._functional_collectives`, c10d ops) and DDP its bucketed
-    all-reduces from C++, which all bypass these wrappers; so do names imported before `install()`
-    (`from torch.distributed import all_reduce`).
-    """
-
-    def __init__(self) -> None:
-        self.last: dict[str, Any] | None = None
-        """{"name", "group_size", "time" (wall clock), "count"} of the newest collective entered, or None."""
-        self.count = 0
-        """Collectives entered since install()."""
-        self._originals: dict[str, Callable] = {}
-
-    def install(self) -> None:
-        import torch.distributed as dist
-
-        for name in TRACKED:
-            fn = getattr(dist, name, None)
-            if fn is not None and name not in self._originals:
-                self._originals[name] = fn
-                setattr(dist, name, self._wrap(name, fn))
-
-    def uninstall(self) -> None:
-        import torch.distributed as dist
-
-        for name, fn in self._originals.items():
-            setattr(dist, name, fn)
-        self._originals.clear()
-
-    def _wrap(self, name: str, fn: Callable) -> Callable:
-        params = list(inspect.signature(fn).parameters)
-        group_at = params.index("group") if "group" in params else None
-
-        @functools.wraps(fn)
-        def tracked(*args: Any, **kwargs: Any) -> Any:
-            self._enter(name, args, kwargs, group_at)
-            return fn(*args, **kwargs)
-
-        return tracked
-
-    def _enter(self, name: str, args: tuple, kwargs: dict, group_at: int | None) -> None:
-        import torch.distributed as dist
-
-        group = kwargs.get("group")
-        if group is None and group_at is not None and len(args) > group_at:
-            group = args[group_at]
-        if name == "batch_isend_irecv":
-            ops = kwargs.get("p2p_op_list", args[0] if args else None)
-            group = getattr(ops[0], "group", None) if ops else None
-        try:
-            size = dist.get_world_size(group) if dist.is_initialized() else None
-        except Exception:  # never let bookkeeping break the collective itself
-            size = None
-        self.count += 1
-        self.last = {"name": name, "group_size": size, "time": time.time(), "count": self.count}
-
 
 class Watchdog:
     """Ends this process when a step runs longer than `timeout_s`, after writing why.
@@ -111,17 +33,19 @@ class Watchdog:
     <run_dir>/hang-rank{rank}.txt (every thread's Python stack and the last collective), appends a "hang" event to
     <run_dir>/events.jsonl, and exits with HANG_EXIT_CODE so that torchrun's agent restarts the group from the
     newest checkpoint. Time between steps (evaluation, checkpoints) is not watched unless bracketed as a step.
+
+    The last collective comes from torch's flight recorder, which c10d keeps for every process group (gloo and
+    NCCL), so it sees the collectives DDP, FSDP2 and DTensor issue from C++ too. Its whole dump goes to
+    <run_dir>/flight_recorder/rank{rank}: `python -m torch.distributed.flight_recorder.fr_trace
+    <run_dir>/flight_recorder --prefix rank` compares the ranks' records and names the rank the others wait for.
     """
 
-    def __init__(
-        self, timeout_s: float, run_dir: Path, rank: int, tracker: CollectiveTracker | None = None
-    ) -> None:
+    def __init__(self, timeout_s: float, run_dir: Path, rank: int) -> None:
         if not timeout_s > 0:
             raise ValueError(f"watchdog timeout must be > 0 seconds, got {timeout_s}")
         self.timeout_s = timeout_s
         self.run_dir = Path(run_dir)
         self.rank = rank
-        self.tracker = tracker
         self._lock = threading.Lock()
         self._step: int | None = None
         self._started: float | None = None
@@ -156,10 +80,8 @@ class Watchdog:
                 return
 
     def _fire(self, step: int | None, elapsed: float, limit: float) -> None:
-        last = dict(self.tracker.last) if self.tracker is not None and self.tracker.last else None
-        if last is not None:
-            last["seconds_ago"] = round(time.time() - last["time"], 3)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        last = _last_collective(self.run_dir / "flight_recorder" / f"rank{self.rank}")
         stacks = self.run_dir / f"hang-rank{self.rank}.txt"
         with open(stacks, "w") as f:
             f.write(
@@ -192,6 +114,40 @@ class Watchdog:
         # os._exit, not sys.exit: the main thread is stuck (in C++, a lock, a collective) and would never run the
         # cleanup sys.exit waits for.
         _exit(HANG_EXIT_CODE)
+
+
+def _last_collective(dump_to: Path) -> dict[str, Any] | None:
+    """The collective this rank waits in, from torch's flight recorder: the newest one not yet finished, else the
+    newest one entered. {"name", "group", "seq", "in_flight", "seconds_ago", "issued_at"}; the recorder's whole dump
+    is written to `dump_to` for torch's fr_trace analyser. None when the recorder holds nothing (no process group,
+    TORCH_FR_BUFFER_SIZE=0) or this torch has no dump call: a hang report must come out whatever fails here."""
+    try:
+        # The retrieval call torch's flight-recorder tutorial documents (a private name; absent in old torch).
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        dump = _dump_fr_trace(True, True, False)  # collectives with their Python stacks; finished ones too
+        entries = pickle.loads(dump).get("entries") or []
+        if entries:
+            dump_to.parent.mkdir(parents=True, exist_ok=True)
+            dump_to.write_bytes(dump)
+    except Exception as e:  # an old torch, a backend without a recorder: the stacks still name where it waits
+        log.warning("no flight-recorder record of the last collective: %s", e)
+        return None
+    if not entries:
+        return None
+    # The newest entry is not always the stuck one: a background thread (the async checkpoint's commit barrier) may
+    # have entered and left a collective after the training thread blocked in DDP's gradient all-reduce.
+    waiting = [e for e in entries if not e.get("retired", True)]
+    e = max(waiting or entries, key=lambda x: x["time_created_ns"])
+    ours = [f for f in e.get("frames", []) if "scaletrain" in f.get("filename", "")]
+    return {
+        "name": e["profiling_name"],  # e.g. "gloo:barrier", "nccl:all_reduce"
+        "group": e["process_group"][1] or e["process_group"][0],
+        "seq": e["p2p_seq_id"] if e["is_p2p"] else e["collective_seq_id"],
+        "in_flight": bool(waiting),
+        "seconds_ago": round(time.time() - e["time_created_ns"] / 1e9, 3),
+        "issued_at": f"{ours[0]['filename']}:{ours[0]['line']} {ours[0]['name']}" if ours else None,
+    }
 
 
 _exit = os._exit  # module-level so an in-process test can observe the exit instead of dying
