@@ -17,7 +17,7 @@ import time
 import torch
 
 from scaletrain.config import ModelConfig
-from scaletrain.metrics import cpu_features
+from scaletrain.hardware import cpu_features
 from scaletrain.models import resolve_model_args
 from scaletrain.models.attention import AttentionKernel, attention_masks, document_ids
 from scaletrain.models.llama import Transformer

@@ -53,9 +53,9 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaletrain.config import OptimizerConfig  # noqa: E402
+from scaletrain.hardware import cpu_features  # noqa: E402
 from scaletrain.memory import apply_recompute  # noqa: E402
 from scaletrain.memory.measure import saved_activation_bytes  # noqa: E402
-from scaletrain.metrics import cpu_features  # noqa: E402
 from scaletrain.models import ModelArgs, build_meta_model, build_model  # noqa: E402
 from scaletrain.models.loss import cross_entropy  # noqa: E402
 from scaletrain.optim import build_optimizer  # noqa: E402

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import ModelConfig, MoEConfig
-from scaletrain.metrics import cpu_features
+from scaletrain.hardware import cpu_features, cuda_available, sync, usable_cpus
 from scaletrain.models import count_parameters, cross_entropy, resolve_model_args
 from scaletrain.models.llama import ModelArgs, Transformer
 from scaletrain.models.moe import grouped_mm_usable
@@ -64,8 +64,7 @@ def _step_fn(args: ModelArgs, batch: int, device: torch.device, precision: str):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
 
     return model, step
 
@@ -187,8 +186,7 @@ class A2ATimer:
         out = x.new_empty(sum(out_splits), *x.shape[1:])
         t0 = time.perf_counter()
         self._plain(out, x, out_splits, in_splits, group=group)
-        if out.is_cuda:
-            torch.cuda.synchronize()
+        sync(out.device)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
@@ -262,7 +260,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (per process under --a2a)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if cuda_available() else "cpu")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--steps", type=int, default=None, help="--balance: 200; --a2a: 20")
     ap.add_argument("--warmup", type=int, default=3, help="--a2a: steps not measured")
@@ -273,7 +271,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     print(cpu_features())
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.2f}")
+    print(f"torch {torch.__version__}, {usable_cpus()} usable CPUs, load average {os.getloadavg()[0]:.2f}")
     if a.balance:
         a.steps = a.steps or 200
         balance(a)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
+from scaletrain.hardware import usable_cpus
 from scaletrain.models import ModelArgs, build_meta_model, cross_entropy
 from scaletrain.parallel.pipeline import apply_pp, ideal_bubble, stages_per_rank
 
@@ -137,7 +138,7 @@ def main() -> None:
     p = opts.pp
     print(
         f"pp={p}, {opts.layers} layers, dim {opts.dim}, seq {opts.seq_len}, {opts.mb_size} sequences per "
-        f"micro-batch, {opts.threads} thread(s) per process, {os.cpu_count()} CPU cores, load average "
+        f"micro-batch, {opts.threads} thread(s) per process, {usable_cpus()} usable CPUs, load average "
         f"{os.getloadavg()[0]:.1f} (anything above {opts.pp * opts.threads} means shared cores)"
     )
     head = f"{'schedule':<18}{'m':>3}{'v':>3}{'step ms':>9}{'bubble':>9}  {'per rank':<16}{'ideal':>8}{'ideal v·m':>11}"

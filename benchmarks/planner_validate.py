@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scaletrain.hardware import cuda_available, usable_cpus  # noqa: E402
 from scaletrain.planner.calibrate import run_from_small_parent  # noqa: E402
 from scaletrain.planner.commands import plan_one  # noqa: E402
 from scaletrain.planner.inputs import parse_unvalidated  # noqa: E402
@@ -239,7 +240,7 @@ def main() -> None:
     print(
         f"worst: memory {100 * worst_mem:.1f}%, step time {100 * worst_time:.1f}%; profile: {profile.source}"
     )
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {usable_cpus()} usable CPUs")
 
 
 def _gpu_kind() -> str:
@@ -247,7 +248,7 @@ def _gpu_kind() -> str:
 
     from scaletrain.planner.calibrate_gpu import gpu_kind
 
-    if not torch.cuda.is_available():
+    if not cuda_available():
         sys.exit("--gpu: torch sees no CUDA device here")
     return gpu_kind(torch.cuda.get_device_name(0))
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain.config_io import load_config
-from scaletrain.metrics import cpu_features
+from scaletrain.hardware import cpu_features
 from scaletrain.models import build_meta_model, resolve_model_args
 from scaletrain.train import train
 
