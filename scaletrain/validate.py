@@ -33,7 +33,7 @@ from scaletrain.data.sources import list_files
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.hardware import cuda_available, uses_cuda
-from scaletrain.memory.offload import offload_problems
+from scaletrain.parallel.offload import offload_problems
 from scaletrain.metrics.profile import profile_problems
 from scaletrain.metrics.writer import wandb_problem
 from scaletrain.models.llama import ModelArgs

@@ -1,13 +1,7 @@
-"""Memory techniques applied to a built model from outside it: activation recompute (full, every k-th block,
-selective), activation offload to host memory, and the FSDP2 policy that keeps optimizer state on the host."""
+"""Measuring memory: the activation bytes a forward leaves for its backward (measure.saved_activation_bytes), what
+the tests and benchmarks/memory.py compare the planner's activation formula with. The techniques that save memory
+(recompute, offload) are applied with the other parallelisms in scaletrain/parallel/."""
 
-from scaletrain.memory.offload import apply_activation_offload, fsdp_offload_policy, offload_problems
-from scaletrain.memory.recompute import apply_recompute, recomputed_blocks
+from scaletrain.memory.measure import saved_activation_bytes
 
-__all__ = [
-    "apply_activation_offload",
-    "apply_recompute",
-    "fsdp_offload_policy",
-    "offload_problems",
-    "recomputed_blocks",
-]
+__all__ = ["saved_activation_bytes"]

@@ -263,7 +263,7 @@ def _ring_backward(
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-# Ring attention is one registered op, not an autograd.Function: selective recompute (memory/recompute.py) then
+# Ring attention is one registered op, not an autograd.Function: selective recompute (parallel/recompute.py) then
 # sees it as a single op and keeps its outputs, so the backward neither re-runs the ring's forward nor repeats its
 # K/V exchange (inside a Function, every einsum and p2p op would be dispatched, and all but the matmuls re-run).
 # Custom ops take tensors and plain values only: the op gets its ring (group and block plans) by index.

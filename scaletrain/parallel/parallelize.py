@@ -29,11 +29,12 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from scaletrain.config import MemoryConfig, ParallelConfig, PrecisionConfig
-from scaletrain.memory import apply_activation_offload, apply_recompute, fsdp_offload_policy
 from scaletrain.models.loss import cross_entropy
 from scaletrain.parallel.comm import CommMeter, apply_comm_hook, count_fsdp
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.offload import apply_activation_offload, fsdp_offload_policy
+from scaletrain.parallel.recompute import apply_recompute
 from scaletrain.precision.fp8 import apply_fp8
 from scaletrain.precision.policy import Precision
 from scaletrain.precision.qat import apply_qat

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-import scaletrain.parallel.context_parallel  # noqa: F401  (registers scaletrain::ring_attention, kept below)
+from scaletrain.parallel.context_parallel import ring_attention_op
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,6 @@ _SAVE_NAMES = (
     "aten._scaled_dot_product_cudnn_attention.default",
     # Sequence parallel's reduce-scatter after wo and w2: recomputing it would repeat the communication.
     "_c10d_functional.reduce_scatter_tensor.default",
-    # Context parallel's ring attention (one op): re-running it would repeat its attention and its K/V exchange.
-    "scaletrain.ring_attention.default",
 )
 
 
@@ -48,7 +46,10 @@ def _resolve(name: str):
         return None
 
 
-SAVED_OPS = frozenset(op for op in map(_resolve, _SAVE_NAMES) if op is not None)
+# Context parallel's ring attention (one op): re-running it would repeat its attention and its K/V exchange.
+SAVED_OPS = frozenset(
+    [*(op for op in map(_resolve, _SAVE_NAMES) if op is not None), ring_attention_op._opoverload]
+)
 
 
 def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

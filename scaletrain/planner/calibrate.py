@@ -56,9 +56,9 @@ def measure_block(matmul: tuple[float, float]) -> tuple[float, float, float, flo
     as a + traffic / bandwidth, with the traffic the time model charges (ELEMENTWISE_TRAFFIC x the bytes the block
     saves); what the same block under selective recompute adds, as a + share x that forward's element-wise time."""
     from scaletrain.config import ParallelConfig
-    from scaletrain.memory.recompute import apply_recompute
     from scaletrain.models.llama import ModelArgs
     from scaletrain.models.presets import build_model
+    from scaletrain.parallel.recompute import apply_recompute
     from scaletrain.planner.memory import layer_activation_bytes
     from scaletrain.planner.time import ELEMENTWISE_TRAFFIC, _matmuls, _Shape
 

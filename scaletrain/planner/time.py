@@ -413,7 +413,7 @@ def _comm_parts(
             call = _call_s(profile, dims.cp, slow)
             ring = (dims.cp - 1) * (step_comm + 3 * call) + profile.cp_block_s * slow
         # Full and every_k recompute re-run the ring's forward (its K/V exchange); selective keeps the ring op's
-        # output (memory/recompute.py), so it repeats none of it.
+        # output (parallel/recompute.py), so it repeats none of it.
         ring *= 1 + recompute_share(memory) / 3
     out["cp_comm_s"] = m * layers * ring
     # PP: each micro-batch's hidden states forward and their gradient back at every stage boundary of this rank;

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from scaletrain.memory.recompute import checkpoint_forward
 from scaletrain.models.attention import causal_sdpa
 from scaletrain.parallel import context_parallel as cp
 from scaletrain.parallel.context_parallel import RingAttention, cp_split
+from scaletrain.parallel.recompute import checkpoint_forward
 from tests.distributed.reference import check_equivalent, layout_case, run_layouts, tiny_args
 
 MICRO_BATCH = 4

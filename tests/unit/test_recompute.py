@@ -1,4 +1,4 @@
-"""Activation recompute (scaletrain/memory/recompute.py) on one process: every policy trains bit for bit like no
+"""Activation recompute (scaletrain/parallel/recompute.py) on one process: every policy trains bit for bit like no
 recompute, recomputes what it promises in backward, saves less than no recompute, and keeps parameter names; the
 offload switches are refused before launch where they cannot run."""
 
@@ -15,11 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
-from scaletrain.memory import apply_activation_offload, apply_recompute, fsdp_offload_policy, offload_problems
 from scaletrain.memory.measure import saved_activation_bytes
-from scaletrain.memory.recompute import recomputed_blocks
 from scaletrain.models.loss import cross_entropy
 from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.offload import apply_activation_offload, fsdp_offload_policy, offload_problems
+from scaletrain.parallel.recompute import apply_recompute, recomputed_blocks
 from tests.distributed.reference import full_model, global_batches, tiny_args, train_steps
 
 POLICIES = ("full", "every_k", "selective")
