@@ -105,8 +105,8 @@ def throughput(a: argparse.Namespace) -> None:
 
 
 def _train_records(overrides: list[str], run_dir: Path) -> list[dict]:
-    from scaletrain.config_io import load_config
     from scaletrain.train import train
+    from scaletrain.validate import load_config
 
     with contextlib.redirect_stdout(io.StringIO()):  # the run's own summary table; its log goes to stderr
         train(load_config(str(CONFIG), [*overrides, "--run.dir", str(run_dir), *QUIET]))
@@ -199,8 +199,8 @@ def _a2a_worker(rank: int, port: int, a: argparse.Namespace, out_dir: str) -> No
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     timer = A2ATimer()
     timer.install()  # before the build, so that every dispatch goes through it
-    from scaletrain.config_io import load_config
     from scaletrain.train import build
+    from scaletrain.validate import load_config
 
     overrides = ["--parallel.ep", "2", "--parallel.dp_shard", "2", "--parallel.data_parallel", "fsdp"]
     overrides += ["--training.threads", str(a.threads), "--run.dir", f"{out_dir}/run"]

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scaletrain.hardware import cuda_available, usable_cpus  # noqa: E402
+from scaletrain.parallel.layout import Layout  # noqa: E402
 from scaletrain.planner.calibrate import run_from_small_parent  # noqa: E402
 from scaletrain.planner.commands import plan_one  # noqa: E402
 from scaletrain.planner.inputs import parse_unvalidated  # noqa: E402
@@ -158,7 +159,7 @@ def published() -> None:
         args = model_args(cfg)
         t0 = time.perf_counter()
         plans, rejected, _ = search(cfg, args, world, GPUS["h100"], 8)
-        theirs = estimate(cfg, args, world, GPUS["h100"], 8)
+        theirs = estimate(cfg, args, Layout.of(cfg, world), GPUS["h100"], 8)
         best = plans[0] if plans else None
         print(f"{title}: published {pub}")
         print(f"  planner's pick ({len(plans)} fit, {sum(rejected.values())} refused, {time.perf_counter() - t0:.0f} s): "
@@ -218,9 +219,8 @@ def main() -> None:
     worst_mem = worst_time = 0.0
     for i in rows:
         n, model, layout = layouts[i - 1]
-        plan, profile = plan_one(
-            parse_unvalidated(CONFIG, overrides(n, model, layout, opt.steps, opt.gpu)), n, kind, None
-        )
+        cfg = parse_unvalidated(CONFIG, overrides(n, model, layout, opt.steps, opt.gpu))
+        plan, profile = plan_one(cfg, Layout.of(cfg, n), kind, None)
         pred_mem = plan.memory_by_pp_rank[0] / 2**20  # rank 0 is what mem_peak_mib reports
         base = overhead_of(profile, n) / 2**20
         mem = statistics.median(r["mem_peak_mib"] for r in runs[i])

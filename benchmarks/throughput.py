@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from scaletrain.config_io import load_config
 from scaletrain.hardware import cpu_features
 from scaletrain.models import build_meta_model, resolve_model_args
 from scaletrain.train import train
+from scaletrain.validate import load_config
 
 
 def scaletrain_step_times(args, run_dir: Path) -> list[float]:

@@ -21,7 +21,7 @@ import torch
 from scaletrain import __version__
 from scaletrain.bench import results_json, run_bench
 from scaletrain.config import Config
-from scaletrain.config_io import all_keys, help_text, load_config, to_dict
+from scaletrain.config_io import all_keys, help_text, to_dict
 from scaletrain.convert import from_hf, to_hf, to_quantized
 from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.data.sources import Skipped, embedded_corpus_files, list_files, read_documents
@@ -35,6 +35,7 @@ from scaletrain.planner.commands import auto_overrides, dry_run, run_plan
 from scaletrain.precision.qat import WEIGHT_DTYPES
 from scaletrain.report import write_report
 from scaletrain.rundir import RunDir, continue_command, default_run_dir, find_run, shown
+from scaletrain.validate import load_config
 
 USAGE = """\
 scaletrain train        --config FILE [--nproc N] [--max-restarts R] [--section.key VALUE ...]

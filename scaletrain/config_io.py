@@ -1,5 +1,6 @@
-"""The config tree in and out: `load_config` (TOML plus dotted CLI overrides, type checks, then validation), a
-walker over the dataclasses (TOML in and out, help text) and the default run-directory name.
+"""The config tree in and out: `parse_config` (TOML plus dotted CLI overrides, type checks; no validation: that is
+scaletrain.validate's `load_config`), a walker over the dataclasses (TOML in and out, help text), and the saved
+config of a run.
 
 Written instead of using a CLI library so that every problem is collected and reported at once, each with the
 nearest valid key, before any work starts. scaletrain.config stays a leaf of plain dataclasses; all the
@@ -22,36 +23,12 @@ import tomli_w
 
 from scaletrain.config import Config, SourceConfig
 from scaletrain.errors import ConfigError
-from scaletrain.resume import resume_problems
 from scaletrain.rundir import RunDir, absolute
-from scaletrain.validate import validate
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-def load_config(
-    path: str | None, overrides: list[str] | None = None, world_size: int = 1, check_run_dir: bool = True
-) -> Config:
-    """Read TOML, apply `--a.b value` overrides, type-check and validate; raise ConfigError listing every problem.
-
-    Type problems stop before the cross-field checks: those need a config whose fields have their types. An
-    unknown key does not: the rest of its section is read, so a misspelt key hides none of the other problems."""
-    cfg, problems = parse_config(path, overrides or [])
-    if fields_typed(problems):
-        if not cfg.run.name and path:
-            cfg.run.name = Path(path).stem
-        resolve_paths(cfg)
-        problems += validate(cfg, world_size, check_run_dir=check_run_dir)
-    run = RunDir.at(cfg.run.dir) if cfg.run.dir else None
-    if not problems and check_run_dir and run is not None and run.started():
-        # A start in a run directory that trained continues that run: it must be the same run.
-        problems += resume_problems(saved_config(run), to_dict(cfg), cfg.run.accept_changes)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
 
 
 def parse_config(path: str | None, overrides: list[str]) -> tuple[Config, list[str]]:

@@ -34,7 +34,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from scaletrain.config import Config
-from scaletrain.config_io import load_config
 from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.errors import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE, UserError, report_errors
 from scaletrain.metrics.writer import append_event
@@ -50,6 +49,7 @@ from scaletrain.resilience.preemption import Lifelines, follow_launcher
 from scaletrain.resilience.timelimit import JOB_START_ENV
 from scaletrain.rundir import EVENTS, LOGS, RunDir, read_jsonl
 from scaletrain.train import train
+from scaletrain.validate import load_config
 
 log = logging.getLogger("scaletrain")
 

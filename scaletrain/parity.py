@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from scaletrain.config_io import load_config
 from scaletrain.convert import load_run_model
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.parallel.mesh import MESH_DIMS
 from scaletrain.planner.calibrate import run_from_small_parent
 from scaletrain.rundir import RunDir
+from scaletrain.validate import load_config
 
 # Every run ends with one synchronous save into its own run directory, whatever the user's overrides say (they
 # come first, so these win): the final parameters are read back from it.

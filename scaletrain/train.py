@@ -26,9 +26,9 @@ from scaletrain.models import build_model, count_parameters, resolve_model_args
 from scaletrain.optim import Optimizers
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.data_parallel import optimizer_builder
+from scaletrain.parallel.layout import Layout
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
-from scaletrain.parallel.parallelize import fsdp_applies, parallelize
-from scaletrain.parallel.pipeline import resolve_microbatches
+from scaletrain.parallel.parallelize import parallelize
 from scaletrain.precision import resolve_precision
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.goodput import final_goodput
@@ -37,7 +37,6 @@ from scaletrain.resilience.preemption import Preemption
 from scaletrain.resilience.timelimit import JobLimits
 from scaletrain.rundir import RunDir, open_run_dir
 from scaletrain.step import StepRunner, build_step_runner, evaluate
-from scaletrain.validate import global_batch_sequences
 
 log = logging.getLogger("scaletrain")
 
@@ -149,7 +148,8 @@ def build(cfg: Config) -> Job:
     # -- Processes and the mesh: the device mesh for the model's tensors, one CPU group for control.
     env = init_distributed(cfg.training.device)
     setup_process(env, cfg.training.threads, cfg.training.deterministic)
-    dims = ParallelDims.from_config(cfg.parallel, env.world_size)
+    layout = Layout.of(cfg, env.world_size)  # the mesh sizes and the batch arithmetic, resolved once
+    dims = layout.dims()
     dims.build_mesh(env.device.type)
     first = partial(main_first, env.is_main, dims.control)  # rank 0 first, then the others
     run, run_id = open_run_dir(to_dict(cfg), env.is_main, partial(broadcast_object, group=dims.control))
@@ -158,8 +158,8 @@ def build(cfg: Config) -> Job:
     # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
     # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    global_batch = global_batch_sequences(cfg.training, cfg.data.seq_len)
-    loader = first(lambda: build_loader(cfg.data, tokenizer, global_batch, dims.dp_rank, dims.dp_size,
+    global_batch = layout.global_batch
+    loader = first(lambda: build_loader(cfg.data, tokenizer, global_batch, dims.dp_rank, layout.dp_size,
                                         cfg.training.seed, log.info))  # fmt: skip
 
     # -- Model: built on meta, materialised with a fixed seed, then parallelised (and wrapped) from outside.
@@ -168,11 +168,9 @@ def build(cfg: Config) -> Job:
     if cfg.model.init_from.startswith("hf:"):
         load_hf_weights(model, Path(cfg.model.init_from[3:]))
     n_params = count_parameters(model)
-    n_micro = resolve_microbatches(cfg.parallel.pp_microbatches, global_batch // dims.dp_size,
-                                   cfg.training.micro_batch)  # fmt: skip
-    precision = resolve_precision(cfg.training, fsdp_applies(dims, cfg.parallel.data_parallel), env.device)
-    pm = parallelize(model, dims, cfg.parallel, device=env.device, n_microbatches=n_micro, memory=cfg.memory,
-                     compile=cfg.training.compile, precision=cfg.precision,
+    precision = resolve_precision(cfg.training, layout.fsdp, env.device)
+    pm = parallelize(model, dims, cfg.parallel, device=env.device, n_microbatches=layout.microbatches,
+                     memory=cfg.memory, compile=cfg.training.compile, precision=cfg.precision,
                      precision_policy=precision)  # fmt: skip
     del model
     dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, the loss averaged for spikes
@@ -188,8 +186,8 @@ def build(cfg: Config) -> Job:
     # streaks, and comm (PowerSGD's error feedback and Q factors with parallel.grad_compression; else empty).
     state = dict(model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state,
                  **runner.resumable(), **moe.resumable(), comm=pm.comm)  # fmt: skip
-    layout = dims.describe(cfg.parallel)
-    ckpt = build_checkpointing(cfg.checkpoint, cfg.resilience, run, run_id, state, env, dims.control, layout,
+    described = dims.describe(cfg.parallel)
+    ckpt = build_checkpointing(cfg.checkpoint, cfg.resilience, run, run_id, state, env, dims.control, described,
                                writer.event, start_over=cfg.run.start_over)  # fmt: skip
 
     # -- Resilience: faults attach where each failure happens (loader, output layer, storage writer, commit).
@@ -204,11 +202,11 @@ def build(cfg: Config) -> Job:
     cache = resolve_cache_dir(cfg.data)
     peak, peak_source = first(lambda: metrics.device_peak_flops(env.device, precision.mfu_peak,
                                                                 cfg.metrics.peak_tflops, cache))  # fmt: skip
-    tokens_per_step = global_batch * cfg.data.seq_len
+    tokens_per_step = layout.tokens_per_step
     flops_tok = metrics.flops_per_token(n_params["active"], args.n_layers, args.dim, cfg.data.seq_len)
     meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device, cfg.training.compile)
-    metrics.announce(cfg, env, n_params, layout, global_batch, tokens_per_step, peak_source, precision)
-    info = dict(world_size=env.world_size, precision=cfg.training.precision, device=env.device.type, layout=layout,
+    metrics.announce(cfg, env, n_params, described, global_batch, tokens_per_step, peak_source, precision)
+    info = dict(world_size=env.world_size, precision=cfg.training.precision, device=env.device.type, layout=described,
                 parameters=n_params["total"], peak_flops_source=peak_source)  # fmt: skip
     parts = (cfg, env, dims, run, writer, loader, runner, optimizers, train_state, ckpt, guard)
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)

@@ -1,4 +1,5 @@
-"""Cross-field checks of the whole config, run before any work starts: every problem, each with its fix.
+"""Cross-field checks of the whole config, run before any work starts: every problem, each with its fix; and
+`load_config`, which parses a config (config_io) and validates it for a job of N ranks.
 
 The model is checked as it will be built: the preset resolved with every model.* override (resolve_model_args),
 so that a shape the attention cannot run is refused here, not at its first call.
@@ -24,34 +25,62 @@ from scaletrain.config import (
     ModelConfig,
     MoEConfig,
     OptimizerConfig,
-    ParallelConfig,
     ResilienceConfig,
     RunConfig,
     TrainingConfig,
 )
+from scaletrain.config_io import fields_typed, parse_config, resolve_paths, saved_config, to_dict
 from scaletrain.data.sources import list_files
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.hardware import cuda_available, uses_cuda
-from scaletrain.parallel.offload import offload_problems
 from scaletrain.metrics.profile import profile_problems
 from scaletrain.metrics.writer import wandb_problem
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.moe import is_moe_layer
 from scaletrain.models.presets import PRESETS, resolve_model_args
-from scaletrain.parallel.comm import comm_problems
-from scaletrain.parallel.mesh import ParallelDims, validate_parallel
-from scaletrain.parallel.parallelize import fsdp_applies
-from scaletrain.parallel.pipeline import pipeline_problems, resolve_microbatches
+from scaletrain.parallel.layout import (
+    Layout,
+    attention_problems,
+    batch_problems,
+    comm_problems,
+    rank_problems,
+)
+from scaletrain.parallel.offload import offload_problems
 from scaletrain.planner.memory import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, memory_problem
 from scaletrain.precision.policy import precision_problems
 from scaletrain.precision.qat import qat_problems
 from scaletrain.resilience.faults import validate_specs
 from scaletrain.resilience.timelimit import limit_problems
+from scaletrain.resume import resume_problems
 from scaletrain.rundir import RunDir
 
 
+def load_config(
+    path: str | None, overrides: list[str] | None = None, world_size: int = 1, check_run_dir: bool = True
+) -> Config:
+    """Read TOML, apply `--a.b value` overrides, type-check and validate; raise ConfigError listing every problem.
+
+    Type problems stop before the cross-field checks: those need a config whose fields have their types. An
+    unknown key does not: the rest of its section is read, so a misspelt key hides none of the other problems."""
+    cfg, problems = parse_config(path, overrides or [])
+    if fields_typed(problems):
+        if not cfg.run.name and path:
+            cfg.run.name = Path(path).stem
+        resolve_paths(cfg)
+        problems += validate(cfg, world_size, check_run_dir=check_run_dir)
+    run = RunDir.at(cfg.run.dir) if cfg.run.dir else None
+    if not problems and check_run_dir and run is not None and run.started():
+        # A start in a run directory that trained continues that run: it must be the same run.
+        problems += resume_problems(saved_config(run), to_dict(cfg), cfg.run.accept_changes)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
 def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[str]:
+    """Every problem of the config for a job of `world_size` ranks; its Layout is resolved once, here."""
+    layout = Layout.of(cfg, world_size)
     problems = _model(cfg.model)
     vocab = _tokenizer_vocab(cfg.data.tokenizer)
     # The shape checks need a known preset and sizes >= 1; _model reported what is wrong otherwise.
@@ -71,8 +100,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
             )
         problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp, compute=cfg.training.precision)
     problems += _data(cfg.data)
-    dp_size = _dp_size(cfg.parallel, world_size)
-    problems += _training(cfg.training, cfg.data.seq_len, dp_size)
+    problems += _training(cfg.training, layout)
     problems += _optimizer(cfg.optimizer)
     if cfg.training.eval_interval > 0 and cfg.data.val_fraction == 0:
         problems.append(
@@ -84,7 +112,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += [p for p in [wandb_problem(cfg.metrics.wandb_project)] if p]
     if cfg.parallel.ddp_bucket_mb < 1:
         problems.append("parallel.ddp_bucket_mb must be >= 1")
-    problems += comm_problems(cfg.parallel, world_size)
+    problems += comm_problems(layout)
     cuda = uses_cuda(cfg.training.device)
     problems += profile_problems(cfg.profile, cfg.training.steps, world_size, cuda)
     problems += _checkpoint(cfg.checkpoint)
@@ -92,21 +120,21 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += _run(cfg.run, cfg.checkpoint, cfg.resilience) if check_run_dir else []
     problems += limit_problems(cfg.run, cfg.training.steps, cfg.checkpoint.enabled)
     problems += _resilience(cfg.resilience, world_size)
-    problems += _memory(cfg, world_size)
-    problems += _precision(cfg, world_size)
+    problems += _memory(cfg, layout)
+    problems += _precision(cfg, layout)
     problems += _attention(cfg)
     # The layout and memory checks assume every field above is sound (and args resolved).
     if not problems and args is not None:
-        problems += _parallel(cfg, world_size, dp_size, args)
+        problems += rank_problems(cfg, layout, args)
     if not problems and args is not None:
-        problems += _fits_in_memory(cfg, world_size, args)
+        problems += _fits_in_memory(cfg, layout, args)
     return problems
 
 
 def _attention(cfg: Config) -> list[str]:
-    """model.attention, model.window and data.document_mask against the device and the parallel layout."""
-    m, p = cfg.model, cfg.parallel
-    problems = []
+    """model.attention, model.window and data.document_mask against the device (and, in attention_problems, the
+    parallel layout)."""
+    m, problems = cfg.model, []
     if m.window < 0 or m.window_every < 1:
         problems.append(
             f"model.window must be >= 0 (0: off) and model.window_every >= 1, got {m.window} and {m.window_every}"
@@ -125,28 +153,10 @@ def _attention(cfg: Config) -> list[str]:
             "model.attention 'flash' takes no mask on CUDA, and data.document_mask or model.window needs one; "
             "use auto (FlexAttention) or efficient"
         )
-    if p.cp > 1:
-        # Ring attention masks blocks by position only; skipping fully masked blocks is future work.
-        if masked:
-            problems.append(
-                "data.document_mask and model.window are not supported with parallel.cp > 1: ring attention is "
-                "causal-only; turn them off or set parallel.cp = 1"
-            )
-        if m.attention != "auto":
-            problems.append(
-                f"model.attention '{m.attention}' has no effect with parallel.cp > 1 (ring attention runs its "
-                "own kernel); leave it auto"
-            )
-    if p.pp > 1 and cfg.data.document_mask:
-        problems.append(
-            "data.document_mask is not supported with parallel.pp > 1: the schedule calls later stages with "
-            "hidden states only, so the document ids cannot reach them; set parallel.pp = 1 or turn it off "
-            "(model.window works under pp)"
-        )
-    return problems
+    return problems + attention_problems(cfg)
 
 
-def _memory(cfg: Config, world_size: int) -> list[str]:
+def _memory(cfg: Config, layout: Layout) -> list[str]:
     """memory.*: recompute's k, and offload only where there is a separate device memory and (for the optimizer)
     FSDP to carry it."""
     m, problems = cfg.memory, []
@@ -154,22 +164,14 @@ def _memory(cfg: Config, world_size: int) -> list[str]:
         problems.append(
             f"memory.recompute_every must be >= 1 with recompute every_k, got {m.recompute_every}"
         )
-    cuda = uses_cuda(cfg.training.device)
-    try:
-        applied = fsdp_applies(ParallelDims.from_config(cfg.parallel, world_size), cfg.parallel.data_parallel)
-    except ConfigError:
-        applied = True  # the layout check reports sizes that do not tile the world
-    return problems + offload_problems(m, "cuda" if cuda else "cpu", cfg.parallel.data_parallel, applied)
+    device = "cuda" if uses_cuda(cfg.training.device) else "cpu"
+    return problems + offload_problems(m, device, cfg.parallel.data_parallel, layout.fsdp)
 
 
-def _precision(cfg: Config, world_size: int) -> list[str]:
+def _precision(cfg: Config, layout: Layout) -> list[str]:
     """training.precision against the layout (where the FSDP2 policy can apply) and the device (fp8's hardware)."""
-    cuda = uses_cuda(cfg.training.device)
-    try:
-        fsdp = fsdp_applies(ParallelDims.from_config(cfg.parallel, world_size), cfg.parallel.data_parallel)
-    except ConfigError:
-        fsdp = True  # the layout check reports sizes that do not tile the world
-    return precision_problems(cfg.training, fsdp, "cuda" if cuda else "cpu", tp=cfg.parallel.tp)
+    device = "cuda" if uses_cuda(cfg.training.device) else "cpu"
+    return precision_problems(cfg.training, layout.fsdp, device, tp=cfg.parallel.tp)
 
 
 def _resilience(r: ResilienceConfig, world_size: int) -> list[str]:
@@ -183,61 +185,6 @@ def _resilience(r: ResilienceConfig, world_size: int) -> list[str]:
             "resilience.straggler_factor must be > 1 (a multiple of the median step time), or 0 (off)"
         )
     return problems
-
-
-def _dp_size(p: ParallelConfig, world_size: int) -> int:
-    """Data-parallel ranks of the layout, for the batch checks; the whole world when the sizes do not tile it
-    (the layout check reports that once the rest is sound)."""
-    try:
-        return ParallelDims.from_config(p, world_size).dp_size
-    except ConfigError:
-        return world_size
-
-
-def _parallel(cfg: Config, world_size: int, dp_size: int, args: ModelArgs) -> list[str]:
-    """The layout: sizes that tile the world, divisibility for tp/cp, pipeline micro-batch rules."""
-    p = cfg.parallel
-    problems = validate_parallel(
-        p,
-        world_size,
-        args.n_heads,
-        args.n_kv_heads,
-        args.vocab_size,
-        ffn_hidden=args.ffn_hidden,
-        seq_len=cfg.data.seq_len,
-        tie_embeddings=args.tie_embeddings,
-        n_experts=args.n_experts,
-    )
-    if p.cp > 1:
-        chunks = 2 * p.cp if p.cp_load_balance else p.cp
-        if cfg.data.seq_len % chunks:
-            problems.append(
-                f"data.seq_len {cfg.data.seq_len} must be a multiple of {chunks} for cp = {p.cp} "
-                f"({'zig-zag: 2 chunks per rank' if p.cp_load_balance else 'one chunk per rank'}); "
-                f"use {max(1, round(cfg.data.seq_len / chunks)) * chunks}"
-            )
-    if p.pp > 1:
-        local = global_batch_sequences(cfg.training, cfg.data.seq_len) // max(dp_size, 1)
-        problems += pipeline_problems(
-            p.pp_schedule,
-            p.pp,
-            p.pp_virtual_stages,
-            resolve_microbatches(p.pp_microbatches, local, cfg.training.micro_batch),
-            n_layers=args.n_layers,
-            local_batch=local,
-            tie_embeddings=args.tie_embeddings,
-            data_parallel=p.data_parallel,
-            dp=dp_size * p.cp,
-        )
-    return problems
-
-
-def layout_problems(cfg: Config, world_size: int, args: ModelArgs) -> list[str]:
-    """The layout's own checks (the batch split, sizes that tile the world, tp/cp divisibility, pipeline rules,
-    attention under cp/pp) without the rest of validate: what the planner's search asks of each candidate."""
-    dp_size = _dp_size(cfg.parallel, world_size)
-    problems = _training(cfg.training, cfg.data.seq_len, dp_size) + _attention(cfg)
-    return problems + _parallel(cfg, world_size, dp_size, args)
 
 
 def _tokenizer_vocab(spec: str) -> int | None:
@@ -294,11 +241,6 @@ def storage_write_problem(location: str) -> str | None:
     except Exception as e:  # fsspec backends raise their own (PermissionError, botocore's ClientError, ...)
         return f"checkpoint.storage '{location}' is not writable ({type(e).__name__}: {e}); {fix}"
     return None
-
-
-def global_batch_sequences(t: TrainingConfig, seq_len: int) -> int:
-    """The global batch in sequences, whichever way it was given."""
-    return t.global_batch_tokens // seq_len if t.global_batch_tokens > 0 else t.global_batch
 
 
 _SIZE_FIELDS = (
@@ -466,27 +408,11 @@ def _data(d: DataConfig) -> list[str]:
     return problems
 
 
-def _training(t: TrainingConfig, seq_len: int, dp_size: int) -> list[str]:
+def _training(t: TrainingConfig, layout: Layout) -> list[str]:
     problems = []
     if t.steps < 1:
         problems.append(f"training.steps must be >= 1, got {t.steps}")
-    if t.micro_batch < 1:
-        problems.append(f"training.micro_batch must be >= 1, got {t.micro_batch}")
-        return problems
-    if t.global_batch_tokens > 0 and seq_len >= 2 and t.global_batch_tokens % seq_len:
-        problems.append(
-            f"training.global_batch_tokens {t.global_batch_tokens} is not a multiple of data.seq_len "
-            f"{seq_len}; use {max(1, t.global_batch_tokens // seq_len) * seq_len}"
-        )
-    gb = global_batch_sequences(t, max(seq_len, 1))
-    per_step = t.micro_batch * dp_size
-    if gb < 1 or gb % per_step:
-        fix = max(1, round(gb / per_step)) * per_step
-        problems.append(
-            f"the global batch of {gb} sequences is not divisible by training.micro_batch "
-            f"{t.micro_batch} x {dp_size} data-parallel ranks; use training.global_batch {fix}, "
-            f"or change training.micro_batch"
-        )
+    problems += batch_problems(t, layout)
     if t.grad_clip < 0:
         problems.append("training.grad_clip must be >= 0 (0 disables clipping)")
     if t.eval_interval < 0 or t.eval_sequences < 1:
@@ -544,23 +470,20 @@ def _run(r: RunConfig, c: CheckpointConfig, res: ResilienceConfig) -> list[str]:
     return []
 
 
-def _fits_in_memory(cfg: Config, world_size: int, args: ModelArgs) -> list[str]:
+def _fits_in_memory(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
     """Refuse a layout whose fullest rank cannot hold its share of the model (ZeRO sharding, tp and pp splits),
     its activations at the configured micro-batch and the logits, instead of dying in the allocator minutes later;
     the message says by how much and which knob would fit (the estimate: planner.memory.per_rank_bytes)."""
-    have, where, overhead = _device_memory(cfg, world_size)
-    local = global_batch_sequences(cfg.training, cfg.data.seq_len) // max(
-        _dp_size(cfg.parallel, world_size), 1
-    )
+    have, where, overhead = _device_memory(cfg, layout.world_size)
     problem = memory_problem(
         args,
         cfg.parallel,
         cfg.training,
         cfg.data.seq_len,
-        world_size,
+        layout.world_size,
         device_bytes=have,
         where=where,
-        local_batch=local,
+        local_batch=layout.local_batch,
         overhead_bytes=overhead,
         memory=cfg.memory,
     )

@@ -24,9 +24,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.config import ParallelConfig
-from scaletrain.errors import ConfigError
-from scaletrain.parallel.mesh import ParallelDims
-from scaletrain.parallel.pipeline import SPLIT_BACKWARD
 
 log = logging.getLogger(__name__)
 
@@ -381,60 +378,3 @@ def set_prefetch(blocks: list[FSDPModule], depth: int) -> None:
             block.set_modules_to_forward_prefetch(ahead)
         if behind:
             block.set_modules_to_backward_prefetch(behind)
-
-
-# -- Validation -----------------------------------------------------------------------------------------------
-
-
-def comm_problems(p: ParallelConfig, world_size: int) -> list[str]:
-    """parallel.grad_compression, powersgd_*, fsdp_prefetch and reshard_after_forward against the layout."""
-    problems = []
-    if p.grad_compression != "none":
-        if p.data_parallel not in ("ddp", "zero1"):
-            problems.append(
-                f"parallel.grad_compression '{p.grad_compression}' is a DDP communication hook (ddp, zero1); "
-                f"{p.data_parallel} reduces its gradients through FSDP2: set training.reduce_dtype = 'bf16' to "
-                "halve that traffic, or parallel.grad_compression = 'none'"
-            )
-        elif max(p.tp, p.pp, p.cp) > 1:
-            problems.append(
-                f"parallel.grad_compression '{p.grad_compression}' is tested with plain data parallelism only "
-                "(tp = pp = cp = 1); set it to 'none' for this layout"
-            )
-    if p.powersgd_rank < 1 or p.powersgd_start_iter < 2:
-        problems.append(
-            "parallel.powersgd_rank must be >= 1 and parallel.powersgd_start_iter >= 2 (DDP settles its gradient "
-            f"buckets in the first step, and the error feedback needs them fixed), got {p.powersgd_rank} and "
-            f"{p.powersgd_start_iter}"
-        )
-    if p.fsdp_prefetch < 0:
-        problems.append(f"parallel.fsdp_prefetch must be >= 0 (0: FSDP2's default), got {p.fsdp_prefetch}")
-    choice = p.reshard_after_forward
-    if choice == "auto":
-        return problems
-    where = "parallel.reshard_after_forward"
-    if p.data_parallel not in ("fsdp", "zero2", "hsdp"):
-        return [
-            *problems,
-            f"{where} applies to fsdp, zero2 and hsdp only; leave it 'auto' with {p.data_parallel}",
-        ]
-    if choice is not False and p.data_parallel == "zero2":
-        return [*problems, f"{where} = {choice}: zero2 keeps the gathered parameters by definition; use fsdp"]
-    if choice is not False and p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD:
-        return [
-            *problems,
-            f"{where} = {choice} with the zero-bubble schedule {p.pp_schedule}: resharding between a micro-"
-            "batch's input- and weight-gradient passes trains a different model in torch 2.13 (see "
-            "parallel/pipeline.py reshards_after_forward); leave it 'auto'",
-        ]
-    if not isinstance(choice, bool):
-        try:
-            shard = ParallelDims.from_config(p, world_size).size("dp_shard_cp")
-        except ConfigError:
-            return problems  # the layout check reports sizes that do not tile the world
-        if choice < 2 or choice >= shard or shard % choice:
-            problems.append(
-                f"{where} = {choice}: an int must divide the {shard} ranks each parameter is sharded over and lie "
-                "strictly between 1 and that (FSDP2 reshards to a mesh of that size); or use true or false"
-            )
-    return problems

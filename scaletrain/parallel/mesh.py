@@ -1,5 +1,6 @@
-"""Process-group start-up, the checks of a parallel layout, and ParallelDims: the one object that knows the device
-mesh (no process-group globals; components get the sub-mesh they need, passed explicitly)."""
+"""Process-group start-up and ParallelDims: the one object that knows the device mesh (no process-group globals;
+components get the sub-mesh they need, passed explicitly). The sizes' tiling of the world is checked here; every
+other rule of a layout, and its batch arithmetic, is in parallel/layout.py."""
 
 from __future__ import annotations
 
@@ -141,13 +142,11 @@ class ParallelDims:
     @classmethod
     def from_config(cls, pcfg: ParallelConfig, world_size: int) -> ParallelDims:
         """The sizes of `pcfg` with `dp_shard = -1` resolved to the rest of the world; raises ConfigError if the
-        sizes cannot tile `world_size` (see validate_parallel for every other check)."""
-        problems = _size_problems(pcfg, world_size)
+        sizes cannot tile `world_size` (every other rule of a layout: parallel/layout.py)."""
+        problems = tiling_problems(pcfg, world_size)
         if problems:
             raise ConfigError(problems)
-        return cls(
-            pcfg.dp_replicate, _resolved_dp_shard(pcfg, world_size), pcfg.cp, pcfg.tp, pcfg.pp, pcfg.ep
-        )
+        return cls(pcfg.dp_replicate, resolve_dp_shard(pcfg, world_size), pcfg.cp, pcfg.tp, pcfg.pp, pcfg.ep)
 
     @property
     def world_size(self) -> int:
@@ -243,14 +242,16 @@ class ParallelDims:
         return self.pp > 1
 
 
-def _resolved_dp_shard(pcfg: ParallelConfig, world_size: int) -> int:
+def resolve_dp_shard(pcfg: ParallelConfig, world_size: int) -> int:
+    """parallel.dp_shard with -1 resolved to the rest of the world (0 where the rest does not divide it)."""
     if pcfg.dp_shard != -1:
         return pcfg.dp_shard
     rest = pcfg.pp * pcfg.dp_replicate * pcfg.cp * pcfg.tp
     return world_size // rest if rest > 0 and world_size % rest == 0 else 0
 
 
-def _size_problems(pcfg: ParallelConfig, world_size: int) -> list[str]:
+def tiling_problems(pcfg: ParallelConfig, world_size: int) -> list[str]:
+    """Why the sizes cannot tile `world_size` (each >= 1, their product the world); [] when they do."""
     bad = [
         f"parallel.{n} must be >= 1, got {getattr(pcfg, n)}"
         for n in ("dp_replicate", "tp", "pp", "cp", "ep")
@@ -276,122 +277,6 @@ def _size_problems(pcfg: ParallelConfig, world_size: int) -> list[str]:
             "processes; make the product equal the world size (dp_shard = -1 fills the rest)"
         ]
     return []
-
-
-def validate_parallel(
-    pcfg: ParallelConfig,
-    world_size: int,
-    n_heads: int,
-    n_kv_heads: int,
-    vocab_size: int,
-    *,
-    ffn_hidden: int | None = None,
-    seq_len: int | None = None,
-    tie_embeddings: bool = False,
-    n_experts: int = 0,
-) -> list[str]:
-    """Every problem of the parallel layout at once, each with its fix; [] when the layout runs (n_experts 0: dense)."""
-    problems = _size_problems(pcfg, world_size)
-    problems += [] if problems else _moe_problems(pcfg, _resolved_dp_shard(pcfg, world_size), n_experts)
-    mode = pcfg.data_parallel
-    if pcfg.dp_replicate > 1 and mode != "hsdp":
-        problems.append(
-            f"parallel.dp_replicate = {pcfg.dp_replicate} needs parallel.data_parallel = 'hsdp' "
-            f"(replicate across groups, shard within); with '{mode}' set dp_replicate = 1"
-        )
-    if mode == "hsdp" and pcfg.dp_replicate == 1:
-        problems.append(
-            "parallel.data_parallel = 'hsdp' with dp_replicate = 1 is plain sharding: use "
-            "data_parallel = 'fsdp', or set dp_replicate > 1"
-        )
-    tp = pcfg.tp
-    dp_cp = pcfg.dp_replicate * _resolved_dp_shard(pcfg, world_size) * pcfg.cp
-    if tp > 1 and mode in ("ddp", "zero1") and dp_cp > 1:
-        # With no data-parallel ranks (dp_cp = 1) no DDP is applied, so pure TP runs whatever the mode says.
-        problems.append(
-            f"parallel.data_parallel = '{mode}' cannot be combined with tp = {tp} over {dp_cp} "
-            "data-parallel ranks: DDP does not handle the DTensor parameters that tensor parallel "
-            "creates; use data_parallel = 'fsdp' or 'zero2' with tp"
-        )
-    if tp > 1:
-        divisible = [
-            ("model.n_heads", n_heads, "attention is split by whole query heads"),
-            (
-                "model.n_kv_heads",
-                n_kv_heads,
-                "each rank needs whole key/value heads for its share of query heads",
-            ),
-            (
-                "the vocabulary size",
-                vocab_size,
-                "the embedding and the output layer are split by vocabulary rows",
-            ),
-            (
-                "model.ffn_hidden",
-                ffn_hidden,
-                "the MLP is split along its hidden size (w1/w3 columns, w2 rows)",
-            ),
-        ]
-        if pcfg.sequence_parallel and seq_len is not None and pcfg.cp >= 1 and seq_len % pcfg.cp == 0:
-            what = (
-                "data.seq_len"
-                if pcfg.cp == 1
-                else f"the {seq_len // pcfg.cp} tokens per cp rank of data.seq_len"
-            )
-            divisible.append(
-                (what, seq_len // pcfg.cp, "sequence parallel splits every sequence over the tp ranks")
-            )
-        for what, n, why in divisible:
-            if n is not None and n % tp:
-                problems.append(
-                    f"parallel.tp = {tp} does not divide {what} {n} ({why}); choose a tp that divides it"
-                )
-    if tp > 1 and tie_embeddings:
-        problems.append(
-            "tensor parallel splits the embedding by vocabulary rows and the output layer by vocabulary "
-            "columns, so one tied matrix cannot serve both; set model.tie_embeddings = false or tp = 1"
-        )
-    if pcfg.sequence_parallel and tp == 1:
-        problems.append(
-            "parallel.sequence_parallel splits the norms' activations over the tensor-parallel ranks and "
-            "needs tp > 1; set parallel.tp > 1 or sequence_parallel = false"
-        )
-    return problems
-
-
-def _moe_problems(pcfg: ParallelConfig, dp_shard: int, n_experts: int) -> list[str]:
-    """Expert parallel and the layouts a MoE model trains equivalently in (tested in
-    tests/distributed/test_expert_parallel.py); the others are refused, each with its reason."""
-    problems, ep = [], pcfg.ep
-    if n_experts > 0 and pcfg.cp > 1:
-        problems.append(
-            f"a MoE model cannot use parallel.cp = {pcfg.cp}: its balance loss and expert capacity are computed "
-            "per whole sequence, and context parallel splits every sequence over ranks; set parallel.cp = 1"
-        )
-    if ep == 1:
-        return problems
-    if n_experts == 0:
-        problems.append(
-            f"parallel.ep = {ep} splits the experts of a MoE model, but this model is dense (n_experts = 0); "
-            "set parallel.ep = 1 or moe.n_experts > 0"
-        )
-    elif n_experts % ep:
-        problems.append(
-            f"parallel.ep = {ep} must divide moe.n_experts {n_experts} (each rank holds the same number of "
-            "whole experts); choose an ep that divides it"
-        )
-    if dp_shard % ep:
-        problems.append(
-            f"parallel.ep = {ep} is carved from dp_shard and must divide it, but dp_shard = {dp_shard}; "
-            "choose an ep that divides dp_shard (or more processes)"
-        )
-    if pcfg.data_parallel != "fsdp":
-        problems.append(
-            f"parallel.ep = {ep} needs parallel.data_parallel = 'fsdp' (the experts are sharded over the "
-            f"ranks that hold the same experts, the dense weights over all dp_shard ranks); "
-            f"'{pcfg.data_parallel}' is not supported with expert parallel"
-        )
-    return problems
 
 
 def all_reduce_mean(t: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:

@@ -32,6 +32,7 @@ from scaletrain.config import MemoryConfig, ParallelConfig, PrecisionConfig
 from scaletrain.models.loss import cross_entropy
 from scaletrain.parallel.comm import CommMeter, apply_comm_hook, count_fsdp
 from scaletrain.parallel.compile import apply_compile
+from scaletrain.parallel.layout import fsdp_applies
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.offload import apply_activation_offload, fsdp_offload_policy
 from scaletrain.parallel.recompute import apply_recompute
@@ -48,12 +49,6 @@ class ParallelModel:
     pipeline: object = None  # PipelineParts when pp > 1
     loss_parallel: bool = False
     comm: CommMeter = field(default_factory=CommMeter)  # data-parallel bytes sent; PowerSGD's state
-
-
-def fsdp_applies(dims: ParallelDims, mode: str) -> bool:
-    """Whether the layout wraps the model in FSDP2: hsdp always, fsdp and zero2 over more than one dp_shard x cp
-    rank (on one rank there is nothing to shard)."""
-    return mode == "hsdp" or (mode in ("fsdp", "zero2") and dims.size("dp_shard_cp") > 1)
 
 
 def apply_data_parallel(

@@ -170,11 +170,6 @@ def pipeline_problems(
     return problems
 
 
-def resolve_microbatches(pp_microbatches: int, local_batch: int, micro_batch: int) -> int:
-    """`parallel.pp_microbatches`, where 0 means one per `training.micro_batch` sequences of the local batch."""
-    return pp_microbatches if pp_microbatches > 0 else max(1, local_batch // micro_batch)
-
-
 def split_model(
     model: Transformer, pp_rank: int, pp_size: int, virtual_stages: int, style: Literal["loop", "v"]
 ) -> list[tuple[int, Transformer]]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scaletrain.hardware import best_time, cpu_model_name, usable_cpus
+from scaletrain.parallel.layout import Layout
 from scaletrain.planner.hardware import DEFAULT_CPU, DeviceProfile, save_profile
 from scaletrain.planner.inputs import model_args, parse_unvalidated
 from scaletrain.planner.search import estimate
@@ -240,7 +241,7 @@ def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int =
     cfg = parse_unvalidated(None, TINY)
     args = model_args(cfg)
     bare = dataclasses.replace(profile, overhead_bytes=0, worker_overhead_bytes=0, step_overhead_s=0.0)
-    solo = estimate(cfg, args, 1, bare)
+    solo = estimate(cfg, args, Layout.of(cfg, 1), bare)
     step = max(one["step_time_s"] - solo.time["step_time_s"], 0.0)
     fitted = dataclasses.replace(bare, step_overhead_s=step)
     # Each constant is fitted on the run that shows it, in this order (a later fit counts the earlier ones):
@@ -264,13 +265,16 @@ def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int =
     # Memory: the resident bytes beyond the predicted tensors, at small and at large activations (one process).
     big_extra = ["--data.seq_len", "512", "--training.global_batch", "16", "--training.micro_batch", "8"]
     big_cfg = parse_unvalidated(None, [*TINY, *big_extra])
-    big, big_plan = _tiny_run(1, env, big_extra), estimate(big_cfg, model_args(big_cfg), 1, bare)
+    big, big_plan = (
+        _tiny_run(1, env, big_extra),
+        estimate(big_cfg, model_args(big_cfg), Layout.of(big_cfg, 1), bare),
+    )
     excess = [one["mem_peak_mib"] * 2**20 - solo.memory["total"]]
     excess.append(big["mem_peak_mib"] * 2**20 - big_plan.memory["total"])
     grown = big_plan.memory["activations"] - solo.memory["activations"]
     slack = max((excess[1] - excess[0]) / max(grown, 1.0), 0.0)
     base1 = int(excess[0] - slack * solo.memory["activations"])
-    two_plan = estimate(cfg, args, 2, bare).memory
+    two_plan = estimate(cfg, args, Layout.of(cfg, 2), bare).memory
     base2 = int(two["mem_peak_mib"] * 2**20 - two_plan["total"] - slack * two_plan["activations"])
     calls = ", ".join(f"{v * 1e3:.2f} ms over {k}" for k, v in by_ranks.items())
     log(
@@ -290,8 +294,9 @@ def _fit(cfg, n: int, profile: DeviceProfile, got: dict, **unit) -> float:
     ranks equal the measured one. Step time is linear in it: predictions at 0 and at `unit` give its weight."""
     args = model_args(cfg)
     zero = {k: (dict.fromkeys(v, 0.0) if isinstance(v, dict) else 0.0) for k, v in unit.items()}
-    t0 = estimate(cfg, args, n, dataclasses.replace(profile, **zero)).time["step_time_s"]
-    weight = estimate(cfg, args, n, dataclasses.replace(profile, **unit)).time["step_time_s"] - t0
+    layout = Layout.of(cfg, n)
+    t0 = estimate(cfg, args, layout, dataclasses.replace(profile, **zero)).time["step_time_s"]
+    weight = estimate(cfg, args, layout, dataclasses.replace(profile, **unit)).time["step_time_s"] - t0
     return max(got["step_time_s"] - t0, 0.0) / max(weight, 1e-12)
 
 

@@ -14,7 +14,7 @@ from scaletrain.config_io import fields_typed, parse_config
 from scaletrain.data import resolve_cache_dir
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import cuda_available, uses_cuda
-from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.layout import Layout, layout_problems
 from scaletrain.planner.calibrate import calibrate as measure_machine
 from scaletrain.planner.hardware import GPUS, KINDS, DeviceProfile, gpu_kind, load_profile, local_gpu_profile
 from scaletrain.planner.inputs import model_args, parse_unvalidated
@@ -28,7 +28,6 @@ from scaletrain.planner.search import (
     pick,
     search,
 )
-from scaletrain.validate import global_batch_sequences, layout_problems
 
 
 def profile_for(cfg: Config, kind: str | None) -> DeviceProfile:
@@ -82,15 +81,15 @@ def describe_estimate(plan: Plan, profile: DeviceProfile) -> str:
 
 
 def plan_one(
-    cfg: Config, world: int, kind: str | None, gpus_per_node: int | None
+    cfg: Config, layout: Layout, kind: str | None, gpus_per_node: int | None
 ) -> tuple[Plan, DeviceProfile]:
     """The estimate of the config's own layout; ConfigError when the layout itself is refused."""
     args = model_args(cfg)
-    problems = layout_problems(cfg, world, args)
+    problems = layout_problems(cfg, layout, args)
     if problems:
         raise ConfigError(problems)
     profile = profile_for(cfg, kind)
-    return estimate(cfg, args, world, profile, gpus_per_node), profile
+    return estimate(cfg, args, layout, profile, gpus_per_node), profile
 
 
 def run_plan(
@@ -124,7 +123,9 @@ def run_plan(
         return 0
     if model is None:
         cfg = parse_unvalidated(config, overrides)
-        plan, profile = plan_one(cfg, nproc, device, gpus_per_node if device in GPUS else None)
+        plan, profile = plan_one(
+            cfg, Layout.of(cfg, nproc), device, gpus_per_node if device in GPUS else None
+        )
         print(json.dumps(plan_json(plan, profile), indent=1) if as_json else describe_estimate(plan, profile))
         return 0
     _check_search_inputs(devices, seq_len, global_batch_tokens)
@@ -137,13 +138,12 @@ def run_plan(
     profile = load_profile(kind, resolve_cache_dir(cfg.data))
     node = gpus_per_node if kind != "cpu" else profile.devices_per_node
     plans, rejected, example = search(cfg, args, devices, profile, node)
+    gb = Layout.of(cfg, devices).global_batch
     if not plans:
-        gb = global_batch_sequences(cfg.training, cfg.data.seq_len)
         raise ConfigError(no_plan_message(devices, rejected, example, model, gb))
     if as_json:
         print(json.dumps([plan_json(p, profile) for p in plans[:top]], indent=1))
     else:
-        gb = global_batch_sequences(cfg.training, cfg.data.seq_len)
         print(f"{model} on {devices} x {profile.name}, seq {cfg.data.seq_len}, global batch {gb} sequences:")
         print(format_table(plans, rejected, example, top))
     return 0
@@ -168,14 +168,13 @@ def _check_search_inputs(devices: int | None, seq_len: int, global_batch_tokens:
 
 def dry_run(cfg: Config, world: int) -> str:
     """What `train --dry-run` prints: the mesh, the batch arithmetic and the estimate (cfg already validated)."""
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    gb = global_batch_sequences(cfg.training, cfg.data.seq_len)
-    micro, dp = cfg.training.micro_batch, dims.dp_size
+    layout = Layout.of(cfg, world)
+    gb, micro, dp = layout.global_batch, layout.micro_batch, layout.dp_size
     accum = gb // (micro * dp)
-    plan, profile = plan_one(cfg, world, None, None)
+    plan, profile = plan_one(cfg, layout, None, None)
     return (
         f"dry run: nothing started\n"
-        f"mesh: {dims.describe(cfg.parallel)} on {world} rank(s)\n"
+        f"mesh: {layout.dims().describe(cfg.parallel)} on {world} rank(s)\n"
         f"batch: global {gb} sequences x {cfg.data.seq_len} tokens = {gb * cfg.data.seq_len} tokens per step = "
         f"micro-batch {micro} x {dp} data-parallel rank(s) x {accum} accumulation step(s)\n"
         + describe_estimate(plan, profile)

@@ -9,13 +9,12 @@ import math
 from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.errors import ConfigError
 from scaletrain.models.llama import ModelArgs
-from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.parallel.layout import Layout, resolve_microbatches
 from scaletrain.parallel.pipeline import (
     layers_per_stage,
     placement_style,
     rank_stages,
     reshards_after_forward,
-    resolve_microbatches,
     stages_per_rank,
 )
 from scaletrain.planner.moe import ffn_shape
@@ -71,7 +70,7 @@ def block_parameters(args: ModelArgs) -> tuple[int, int]:
     return attention + ffn_shape(args).dense, 2 * args.dim
 
 
-def _zero_shards(p: ParallelConfig, dims: ParallelDims) -> int:
+def _zero_shards(p: ParallelConfig, dims: Layout) -> int:
     """Ranks the sharded state is spread over: every data-parallel and context-parallel rank (context-parallel
     ranks hold the same parameters and sum their gradients); hsdp shards within dp_shard x cp only."""
     if p.data_parallel == "ddp":
@@ -172,7 +171,11 @@ def pp_rank_bytes(
     activation_slack: float = 0.0,
 ) -> list[dict[str, float]]:
     """per_rank_bytes of every pipeline rank, in pp-rank order (one entry without a pipeline)."""
-    p, dims, mem = parallel, ParallelDims.from_config(parallel, world_size), memory or MemoryConfig()
+    p, dims, mem = (
+        parallel,
+        Layout.resolve(parallel, training, seq_len, world_size).checked(),
+        memory or MemoryConfig(),
+    )
     v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
     n_micro = resolve_microbatches(
         p.pp_microbatches, local_batch or p.pp * training.micro_batch, training.micro_batch

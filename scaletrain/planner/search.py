@@ -1,5 +1,5 @@
 """The planner's search: every layout of a model on N devices (pp, dp_replicate, dp_shard, cp, tp, the data-parallel
-mode, the pipeline schedule, recompute and micro-batch), pruned by validate's own layout rules and the memory
+mode, the pipeline schedule, recompute and micro-batch), pruned by the layout rules (parallel/layout.py) and the memory
 model, ranked by the time model. Also the estimate of one given layout (`plan --config`, `train --dry-run`)."""
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from scaletrain.config import Config, ParallelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.models.llama import ModelArgs
-from scaletrain.parallel.mesh import ParallelDims
-from scaletrain.parallel.pipeline import SCHEDULES, resolve_microbatches
+from scaletrain.parallel.layout import Layout, global_batch_sequences, layout_problems
+from scaletrain.parallel.pipeline import SCHEDULES
 from scaletrain.planner.hardware import DeviceProfile
 from scaletrain.planner.memory import PARTS, GiB, pp_rank_bytes
 from scaletrain.planner.time import step_time
-from scaletrain.validate import global_batch_sequences, layout_problems
 
 MODES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 POLICIES = ("none", "selective", "full")
@@ -40,15 +39,20 @@ class Plan:
     """One layout with its predicted memory (the fullest rank) and step time."""
 
     cfg: Config
+    layout: Layout
     memory: dict[str, float]
     time: dict[str, float]
-    world_size: int
     memory_by_pp_rank: list[float] = field(default_factory=list)
 
-    def layout(self) -> dict[str, object]:
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def choices(self) -> dict[str, object]:
+        """The layout knobs this plan sets, as the overrides name them."""
         p = self.cfg.parallel
         out: dict[str, object] = {k: getattr(p, k) for k in LAYOUT_KEYS}
-        out["dp_shard"] = ParallelDims.from_config(p, self.world_size).dp_shard
+        out["dp_shard"] = self.layout.dp_shard
         out["pp_microbatches"] = int(self.time["microbatches"]) if p.pp > 1 else 0
         out["recompute"] = self.cfg.memory.recompute
         out["micro_batch"] = self.cfg.training.micro_batch
@@ -56,7 +60,7 @@ class Plan:
 
     def to_json(self) -> dict:
         return {
-            "layout": self.layout(),
+            "layout": self.choices(),
             "peak_memory_bytes": self.memory["total"],
             "memory_breakdown": {k: self.memory[k] for k in (*PARTS, "host") if k in self.memory},
             "memory_by_pp_rank": self.memory_by_pp_rank,
@@ -71,13 +75,13 @@ class Plan:
     def overrides(self) -> list[str]:
         """The command-line overrides that apply this plan's layout to a config."""
         out = []
-        for k, v in self.layout().items():
+        for k, v in self.choices().items():
             section = "memory" if k == "recompute" else "training" if k == "micro_batch" else "parallel"
             out += [f"--{section}.{k}", str(v).lower() if isinstance(v, bool) else str(v)]
         return out
 
     def describe(self) -> str:
-        lay = self.layout()
+        lay = self.choices()
         sizes = " ".join(
             f"{k}={lay[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep") if lay[k] != 1
         )
@@ -104,19 +108,18 @@ def overhead_of(profile: DeviceProfile, world_size: int) -> int:
 
 
 def estimate(
-    cfg: Config, args: ModelArgs, world_size: int, profile: DeviceProfile, gpus_per_node: int | None = None
+    cfg: Config, args: ModelArgs, layout: Layout, profile: DeviceProfile, gpus_per_node: int | None = None
 ) -> Plan:
     """Predicted memory and time of `cfg`'s layout (raises ConfigError/ValueError where it does not tile)."""
-    t, seq = cfg.training, cfg.data.seq_len
-    gb = global_batch_sequences(t, seq)
-    dp = ParallelDims.from_config(cfg.parallel, world_size).dp_size
+    layout.checked()
+    t, seq, world_size = cfg.training, cfg.data.seq_len, layout.world_size
     ranks = pp_rank_bytes(
         args,
         cfg.parallel,
         t,
         seq,
         world_size,
-        local_batch=max(gb // dp, 1),
+        local_batch=max(layout.local_batch, 1),
         overhead_bytes=overhead_of(profile, world_size),
         memory=cfg.memory,
         activation_slack=profile.activation_slack,
@@ -130,10 +133,10 @@ def estimate(
         seq,
         world_size,
         profile,
-        global_batch=gb,
+        global_batch=layout.global_batch,
         gpus_per_node=gpus_per_node,
     )
-    return Plan(cfg, worst, time, world_size, [r["total"] for r in ranks])
+    return Plan(cfg, layout, worst, time, [r["total"] for r in ranks])
 
 
 def _divisors(n: int, cap: int) -> list[int]:
@@ -207,9 +210,10 @@ def search(
                 training=dataclasses.replace(cfg.training, micro_batch=micro),
                 memory=dataclasses.replace(cfg.memory, recompute=policy),
             )
-            why, detail = _reject(cand, args, world, gpus_per_node)
+            layout = Layout.of(cand, world)
+            why, detail = _reject(cand, layout, args, gpus_per_node)
             if why is None:
-                plan = estimate(cand, args, world, profile, gpus_per_node)
+                plan = estimate(cand, args, layout, profile, gpus_per_node)
                 if plan.memory["total"] > have:
                     why, least = "does not fit in memory", min(least, plan.memory["total"])
                 else:
@@ -225,22 +229,19 @@ def search(
     return plans, rejected, example
 
 
-def _reject(cfg: Config, args: ModelArgs, world: int, node: int) -> tuple[str | None, str]:
+def _reject(cfg: Config, layout: Layout, args: ModelArgs, node: int) -> tuple[str | None, str]:
     p = cfg.parallel
     if p.tp > node:
         return "tp spans nodes", f"tp = {p.tp} > {node} devices per node: its collectives need NVLink"
     try:
-        problems = layout_problems(cfg, world, args)
+        problems = layout_problems(cfg, layout, args)
     except (ConfigError, ValueError) as e:
         problems = [str(e)]
     if problems:
         return _reason(problems[0]), problems[0]
     if p.pp > 1:
-        local = (
-            global_batch_sequences(cfg.training, cfg.data.seq_len)
-            // ParallelDims.from_config(p, world).dp_size
-        )
-        if resolve_microbatches(0, local, cfg.training.micro_batch) < p.pp and p.pp_schedule != "gpipe":
+        # The candidates leave parallel.pp_microbatches 0: one micro-batch per training.micro_batch sequences.
+        if layout.microbatches < p.pp and p.pp_schedule != "gpipe":
             return "fewer micro-batches than stages", "the bubble would exceed the compute"
     return None, ""
 

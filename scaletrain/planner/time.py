@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.metrics.mfu import flops_per_token
 from scaletrain.models.llama import ModelArgs
-from scaletrain.parallel.mesh import ParallelDims
-from scaletrain.parallel.pipeline import resolve_microbatches, stages_per_rank
+from scaletrain.parallel.layout import Layout, resolve_microbatches
+from scaletrain.parallel.pipeline import stages_per_rank
 from scaletrain.planner.hardware import DeviceProfile
 from scaletrain.planner.memory import block_parameters, compute_bytes_of, layer_activation_bytes
 from scaletrain.planner.moe import dispatch_bytes, ffn_shape
@@ -197,7 +197,7 @@ def _matmul_rate(profile: DeviceProfile, precision: str) -> tuple[float, float]:
     return m.get(precision) or m.get("bf16" if precision == "fp16" else "fp32") or next(iter(m.values()))
 
 
-def _links(profile: DeviceProfile, dims: ParallelDims, gpus_per_node: int) -> dict[str, Link]:
+def _links(profile: DeviceProfile, dims: Layout, gpus_per_node: int) -> dict[str, Link]:
     """The link each mesh group uses: the mesh is (pp, dp_replicate, dp_shard, cp, tp) with tp innermost, so a
     group of size n and stride s (the product of the dims inside it) stays in one node iff n·s <= gpus_per_node;
     a group that spans nodes runs at the slower (inter-node) link."""
@@ -248,7 +248,7 @@ def step_time(
     """Seconds per optimizer step and its breakdown: compute (forward, backward, recompute, element-wise), each
     communication's exposed share, the pipeline bubble, the optimizer and a fixed overhead; with tokens_per_s and
     mfu. `global_batch` in sequences. Raises ConfigError if the layout does not tile the world."""
-    p, dims = parallel, ParallelDims.from_config(parallel, world_size)
+    p, dims = parallel, Layout.resolve(parallel, training, seq_len, world_size).checked()
     node = gpus_per_node or profile.devices_per_node
     # The ranks sharing one machine: on a CPU every rank is a local process on this host's cores.
     procs = world_size if profile.kind == "cpu" else min(world_size, node)
@@ -308,7 +308,7 @@ def _non_embedding_params(args: ModelArgs) -> int:
     return int(args.n_layers * (split + rep + active_routed) + args.dim + out)
 
 
-def _local_params(args: ModelArgs, p: ParallelConfig, dims: ParallelDims) -> float:
+def _local_params(args: ModelArgs, p: ParallelConfig, dims: Layout) -> float:
     """Parameters one rank's optimizer steps: its pipeline share, split by tp, sharded by ZeRO-1 and above."""
     split, rep = block_parameters(args)
     tables = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) / p.pp
@@ -368,7 +368,7 @@ def _compute_parts(
 def _comm_parts(
     args: ModelArgs,
     p: ParallelConfig,
-    dims: ParallelDims,
+    dims: Layout,
     profile: DeviceProfile,
     links: dict[str, Link],
     b: dict[str, float],
@@ -436,7 +436,7 @@ def _comm_parts(
 def _dp_comm(
     args: ModelArgs,
     p: ParallelConfig,
-    dims: ParallelDims,
+    dims: Layout,
     profile: DeviceProfile,
     links: dict[str, Link],
     compute: dict[str, float],

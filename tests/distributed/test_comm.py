@@ -250,10 +250,10 @@ def test_fsdp_prefetch_and_keep_match_reference_and_count_gathers(hooks):
 
 
 def test_comm_problems_refuse_what_is_not_supported_with_the_fix():
-    from scaletrain.parallel.comm import comm_problems
+    from scaletrain.parallel.layout import Layout, comm_problems
 
     def one(world: int = 2, **kw) -> str:
-        (problem,) = comm_problems(ParallelConfig(**kw), world)
+        (problem,) = comm_problems(Layout.resolve(ParallelConfig(**kw), TrainingConfig(), 64, world))
         return problem
 
     assert "training.reduce_dtype = 'bf16'" in one(data_parallel="fsdp", grad_compression="bf16")
@@ -266,8 +266,22 @@ def test_comm_problems_refuse_what_is_not_supported_with_the_fix():
     assert "leave it 'auto' with ddp" in one(reshard_after_forward=False)
     zb = dict(data_parallel="fsdp", pp=2, dp_shard=2, pp_schedule="zbv", reshard_after_forward=True)
     assert "zero-bubble" in one(4, **zb)
-    assert comm_problems(ParallelConfig(data_parallel="fsdp", reshard_after_forward=2), 4) == []
-    assert comm_problems(ParallelConfig(data_parallel="zero1", grad_compression="powersgd"), 2) == []
+    assert (
+        comm_problems(
+            Layout.resolve(
+                ParallelConfig(data_parallel="fsdp", reshard_after_forward=2), TrainingConfig(), 64, 4
+            )
+        )
+        == []
+    )
+    assert (
+        comm_problems(
+            Layout.resolve(
+                ParallelConfig(data_parallel="zero1", grad_compression="powersgd"), TrainingConfig(), 64, 2
+            )
+        )
+        == []
+    )
 
 
 def test_reshard_after_forward_parses_int_bool_and_auto():

@@ -11,7 +11,7 @@ import traceback
 import pytest
 import torch.distributed as dist
 
-from scaletrain.config_io import load_config
+from scaletrain.validate import load_config
 from tests.distributed.spawn import spawn
 from tests.helpers import DEBUG
 

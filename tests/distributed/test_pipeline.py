@@ -15,13 +15,13 @@ import torch
 
 from scaletrain.config import FaultConfig, ParallelConfig, TrainingConfig
 from scaletrain.models import Transformer
+from scaletrain.parallel.layout import resolve_microbatches
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import ParallelModel
 from scaletrain.parallel.pipeline import (
     ideal_bubble,
     layers_per_stage,
     pipeline_problems,
-    resolve_microbatches,
     split_model,
 )
 from scaletrain.resilience.faults import FaultInjector

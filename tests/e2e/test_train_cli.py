@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from scaletrain.config_io import load_config
+from scaletrain.validate import load_config
 from tests.helpers import DEBUG, QUICK, ROOT, per_step, read_jsonl, run_cli
 
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "mem_peak_mib", "step_time_s"}

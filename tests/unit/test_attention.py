@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
 from scaletrain.models.attention import (
     AttentionKernel,
@@ -23,6 +22,7 @@ from scaletrain.models.attention import (
 from scaletrain.models.llama import ModelArgs, Transformer
 from scaletrain.models.loss import cross_entropy
 from scaletrain.step import StepRunner
+from scaletrain.validate import load_config
 
 EOD = 3  # any id works; the byte tokenizer's is 256
 

@@ -7,8 +7,8 @@ import fsspec
 import pytest
 
 from scaletrain.config import CheckpointConfig
-from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
+from scaletrain.validate import load_config
 from tests.helpers import DEBUG, ROOT
 from tests.unit.test_checkpoint import _manager, make_state
 

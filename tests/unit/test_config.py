@@ -4,8 +4,9 @@ import pytest
 
 from scaletrain.cli import main
 from scaletrain.config import Config
-from scaletrain.config_io import field_docs, help_text, load_config, to_dict, write_toml
+from scaletrain.config_io import field_docs, help_text, to_dict, write_toml
 from scaletrain.errors import ConfigError
+from scaletrain.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
 from scaletrain.metrics import MetricsWriter
+from scaletrain.validate import load_config
 from tests.helpers import DEBUG
 
 

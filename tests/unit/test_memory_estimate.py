@@ -10,7 +10,6 @@ import torch
 
 import scaletrain.validate as validate
 from scaletrain.config import MemoryConfig, ModelConfig, ParallelConfig, TrainingConfig
-from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
 from scaletrain.memory.measure import saved_activation_bytes
 from scaletrain.models.llama import ModelArgs, count_parameters
@@ -24,6 +23,7 @@ from scaletrain.planner.memory import (
     memory_problem,
     per_rank_bytes,
 )
+from scaletrain.validate import load_config
 
 DEBUG = ModelArgs()  # 4 layers, dim 128, vocab 320, untied
 FP32 = TrainingConfig(micro_batch=2)

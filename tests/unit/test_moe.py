@@ -12,7 +12,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from scaletrain.config import ModelConfig
-from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
 from scaletrain.models import ModelArgs, build_meta_model, build_model, count_parameters, resolve_model_args
 from scaletrain.models.llama import FeedForward, build_feed_forward
@@ -27,6 +26,7 @@ from scaletrain.models.moe import (
     is_moe_layer,
     set_aux_loss_scale,
 )
+from scaletrain.validate import load_config
 
 DIM, E = 16, 6
 

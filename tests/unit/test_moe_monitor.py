@@ -182,10 +182,10 @@ def test_a_dense_model_has_no_moe_state_or_metrics():
 
 
 def test_debug_moe_run_writes_moe_metrics(tmp_path: Path):
-    from scaletrain.config_io import load_config
     from scaletrain.models.moe import is_moe_layer
     from scaletrain.models.presets import resolve_model_args
     from scaletrain.train import train
+    from scaletrain.validate import load_config
 
     overrides = ["--training.steps", "4", "--training.eval_interval", "0", "--metrics.log_interval", "2"]
     overrides += ["--moe.bias_update_rate", "0.001", "--moe.imbalance_threshold", "1.0"]

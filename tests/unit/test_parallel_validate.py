@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.config import ParallelConfig
-from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.parallel.mesh import ParallelDims, check_restartable_store, validate_parallel
+from scaletrain.parallel.layout import validate_parallel
+from scaletrain.parallel.mesh import ParallelDims, check_restartable_store
+from scaletrain.validate import load_config
 
 MODEL = dict(n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128, seq_len=32)
 

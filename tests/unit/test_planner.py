@@ -10,10 +10,10 @@ import json
 import pytest
 
 from scaletrain.config import Config, DataConfig, MemoryConfig, ModelConfig, ParallelConfig, TrainingConfig
-from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
 from scaletrain.models.llama import count_parameters
 from scaletrain.models.presets import build_meta_model, resolve_model_args
+from scaletrain.parallel.layout import Layout, layout_problems
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.planner import commands
 from scaletrain.planner.hardware import GPUS, UNCALIBRATED, DeviceProfile, load_profile, save_profile
@@ -30,7 +30,7 @@ from scaletrain.planner.time import (
     reduce_scatter_s,
     step_time,
 )
-from scaletrain.validate import layout_problems
+from scaletrain.validate import load_config
 from tests.helpers import DEBUG, QUICK, run_cli
 
 PSI, ND = 7.5e9, 64  # Rajbhandari et al. 2020, figure 1: a 7.5B model on 64 devices
@@ -263,8 +263,8 @@ def test_a_cpus_allocator_slack_is_a_share_of_the_activations():
     cfg = parse_unvalidated(None, ["--model.dim", "64", "--model.n_layers", "2", "--data.seq_len", "128"])
     args = resolve_model_args(cfg.model, None, 128)
     tight, slack = (
-        estimate(cfg, args, 1, CPU2).memory,
-        estimate(cfg, args, 1, dataclasses.replace(CPU2, activation_slack=0.5)).memory,
+        estimate(cfg, args, Layout.of(cfg, 1), CPU2).memory,
+        estimate(cfg, args, Layout.of(cfg, 1), dataclasses.replace(CPU2, activation_slack=0.5)).memory,
     )
     assert tight["activations"] > 0 and slack["activations"] == tight["activations"]
     assert slack["overhead"] - tight["overhead"] == pytest.approx(0.5 * tight["activations"])
@@ -278,12 +278,14 @@ def test_calibration_fits_the_constant_that_reproduces_the_measured_step():
 
     cfg = parse_unvalidated(None, [*TINY, "--parallel.tp", "2", "--model.n_kv_heads", "2"])
     truth = dataclasses.replace(CPU2, call_by_ranks={"2": 2e-3}, tp_block_s=0.0123)
-    measured = {"step_time_s": estimate(cfg, model_args(cfg), 2, truth).time["step_time_s"]}
+    measured = {"step_time_s": estimate(cfg, model_args(cfg), Layout.of(cfg, 2), truth).time["step_time_s"]}
     start = dataclasses.replace(truth, tp_block_s=0.0)
     assert _fit(cfg, 2, start, measured, tp_block_s=1.0) == pytest.approx(0.0123)
     fsdp4 = parse_unvalidated(None, [*TINY, "--training.global_batch", "4", "--training.micro_batch", "1"])
     truth4 = dataclasses.replace(CPU2, call_by_ranks={"4": 7e-3})
-    measured = {"step_time_s": estimate(fsdp4, model_args(fsdp4), 4, truth4).time["step_time_s"]}
+    measured = {
+        "step_time_s": estimate(fsdp4, model_args(fsdp4), Layout.of(fsdp4, 4), truth4).time["step_time_s"]
+    }
     assert _fit(fsdp4, 4, CPU2, measured, call_by_ranks={"4": 1.0}) == pytest.approx(7e-3)
 
 
@@ -379,7 +381,7 @@ def test_8b_on_8_h100_plans_are_ranked_and_all_validate(monkeypatch):
         rejected["does not fit in memory"] > 0 and rejected["ddp/zero1 cannot run inside pipeline stages"] > 0
     )
     for p in plans:
-        assert layout_problems(p.cfg, 8, ARGS_8B) == [] and p.memory["total"] <= 80 * GiB
+        assert layout_problems(p.cfg, p.layout, ARGS_8B) == [] and p.memory["total"] <= 80 * GiB
     # The best plan passes the whole validation of load_config (on 80 GiB GPUs) as its overrides.
     import scaletrain.validate as validate
 
@@ -480,4 +482,4 @@ def test_the_search_tries_expert_parallel_for_moe_models_and_its_plans_validate(
     eps = {p.cfg.parallel.ep for p in plans}
     assert 1 in eps and max(eps) > 1
     for p in plans[:20]:
-        assert layout_problems(p.cfg, 16, args) == []
+        assert layout_problems(p.cfg, p.layout, args) == []

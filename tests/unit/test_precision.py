@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from scaletrain.config import Config, OptimizerConfig, ParallelConfig, ResilienceConfig, TrainingConfig
-from scaletrain.config_io import load_config, to_dict
+from scaletrain.config_io import to_dict
 from scaletrain.errors import ConfigError
 from scaletrain.models import ModelArgs, build_model
 from scaletrain.optim import Optimizers, build_optimizer
@@ -28,6 +28,7 @@ from scaletrain.precision import (
 from scaletrain.resilience.guard import Guard
 from scaletrain.resume import resume_problems
 from scaletrain.step import build_step_runner
+from scaletrain.validate import load_config
 
 CPU = torch.device("cpu")
 

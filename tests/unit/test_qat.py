@@ -12,7 +12,6 @@ import torch.distributed.checkpoint as dcp
 
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import PrecisionConfig
-from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
 from scaletrain.models import ModelArgs, build_model
 from scaletrain.precision.qat import (
@@ -24,6 +23,7 @@ from scaletrain.precision.qat import (
     save_quantized,
 )
 from scaletrain.resume import resume_problems
+from scaletrain.validate import load_config
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=128, max_seq_len=32)
 INT4 = PrecisionConfig(qat="int8_int4", qat_group_size=16)

@@ -13,13 +13,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
-from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
 from scaletrain.memory.measure import saved_activation_bytes
 from scaletrain.models.loss import cross_entropy
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.offload import apply_activation_offload, fsdp_offload_policy, offload_problems
 from scaletrain.parallel.recompute import apply_recompute, recomputed_blocks
+from scaletrain.validate import load_config
 from tests.distributed.reference import full_model, global_batches, tiny_args, train_steps
 
 POLICIES = ("full", "every_k", "selective")

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from scaletrain.config import FaultConfig
-from scaletrain.config_io import load_config
 from scaletrain.errors import ConfigError
 from scaletrain.resilience import faults
 from scaletrain.resilience.faults import FaultInjector, InjectedFault, check_specs, label, validate_specs
+from scaletrain.validate import load_config
 from tests.unit.test_model import tiny
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,12 +9,12 @@ import threading
 import pytest
 
 from scaletrain.config import RunConfig
-from scaletrain.config_io import load_config
 from scaletrain.errors import STOPPED_EXIT_CODE, ConfigError
 from scaletrain.resilience import timelimit
 from scaletrain.resilience.timelimit import MARGIN_S, JobLimits, limit_problems, parse_duration
 from scaletrain.resume import resume_problems
 from scaletrain.rundir import RunDir
+from scaletrain.validate import load_config
 
 
 @pytest.mark.parametrize(
