@@ -10,6 +10,7 @@ protected final save, and which tier a resume loads from.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -64,6 +65,22 @@ def staging_options(device_type: str) -> StagingOptions:
     return StagingOptions(
         use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
     )
+
+
+@functools.cache
+def stager_reusable() -> bool:
+    """Whether one DefaultStager stages more than once. torch 2.11's closes its copier at the end of every stage, so
+    the next save dies in DCP's stager with `KeyError: <class 'type'>` (pytorch/pytorch#183413, fixed in a later
+    release). Probed once, on two tiny synchronous stages, so that no torch version number is hard-coded."""
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
 
 
 class CheckpointManager:
@@ -297,6 +314,9 @@ class CheckpointManager:
         if self.cfg.async_save and not blocking:
             # Stage 1 (the copy to host memory) runs in a thread beside the next forward/backward, which does not
             # change the weights; before_update() waits for it before the optimizer does.
+            if self.stager is not None and not stager_reusable():
+                self.stager.close()  # its stage is over (wait() above); a fresh one per save, pinned anew
+                self.stager = None
             if self.stager is None:
                 self.stager = DefaultStager(staging_options(self.device_type))
             if self.device_type == "cuda":

@@ -245,3 +245,36 @@ def test_a_commit_marker_without_its_file_list_is_a_reason_not_a_crash(tmp_path)
     (tmp_path / "step-00000001").mkdir()
     (tmp_path / "step-00000001" / "commit.json").write_text('{"step": 1}')
     assert "lists no files" in verify(fsspec.filesystem("file"), str(tmp_path / "step-00000001"))
+
+
+def test_async_saves_go_on_where_torchs_stager_stages_only_once(tmp_path, monkeypatch):
+    """torch 2.11's DefaultStager closes its copier after each stage, so the second async save of a run died in
+    DCP's stager with `KeyError: <class 'type'>` (pytorch/pytorch#183413). Reproduced here on the pinned torch by
+    closing after each stage as 2.11 does: the manager then stages each save with a fresh stager."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from scaletrain.checkpoint import manager
+
+    stage = DefaultStager._stage
+
+    def stage_once(self, state_dict, **kwargs):
+        out = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()  # what torch 2.11 does at the end of every stage
+        return out
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_once)
+    manager.stager_reusable.cache_clear()
+    try:
+        assert not manager.stager_reusable()
+        state, *_ = make_state()
+        mgr = CheckpointManager(
+            CheckpointConfig(async_save=True), str(tmp_path / "ck"), state, rank=0, world_size=1
+        )
+        for step in (1, 2, 3):
+            mgr.save(step)
+            mgr.before_update()
+            assert mgr.wait()
+        assert mgr.committed_steps() == [1, 2, 3]
+        mgr.shutdown()
+    finally:
+        manager.stager_reusable.cache_clear()
