@@ -1,5 +1,6 @@
-"""AdamW with decay only on matrices, the learning-rate schedules (warmup then cosine, linear, WSD, constant), and
-`Optimizers`: every part's optimizer and schedule, stepped and checkpointed as one."""
+"""AdamW with decay only on matrices, the learning-rate schedules (warmup then cosine, linear, WSD, constant), the
+MoE routing-bias update (`RoutingBias`, DeepSeek-V3's auxiliary-loss-free balancing), and `Optimizers`: every part's
+optimizer and schedule, and the bias update, stepped together and checkpointed as one."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -14,8 +16,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import DeviceMesh
 
 from scaletrain.config import OptimizerConfig
+from scaletrain.models.moe import MoE
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
@@ -70,17 +74,56 @@ def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: OptimizerConfig, total_s
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg, total_steps))
 
 
+class RoutingBias:
+    """DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024; moe.bias_update_rate): after each applied
+    step every expert's routing bias moves by the rate towards the mean load, up when under-loaded, down when over.
+    A training rule, so it steps with the optimizers; the bias only selects experts (models/moe.py). The load is the
+    step's `tokens_per_expert` of each MoE layer summed over the data-parallel (and context-parallel) ranks, so the
+    update is the same on every rank holding the layer and its replicas never drift apart. It reads the buffers
+    before MoEMonitor (metrics) reads and clears them after the step."""
+
+    def __init__(
+        self, layers: list[MoE], n_experts: int, rate: float, dp_cp: DeviceMesh | None = None
+    ) -> None:
+        self.layers, self.n_experts, self.rate, self.dp_cp = layers, n_experts, rate, dp_cp
+
+    @classmethod
+    def for_model(
+        cls, parts: list[nn.Module], n_experts: int, rate: float, dp_cp: DeviceMesh | None
+    ) -> RoutingBias | None:
+        """The update of this rank's MoE layers (its pipeline stages'); None when off or there is none to move
+        (every rank of one dp_cp group holds the same layers, so they agree)."""
+        layers = [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+        return cls(layers, n_experts, rate, dp_cp) if rate > 0 and layers else None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        # Float32 sums of token counts are exact (< 2^24 per expert), so the sign is the same however summed.
+        load = torch.stack([_local(m.tokens_per_expert).float() for m in self.layers])
+        if self.dp_cp is not None and self.dp_cp.size() > 1:  # a 1-D mesh's group: never the default group
+            dist.all_reduce(load, op=dist.ReduceOp.SUM, group=self.dp_cp.get_group())
+        for m, row in zip(self.layers, load, strict=True):
+            bias = _local(m.router.expert_bias)
+            bias.add_(self.rate * torch.sign(row.mean() - row).to(bias.dtype))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A buffer's local tensor (a DTensor's, should a parallelism have made it one), to read and write in place."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 # Optimizer state flattened to `state.<fqn>.<key>`, so pipeline stages and shards merge and reshard by name.
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Optimizers(Stateful):
-    """Every part's optimizer (one per pipeline stage on this rank) and its LR schedule, stepped together.
+    """Every part's optimizer (one per pipeline stage on this rank) and its LR schedule, stepped together, and the
+    MoE routing-bias update (`routing_bias`, None when off).
 
     `step(skip=...)` is the one place that decides what a step advances. A skipped step (non-finite gradients)
-    drops its gradients and leaves the weights and moments as they were, but it still consumed its batch, so the
-    LR schedule advances with the step count: the learning rate stays a function of the step, a resumed run finds
-    the schedule where the step counter says, and the run ends on the schedule's last value."""
+    drops its gradients and leaves the weights, moments and routing biases as they were, but it still consumed its
+    batch, so the LR schedule advances with the step count: the learning rate stays a function of the step, a
+    resumed run finds the schedule where the step counter says, and the run ends on the schedule's last value."""
 
     def __init__(
         self,
@@ -88,10 +131,12 @@ class Optimizers(Stateful):
         build: Callable[[nn.Module], torch.optim.Optimizer],
         cfg: OptimizerConfig,
         total_steps: int,
+        routing_bias: RoutingBias | None = None,
     ) -> None:
         self.parts = parts
         self.optimizers = [build(part) for part in parts]
         self.schedulers = [build_lr_scheduler(o, cfg, total_steps) for o in self.optimizers]
+        self.routing_bias = routing_bias
 
     @property
     def lr(self) -> float:
@@ -104,6 +149,8 @@ class Optimizers(Stateful):
                 opt.step()
             opt.zero_grad(set_to_none=True)  # frees the gradients; the next backward writes fresh ones
             sched.step()
+        if self.routing_bias is not None and not skip:
+            self.routing_bias.step()  # the biases are buffers: no optimizer touches them, so order does not matter
 
     def _inner(self) -> list[torch.optim.Optimizer]:
         # ZeRO-1 keeps its rank's AdamW over its share of the parameters; checkpoints save that share by name.

@@ -23,7 +23,7 @@ from scaletrain.config_io import to_dict
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
 from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
 from scaletrain.models import build_model, count_parameters, resolve_model_args
-from scaletrain.optim import Optimizers
+from scaletrain.optim import Optimizers, RoutingBias
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.layout import Layout
@@ -68,7 +68,7 @@ def train(cfg: Config) -> dict:
                 overflow = job.runner.loss_scale_overflow(loss, grad_norm)
                 decision = "skip" if overflow else job.guard.check(step, loss, grad_norm)
                 job.optimizers.step(skip=decision != "ok")
-                job.moe.step_done(step, applied=decision == "ok")  # MoE: routing biases, load watch
+                job.moe.step_done(step, applied=decision == "ok")  # MoE: load metrics, imbalance watch
                 back = job.guard.rollback(step, job.ckpt, job.loader) if decision == "rollback" else None
                 if back is not None:
                     step = back
@@ -122,7 +122,7 @@ class Job:
     meter: StepMeter
     tokens_per_step: int
     info: dict  # what the start event says of the setup
-    moe: MoEMonitor  # MoE: expert load, routing-bias updates, moe_* metrics (inert for a dense model)
+    moe: MoEMonitor  # MoE: expert load, moe_* metrics (inert for a dense model); the bias update is in optimizers
     evals: dict[int, float] = field(default_factory=dict)
 
     def resume(self) -> int:
@@ -175,7 +175,8 @@ def build(cfg: Config) -> Job:
     del model
     dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, the loss averaged for spikes
     make_optimizer = optimizer_builder(cfg.optimizer, cfg.parallel.data_parallel, dp_cp, env.device)
-    optimizers = Optimizers(pm.parts, make_optimizer, cfg.optimizer, cfg.training.steps)
+    bias = RoutingBias.for_model(pm.parts, args.n_experts, cfg.moe.bias_update_rate, dp_cp)  # MoE balancing
+    optimizers = Optimizers(pm.parts, make_optimizer, cfg.optimizer, cfg.training.steps, bias)
     eod = tokenizer.eod_id if cfg.data.document_mask else None  # masks attention at document ends
     runner = build_step_runner(pm, dims, cfg.parallel, cfg.training, env.device, eod, precision)
 

@@ -1,5 +1,6 @@
 """Mixture-of-experts bookkeeping after each optimizer step: the experts' load summed over the data-parallel ranks,
-the auxiliary-loss-free bias update (DeepSeek-V3), the moe_* metrics and the `moe_imbalance` event (docs/moe.md)."""
+the moe_* metrics and the `moe_imbalance` event (docs/moe.md). It only reads the model (and clears the load buffers
+it has read); the routing-bias update, a training rule, is scaletrain.optim.RoutingBias."""
 
 from __future__ import annotations
 
@@ -35,15 +36,16 @@ def moe_layers(parts: list[nn.Module]) -> dict[int, MoE]:
 
 class MoEMonitor:
     """After each optimizer step (`step_done`): read and reset every MoE layer's load buffers, sum them over the
-    data-parallel (and context-parallel) ranks, move the routing biases (moe.bias_update_rate), keep the figures
-    for `metrics()` and watch for a layer that stays imbalanced. Stateful: the imbalance streaks resume.
+    data-parallel (and context-parallel) ranks, keep the figures for `metrics()` and watch for a layer that stays
+    imbalanced. Stateful: the imbalance streaks resume. The routing biases were moved by `Optimizers.step` from the
+    same buffers just before (scaletrain.optim.RoutingBias).
 
     Under pipeline parallel each stage holds only its own layers; their rows are summed over the pp ranks too
     (every other stage contributes zeros), so every rank, rank 0 included, reports and watches every layer.
 
     Under activation recompute a block's forward runs twice with gradients on; MoE skips the recomputed one (it
     runs inside backward). Were both counted, the counts, loss sums and forwards would double alike, and every
-    ratio reported here and the sign that moves the bias would be unchanged.
+    ratio reported here (and the sign that moves the bias) would be unchanged.
     """
 
     def __init__(
@@ -96,14 +98,12 @@ class MoEMonitor:
         return {"moe": self} if self.active else {}
 
     def step_done(self, step: int, applied: bool = True) -> None:
-        """After the optimizer step. `applied` False (a skipped step) only clears the buffers: its batch neither
-        moves the biases nor counts towards an imbalance. Every rank calls this (it holds collectives)."""
+        """After the optimizer step. `applied` False (a skipped step) only clears the buffers: its batch does not
+        count towards an imbalance. Every rank calls this (it holds collectives)."""
         if not self.active:
             return
         if applied:
             rows = _all_reduce_sum(self._local_rows(), self.dp_cp)
-            if self.cfg.bias_update_rate > 0:
-                self._update_biases(rows)
             # One small host copy per step: the imbalance watch needs every step's figures on the host.
             rows = _all_reduce_sum(rows, self.pp).double().cpu()
             self._last = self._summarise(rows)
@@ -131,17 +131,6 @@ class MoEMonitor:
             rows[i, self.n_experts : self.n_experts + 5] = torch.stack([_local(t).float() for t in extra])
             rows[i, self.n_experts + _PRESENT] = 1.0
         return rows
-
-    @torch.no_grad()
-    def _update_biases(self, rows: torch.Tensor) -> None:
-        """DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024): each expert's bias moves by the rate
-        towards the mean load, up when under-loaded, down when over. Computed from the summed counts, so it is the
-        same on every rank holding the layer and its replicas never drift apart."""
-        rate = self.cfg.bias_update_rate
-        for i, m in self.layers.items():
-            load = rows[i, : self.n_experts]
-            bias = _local(m.router.expert_bias)
-            bias.add_(rate * torch.sign(load.mean() - load).to(bias.dtype))
 
     def _summarise(self, rows: torch.Tensor) -> dict[str, float]:
         e = self.n_experts

@@ -1,6 +1,6 @@
-"""MoEMonitor over 2 gloo processes, first as data-parallel replicas, then as pipeline stages: the loads are summed
-over the data-parallel ranks (so the bias update is the same on every replica), and every stage's layers reach
-every rank's metrics."""
+"""MoEMonitor and RoutingBias over 2 gloo processes, first as data-parallel replicas, then as pipeline stages: the
+loads are summed over the data-parallel ranks (so the bias update is the same on every replica), and every stage's
+layers reach every rank's metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from scaletrain.config import MoEConfig
 from scaletrain.metrics.moe import MoEMonitor
+from scaletrain.optim import RoutingBias
 from tests.distributed.spawn import spawn
 from tests.unit.test_moe_monitor import _ff, _fill, _model
 
@@ -27,6 +28,7 @@ def _ranks(rank: int, world_size: int) -> None:
     mon = _monitor(model, (1, 3), seen, dp_cp=mesh)
     _fill(_ff(model, 1), [[6, 2, 0, 0], [0, 2, 4, 2]][rank], aux=1.0 + rank, forwards=1)  # sum [6, 4, 4, 2]
     _fill(_ff(model, 3), [[1, 1, 1, 1], [3, 1, 1, 3]][rank], aux=1.0, forwards=1)  # sum [4, 2, 2, 4]
+    RoutingBias([_ff(model, 1), _ff(model, 3)], 4, CFG.bias_update_rate, mesh).step()
     mon.step_done(1)
     torch.testing.assert_close(_ff(model, 1).router.expert_bias, torch.tensor([-0.1, 0.0, 0.0, 0.1]))
     torch.testing.assert_close(_ff(model, 3).router.expert_bias, torch.tensor([-0.1, 0.1, 0.1, -0.1]))

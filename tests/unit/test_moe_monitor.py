@@ -1,4 +1,5 @@
-"""MoEMonitor on one process: the bias update (DeepSeek-V3), the moe_* metrics from constructed load buffers, the
+"""MoEMonitor on one process, and the routing-bias update (DeepSeek-V3) that Optimizers steps: the bias update, the
+moe_* metrics from constructed load buffers (read only: the monitor moves no bias), the
 moe_imbalance event's episodes, its state across a resume, and the metrics of a short debug_moe run; and the step's
 aux-loss scale (1/n micro-batches)."""
 
@@ -11,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from scaletrain.config import MoEConfig
+from scaletrain.config import MoEConfig, OptimizerConfig
 from scaletrain.metrics.moe import MoEMonitor, moe_layers
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.moe import MoE
+from scaletrain.optim import Optimizers, RoutingBias, build_optimizer
 from tests.helpers import QUICK, ROOT, events, read_jsonl
 
 E = 4
@@ -100,14 +102,21 @@ def test_metrics_from_constructed_buffers_and_buffers_reset():
         assert float(_ff(model, i).forwards) == 0.0
 
 
+def _optimizers(model: nn.Module, rate: float) -> Optimizers:
+    cfg = OptimizerConfig()
+    bias = RoutingBias.for_model([model], E, rate, None)
+    return Optimizers([model], lambda m: build_optimizer(m, cfg, torch.device("cpu")), cfg, 10, bias)
+
+
 def test_bias_moves_each_expert_towards_the_mean_by_the_rate():
     model = _model()
-    mon, _ = _monitor(model, bias_update_rate=0.01)
+    mon, _ = _monitor(model)
     start = torch.tensor([0.1, -0.2, 0.0, 0.3])
     for i in (1, 3):
         _ff(model, i).router.expert_bias.copy_(start)
     _fill(_ff(model, 1), [10, 2, 5, 3])  # mean 5: over, under, even, under
     _fill(_ff(model, 3), [1, 1, 1, 9])  # mean 3
+    _optimizers(model, 0.01).step()  # as the loop: the optimizers' step, then the monitor reads and clears
     mon.step_done(1)
     torch.testing.assert_close(
         _ff(model, 1).router.expert_bias, start + 0.01 * torch.tensor([-1.0, 1.0, 0.0, 1.0])
@@ -117,16 +126,19 @@ def test_bias_moves_each_expert_towards_the_mean_by_the_rate():
     )
 
 
-def test_no_bias_update_when_off_or_on_a_skipped_step():
+def test_no_bias_update_when_off_on_a_skipped_step_or_by_the_monitor():
     model = _model()
-    off, _ = _monitor(model, bias_update_rate=0.0)
+    assert RoutingBias.for_model([model], E, 0.0, None) is None  # off
+    assert RoutingBias.for_model([_model(moe_ids=())], E, 0.01, None) is None  # no MoE layer to move
+    mon, _ = _monitor(model, bias_update_rate=0.01)
     _fill(_ff(model, 1), [10, 2, 5, 3])
-    off.step_done(1)
+    mon.step_done(1)  # metrics read the load, they never move a bias
     assert torch.count_nonzero(_ff(model, 1).router.expert_bias) == 0
-    on, _ = _monitor(model, bias_update_rate=0.01)
+    on = _optimizers(model, 0.01)
     _fill(_ff(model, 1), [10, 2, 5, 3])
-    on.step_done(2, applied=False)  # a skipped step: its batch moves nothing, and its counts are cleared
+    on.step(skip=True)  # a skipped step: its batch moves nothing ...
     assert torch.count_nonzero(_ff(model, 1).router.expert_bias) == 0
+    mon.step_done(2, applied=False)  # ... and its counts are cleared
     assert float(_ff(model, 1).tokens_per_expert.sum()) == 0.0
 
 
