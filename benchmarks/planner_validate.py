@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scaletrain.hardware import cuda_available, usable_cpus  # noqa: E402
+from scaletrain.host import run_from_small_parent  # noqa: E402
 from scaletrain.parallel.layout import Layout  # noqa: E402
-from scaletrain.planner.calibrate import run_from_small_parent  # noqa: E402
-from scaletrain.planner.commands import plan_one  # noqa: E402
+from scaletrain.plan.commands import plan_one  # noqa: E402
 from scaletrain.planner.inputs import parse_unvalidated  # noqa: E402
 from scaletrain.planner.search import overhead_of  # noqa: E402
 
@@ -246,7 +246,7 @@ def main() -> None:
 def _gpu_kind() -> str:
     import torch
 
-    from scaletrain.planner.calibrate_gpu import gpu_kind
+    from scaletrain.plan.calibrate_gpu import gpu_kind
 
     if not cuda_available():
         sys.exit("--gpu: torch sees no CUDA device here")

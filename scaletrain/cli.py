@@ -8,6 +8,7 @@ Bad input ends here as one plain message and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import platform
@@ -27,11 +28,13 @@ from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.data.sources import Skipped, embedded_corpus_files, list_files, read_documents
 from scaletrain.data.tokenizer import train_bpe
 from scaletrain.errors import CONFIG_EXIT_CODE, ConfigError, report_errors
-from scaletrain.inference import evaluate_text, load_model, sample_line
-from scaletrain.inference.generate import check_sampling, generate_text, generation_report
+from scaletrain.inference.evaluate import evaluate_text
+from scaletrain.inference.generate import check_sampling, generate_text, generation_report, sample_line
+from scaletrain.inference.loader import load_model
 from scaletrain.launch import install_stack_dump, launch_local, run_training, under_torchrun
 from scaletrain.parity import run_parity
-from scaletrain.planner.commands import auto_overrides, dry_run, run_plan
+from scaletrain.plan.calibrate import run_calibrate
+from scaletrain.plan.commands import auto_overrides, dry_run, run_plan
 from scaletrain.precision.qat import WEIGHT_DTYPES
 from scaletrain.report import write_report
 from scaletrain.rundir import RunDir, continue_command, default_run_dir, find_run, shown
@@ -326,10 +329,12 @@ def _bench(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.calibrate:
+        return run_calibrate(args.config, overrides, args.device, args.nproc)
     return run_plan(
         config=args.config, overrides=overrides, model=args.model, devices=args.devices, device=args.device,
         gpus_per_node=args.gpus_per_node, seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens,
-        top=args.top, as_json=args.json, nproc=args.nproc, calibrate=args.calibrate,
+        top=args.top, as_json=args.json, nproc=args.nproc,
     )  # fmt: skip
 
 
@@ -440,10 +445,10 @@ def _prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
         print(
             f"tokenizer with {tokenizer.vocab_size} tokens written to {out}; train with --data.tokenizer {out}"
         )
-        cfg.data.tokenizer = str(out)
+        data = dataclasses.replace(cfg.data, tokenizer=str(out))  # the loaded config stays as loaded
     else:
-        cfg = load_config(args.config, overrides)
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-    for path, weight in prepare_data(cfg.data, tokenizer):
+        data = load_config(args.config, overrides).data
+        tokenizer = load_tokenizer(data.tokenizer)
+    for path, weight in prepare_data(data, tokenizer):
         print(f"prepared {path} (weight {weight})")
     return 0

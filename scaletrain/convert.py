@@ -231,8 +231,7 @@ def _quantize(src: Path, out: Path, scheme: str) -> str:
         converted_vs_fake_quant_rel=abs(losses["converted"] - losses["fake_quant"]) / losses["fake_quant"],
     )  # fmt: skip
     save_quantized(model, out, {"scheme": scheme, "group_size": p.qat_group_size})
-    cfg.precision = p
-    (out / CONFIG).write_text(tomli_w.dumps(to_dict(cfg)))
+    (out / CONFIG).write_text(tomli_w.dumps(to_dict(dataclasses.replace(cfg, precision=p))))
     (out / "quantization.json").write_text(json.dumps(report, indent=2) + "\n")
     trained = report["trained_with_qat"]
     note = "" if trained == scheme else f" (post-training quantisation: the run trained with qat = {trained})"

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from scaletrain.convert import load_run_model
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.host import run_from_small_parent
 from scaletrain.parallel.mesh import MESH_DIMS
-from scaletrain.planner.calibrate import run_from_small_parent
 from scaletrain.rundir import RunDir
 from scaletrain.validate import load_config
 

@@ -1,4 +1,4 @@
-"""`scaletrain plan --calibrate`: measure this CPU for the planner — matmul rates at a few shapes (fp32, bf16), the
+"""`scaletrain plan --calibrate` (run_calibrate): measure this CPU for the planner — matmul rates at a few shapes (fp32, bf16), the
 time of a real block's forward and backward, AdamW's pass over memory, gloo collectives over N local ranks, and a
 process's memory before the model — and save the profile (planner/hardware.py) that later plans use."""
 
@@ -18,36 +18,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scaletrain.hardware import best_time, cpu_model_name, usable_cpus
+from scaletrain.data import resolve_cache_dir
+from scaletrain.hardware import best_time, cpu_model_name, cuda_available, usable_cpus
+from scaletrain.host import run_from_small_parent
 from scaletrain.parallel.layout import Layout
-from scaletrain.planner.hardware import DEFAULT_CPU, DeviceProfile, save_profile
+from scaletrain.plan.calibrate_gpu import calibrate_gpu
+from scaletrain.plan.measure import fit_line, measure_adam_bandwidth, measure_matmul
+from scaletrain.planner.hardware import DEFAULT_CPU, DeviceProfile, gpu_kind, save_profile
 from scaletrain.planner.inputs import model_args, parse_unvalidated
 from scaletrain.planner.search import estimate
+from scaletrain.planner.time import ADAM_TRAFFIC
 
-SHAPES = (64, 128, 256, 512)  # square matmul sizes: from dispatch-bound to rate-bound
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
-
-
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y = a + b·x, intercept clamped at >= 0."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs) or 1.0
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
-    return max(my - b * mx, 0.0), b
-
-
-def measure_matmul(
-    dtype: torch.dtype, device: torch.device | None = None, shapes: tuple[int, ...] = SHAPES
-) -> tuple[float, float]:
-    """(t0 seconds per call, FLOP/s) fitted to time = t0 + flops / rate over square matmuls of `shapes`."""
-    flops, times = [], []
-    for n in shapes:
-        a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-        flops.append(2.0 * n**3)
-        times.append(best_time(partial(torch.mm, a, b), device=device))
-    t0, slope = fit_line(flops, times)
-    return t0, 1.0 / max(slope, 1e-18)
 
 
 def measure_block(matmul: tuple[float, float]) -> tuple[float, float, float, float]:
@@ -111,24 +93,12 @@ def measure_step_overhead(block_overhead: float) -> float:
     return max(best_time(step, budget_s=0.3) - block_overhead, 0.0)
 
 
-def measure_adam_bandwidth(device: torch.device | None = None, n: int = 2**22) -> float:
-    """Bytes/s of AdamW's pass over n fp32 parameters (28 bytes each: the time model's ADAM_TRAFFIC): fused on
-    CUDA, foreach on a CPU, as training runs it."""
-    from scaletrain.planner.time import ADAM_TRAFFIC
-
-    p = torch.nn.Parameter(torch.randn(n, device=device))
-    p.grad = torch.randn_like(p)
-    fused = device is not None and device.type == "cuda"
-    opt = torch.optim.AdamW([p], lr=1e-4, fused=fused, foreach=not fused)
-    return ADAM_TRAFFIC * p.numel() / best_time(opt.step, budget_s=0.3, device=device)
-
-
 def _rank(rank: int, world: int, port: int, out: str) -> None:
     """One gloo rank: init, a tiny training step (so the process holds what a worker holds before the model), then
     each collective at each size; rank 0 writes the times and its peak RSS less the tensors it made."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import scaletrain.launch  # noqa: F401  (a worker imports the trainer before anything else)
+    import scaletrain.train  # noqa: F401  (a worker imports the trainer before anything else)
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     measure_step_overhead(0.0)
@@ -185,14 +155,6 @@ TINY += ["--model.ffn_hidden", "128", "--data.seq_len", "64", "--training.global
 TINY += ["--training.micro_batch", "2", "--training.steps", "12", "--metrics.log_interval", "2"]
 TINY += ["--training.eval_interval", "0", "--training.threads", "1", "--checkpoint.enabled", "false"]
 TINY += ["--metrics.progress", "false", "--metrics.tensorboard", "false", "--parallel.data_parallel", "fsdp"]
-
-
-def run_from_small_parent(cmd: list[str], env: dict, **kw) -> subprocess.CompletedProcess:
-    """Run `cmd` as the grandchild of a bare interpreter. Linux folds the parent's peak RSS into a child's
-    ru_maxrss across fork and exec, so a run started straight from a process that holds torch would report at least
-    that process's memory; a bare interpreter in between (its own peak ~10 MiB) leaves the run's figure its own."""
-    hop = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
-    return subprocess.run([sys.executable, "-S", "-c", hop, *cmd], env=env, **kw)
 
 
 # Runs of each tiny layout: on a shared machine one run's step time moves by up to ±25% from the next, so each
@@ -313,7 +275,7 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
         f"block: {op_overhead * 1e3:.2f} ms fixed, element-wise {elementwise_bw / 1e9:.2f} GB/s; selective "
         f"recompute {sel_fixed * 1e3:.2f} ms fixed + {sel_share:.2f} of the element-wise forward"
     )
-    adam_bw = measure_adam_bandwidth()
+    adam_bw = measure_adam_bandwidth(ADAM_TRAFFIC)
     step_overhead = measure_step_overhead(op_overhead)
     collectives = {}
     for n in sorted({min(2**i, nproc) for i in range(1, 7) if 2 ** (i - 1) < nproc} or {1}):
@@ -345,3 +307,16 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
     )
     profile = measure_framework(profile, cache_dir, log, nproc)
     return profile, save_profile(profile, cache_dir)
+
+
+def run_calibrate(config: str | None, overrides: list[str], device: str | None, nproc: int) -> int:
+    """`scaletrain plan --calibrate`: a GPU host measures its GPUs unless told --device cpu; a CPU host its cores.
+    The profile is saved in the config's cache directory."""
+    cache = resolve_cache_dir(parse_unvalidated(config, overrides).data)
+    if cuda_available() and (device or "").lower() != "cpu":
+        profile, path = calibrate_gpu(cache, min(nproc, torch.cuda.device_count()))
+        kind = gpu_kind(profile.name)
+    else:
+        (profile, path), kind = calibrate(cache, nproc), "cpu"
+    print(f"saved the profile of {profile.name} to {path}; `--device {kind}` plans use it")
+    return 0

@@ -21,8 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scaletrain.hardware import best_time
-from scaletrain.planner.calibrate import fit_line, measure_adam_bandwidth, measure_matmul
+from scaletrain.plan.measure import fit_line, measure_adam_bandwidth, measure_matmul
 from scaletrain.planner.hardware import GPUS, DeviceProfile, gpu_kind, save_profile
+from scaletrain.planner.time import ADAM_TRAFFIC
 
 # Square matmul sizes and all-reduce bytes: from launch-bound to rate-bound on a GPU; small enough for CI on a CPU.
 SHAPES = {"cuda": (1024, 2048, 4096, 8192), "cpu": (64, 128, 256)}
@@ -86,7 +87,7 @@ def calibrate_gpu(
         "fp8" in sheet.peak_flops
     ):  # not measured (torchao's scaled matmul is not timed here): bf16's achieved share
         matmul["fp8"] = (bf16[0], sheet.peak_flops["fp8"] * achieved)
-    hbm = measure_adam_bandwidth(dev, ADAM_PARAMS[dev.type])
+    hbm = measure_adam_bandwidth(ADAM_TRAFFIC, dev, ADAM_PARAMS[dev.type])
     log(f"AdamW pass: {hbm / 1e12:.2f} TB/s")
     intra = (sheet.intra_latency, sheet.intra_bw)
     if nproc >= 2:

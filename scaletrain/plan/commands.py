@@ -1,5 +1,6 @@
 """What `scaletrain plan`, `train --dry-run` and `--parallel.auto` do, for cli.py to call: the search over layouts,
-the estimate of one layout, the calibration, and the layout parallel.auto applies before validation."""
+the estimate of one layout, and the layout parallel.auto applies before validation (`plan --calibrate` is
+plan/calibrate.py's run_calibrate). The estimators they call are in scaletrain/planner/."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ from scaletrain.config import Config
 from scaletrain.config_io import fields_typed, parse_config
 from scaletrain.data import resolve_cache_dir
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import cuda_available, uses_cuda
+from scaletrain.hardware import uses_cuda
 from scaletrain.parallel.layout import Layout, layout_problems
-from scaletrain.planner.calibrate import calibrate as measure_machine
-from scaletrain.planner.hardware import GPUS, KINDS, DeviceProfile, gpu_kind, load_profile, local_gpu_profile
+from scaletrain.planner.hardware import GPUS, KINDS, DeviceProfile, load_profile, local_gpu_profile
 from scaletrain.planner.inputs import model_args, parse_unvalidated
 from scaletrain.planner.memory import PARTS, GiB
 from scaletrain.planner.search import (
@@ -105,22 +105,9 @@ def run_plan(
     top: int,
     as_json: bool,
     nproc: int,
-    calibrate: bool,
 ) -> int:
     if device is not None and device.lower() not in KINDS:
         raise ConfigError(f"--device '{device}' is unknown; choose one of {', '.join(KINDS)}")
-    if calibrate:
-        cache = resolve_cache_dir(parse_unvalidated(config, overrides).data)
-        # A GPU host measures its GPUs unless told --device cpu; a CPU host measures its cores.
-        if cuda_available() and (device or "").lower() != "cpu":
-            from scaletrain.planner.calibrate_gpu import calibrate_gpu
-
-            profile, path = calibrate_gpu(cache, min(nproc, torch.cuda.device_count()))
-            kind = gpu_kind(profile.name)
-        else:
-            (profile, path), kind = measure_machine(cache, nproc), "cpu"
-        print(f"saved the profile of {profile.name} to {path}; `--device {kind}` plans use it")
-        return 0
     if model is None:
         cfg = parse_unvalidated(config, overrides)
         plan, profile = plan_one(

@@ -1,5 +1,5 @@
 """Device profiles for the planner: the GPUs we plan for, from the hardware table (scaletrain/hardware.py) and a CPU
-profile measured on this machine by `scaletrain plan --calibrate` (planner/calibrate.py), saved as JSON."""
+profile measured on this machine by `scaletrain plan --calibrate` (plan/calibrate.py), saved as JSON."""
 
 from __future__ import annotations
 

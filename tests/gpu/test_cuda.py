@@ -604,7 +604,7 @@ def test_calibrate_measures_this_gpu(tmp_path):
     same code on gloo under an H200's name). Here: the local GPU's measured bf16 matmul rate and AdamW bandwidth are
     plausible shares of its datasheet figures, and the profile is saved under its kind for `--device KIND` plans.
     One device: NCCL's all-reduce needs two GPUs, so the NVLink figure stays the datasheet's."""
-    from scaletrain.planner.calibrate_gpu import calibrate_gpu, gpu_kind
+    from scaletrain.plan.calibrate_gpu import calibrate_gpu, gpu_kind
     from scaletrain.planner.hardware import ACHIEVABLE_HBM, GPUS, load_profile
 
     kind = gpu_kind(torch.cuda.get_device_name(CUDA))

@@ -15,7 +15,7 @@ from scaletrain.models.llama import count_parameters
 from scaletrain.models.presets import build_meta_model, resolve_model_args
 from scaletrain.parallel.layout import Layout, layout_problems
 from scaletrain.parallel.mesh import ParallelDims
-from scaletrain.planner import commands
+from scaletrain.plan import commands
 from scaletrain.planner.hardware import GPUS, UNCALIBRATED, DeviceProfile, load_profile, save_profile
 from scaletrain.planner.memory import ZERO_PAPER_BYTES, GiB, model_state_bytes, per_rank_bytes
 from scaletrain.planner.search import search
@@ -272,7 +272,7 @@ def test_a_cpus_allocator_slack_is_a_share_of_the_activations():
 
 
 def test_calibration_fits_the_constant_that_reproduces_the_measured_step():
-    from scaletrain.planner.calibrate import TINY, _fit
+    from scaletrain.plan.calibrate import TINY, _fit
     from scaletrain.planner.inputs import model_args, parse_unvalidated
     from scaletrain.planner.search import estimate
 
@@ -304,7 +304,7 @@ def test_gpu_calibration_measures_in_place_of_the_datasheet_fractions(tmp_path):
     # The GPU path of `plan --calibrate` on this CPU (gloo, small shapes) under an H200's name: what it measures
     # replaces the datasheet's stated fractions, the rest (peaks, inter-node links) is the datasheet's, and the
     # profile is saved as the h200's without touching the CPU's. tests/gpu/test_cuda.py runs it on a GPU.
-    from scaletrain.planner.calibrate_gpu import calibrate_gpu, gpu_kind
+    from scaletrain.plan.calibrate_gpu import calibrate_gpu, gpu_kind
 
     lines: list[str] = []
     prof, path = calibrate_gpu(tmp_path, 2, lines.append, device="cpu", name="NVIDIA H200")
@@ -336,7 +336,7 @@ def test_405b_on_8_gpus_is_refused_with_the_reason():
     with pytest.raises(ConfigError) as e:
         commands.run_plan(
             config=None, overrides=[], model="405B", devices=8, device="h100", gpus_per_node=8, seq_len=8192,
-            global_batch_tokens=8192 * 16, top=5, as_json=True, nproc=1, calibrate=False,
+            global_batch_tokens=8192 * 16, top=5, as_json=True, nproc=1,
         )  # fmt: skip
     msg = str(e.value)
     assert "no layout of model '405B' fits on 8 devices" in msg and "does not fit in memory" in msg
@@ -347,7 +347,7 @@ def test_405b_on_8_gpus_is_refused_with_the_reason():
 def _plan_search(devices: int, seq_len: int, global_batch_tokens: int) -> None:
     commands.run_plan(
         config=None, overrides=[], model="8B", devices=devices, device="h100", gpus_per_node=8, seq_len=seq_len,
-        global_batch_tokens=global_batch_tokens, top=3, as_json=True, nproc=1, calibrate=False,
+        global_batch_tokens=global_batch_tokens, top=3, as_json=True, nproc=1,
     )  # fmt: skip
 
 
@@ -403,7 +403,7 @@ def test_plan_config_json_has_the_contract_fields(capsys, tmp_path, monkeypatch)
     code = commands.run_plan(
         config=DEBUG, overrides=["--parallel.tp", "2", "--parallel.data_parallel", "fsdp"], model=None,
         devices=None, device="cpu", gpus_per_node=8, seq_len=0, global_batch_tokens=0, top=1, as_json=True,
-        nproc=4, calibrate=False,
+        nproc=4,
     )  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert code == 0
@@ -415,7 +415,7 @@ def test_plan_config_json_has_the_contract_fields(capsys, tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match="parallel.tp = 3 does not divide"):
         commands.run_plan(
             config=DEBUG, overrides=["--parallel.tp", "3"], model=None, devices=None, device="cpu",
-            gpus_per_node=8, seq_len=0, global_batch_tokens=0, top=1, as_json=True, nproc=3, calibrate=False,
+            gpus_per_node=8, seq_len=0, global_batch_tokens=0, top=1, as_json=True, nproc=3,
         )  # fmt: skip
 
 
