@@ -5,17 +5,15 @@ backward) before any parallelism is applied; the rest runs in bf16. Refused befo
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 
 import torch
 from torch import nn
 
-from scaletrain.precision._torchao import import_quietly
+from scaletrain.precision._torchao import import_quietly, torchao_problem
 
 log = logging.getLogger("scaletrain")
 
-TORCHAO = "torchao==0.18.0"  # the release that works with torch 2.13.0 (pinned in pyproject.toml)
 MIN_CAPABILITY = (8, 9)  # Ada (8.9) and Hopper (9.0) onwards have fp8 tensor cores
 
 
@@ -41,14 +39,14 @@ def fp8_problems(device_type: str, tp: int = 1, capability: tuple[int, int] | No
             "training.precision 'fp8' with parallel.tp > 1 is not supported: torchao's float8 tensor-parallel "
             "styles are not part of the TP plan; set parallel.tp = 1 or use bf16"
         )
-    if importlib.util.find_spec("torchao") is None:
-        problems.append(f"training.precision 'fp8' needs torchao: pip install '{TORCHAO}'")
+    if (missing := torchao_problem("fp8 training")) is not None:
+        problems.append(missing)
     return problems
 
 
 def _torchao_float8():  # noqa: ANN202 (two torchao objects)
     """torchao's float8 config and converter; the float8 training path is Python over torch._scaled_mm."""
-    float8 = import_quietly("torchao.float8")
+    float8 = import_quietly("torchao.float8", "fp8 training")
     return float8.Float8LinearConfig, float8.convert_to_float8_training
 
 

@@ -16,7 +16,7 @@ from scaletrain.config import PrecisionConfig
 from scaletrain.models.attention import document_ids
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.loss import cross_entropy
-from scaletrain.precision._torchao import import_quietly
+from scaletrain.precision._torchao import import_quietly, torchao_problem
 
 log = logging.getLogger("scaletrain")
 
@@ -28,8 +28,9 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def _torchao_quantization():  # noqa: ANN202 (a module)
-    """torchao.quantization; the fake-quant and int8 paths used here are plain PyTorch."""
-    return import_quietly("torchao.quantization")
+    """torchao.quantization (call it before any other torchao import: it refuses a missing torchao with the fix);
+    the fake-quant and int8 paths used here are plain PyTorch."""
+    return import_quietly("torchao.quantization", "precision.qat")
 
 
 def block_linear_inputs(args: ModelArgs) -> dict[str, int]:
@@ -49,7 +50,7 @@ def qat_problems(p: PrecisionConfig, args: ModelArgs, *, tp: int, compute: str =
         return []
     if p.qat_group_size < 1:
         return [f"precision.qat_group_size must be >= 1, got {p.qat_group_size}"]
-    problems = []
+    problems = [missing] if (missing := torchao_problem("precision.qat")) is not None else []
     bad = {name: n for name, n in block_linear_inputs(args).items() if n % p.qat_group_size}
     if bad:
         sizes = sorted(set(block_linear_inputs(args).values()))
@@ -99,15 +100,16 @@ def apply_qat(model: nn.Module, p: PrecisionConfig) -> nn.Module:
     an nn.Linear subclass with the same `weight` parameter, so names, checkpoints and FSDP are unchanged."""
     if p.qat == "none":
         return model
+    tq = _torchao_quantization()
     from torchao.quantization.qat import QATConfig
 
-    tq = _torchao_quantization()
     tq.quantize_(_blocks(model), QATConfig(_base_config(p.qat, p.qat_group_size), step="prepare"))
     log.info("qat: %s fake quantisation (group size %d) in every block Linear", p.qat, p.qat_group_size)
     return model
 
 
 def fake_quantized_linears(model: nn.Module) -> int:
+    _torchao_quantization()
     from torchao.quantization.qat import FakeQuantizedLinear
 
     return sum(isinstance(m, FakeQuantizedLinear) for m in model.modules())
@@ -119,9 +121,9 @@ def convert_qat(model: nn.Module, p: PrecisionConfig) -> nn.Module:
     int8 values with their per-group scales, and int8 dynamic activation quantisation at every call."""
     if fake_quantized_linears(model) == 0:
         apply_qat(model, p)
+    tq = _torchao_quantization()
     from torchao.quantization.qat import QATConfig
 
-    tq = _torchao_quantization()
     tq.quantize_(_blocks(model), QATConfig(_base_config(p.qat, p.qat_group_size), step="convert"))
     return model
 
@@ -148,6 +150,8 @@ def save_quantized(model: nn.Module, out: Path, meta: dict) -> Path:
     tensors (`layers.0.attention._wq_qdata`, `_scale`, `_zero_point`) and describes it in the file's metadata;
     `meta` (the scheme) goes there too. No pickle: `load_quantized_state` rebuilds the tensors."""
     from safetensors.torch import save_file
+
+    _torchao_quantization()
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
     # Copies of the plain tensors: safetensors refuses shared storage (tied embeddings, views).
@@ -164,9 +168,10 @@ def load_quantized_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """What save_quantized wrote: the state dict with torchao's quantised tensors, and the scaletrain metadata."""
     from safetensors import safe_open
     from safetensors.torch import load_file
-    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
     _torchao_quantization()
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata()
     state, leftover = unflatten_tensor_state_dict(load_file(str(path)), metadata)

@@ -24,6 +24,8 @@ from tests.distributed.reference import (
     unwrap,
 )
 
+pytest.importorskip("torchao", reason="QAT needs torchao: the fp8 extra")
+
 QAT = PrecisionConfig(qat="int8_int4", qat_group_size=16)
 LOSS_RTOL = 3e-3  # all steps (see the module docstring)
 FIRST_STEP_RTOL = 1e-5  # step 1: the same weights in every layout, so the design's tolerance holds

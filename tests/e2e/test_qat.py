@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from scaletrain.cli import main
@@ -15,6 +16,8 @@ from scaletrain.data import build_loader, load_tokenizer
 from scaletrain.errors import CONFIG_EXIT_CODE
 from scaletrain.precision.qat import mean_loss
 from tests.helpers import DEBUG, QUICK, events, run_cli
+
+pytest.importorskip("torchao", reason="QAT needs torchao: the fp8 extra")
 
 # Measured (debug model, 20 steps): converted and fake-quant losses bit-equal; held to this relative gap.
 CONVERTED_GAP = 1e-4

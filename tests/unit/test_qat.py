@@ -25,6 +25,8 @@ from scaletrain.precision.qat import (
 from scaletrain.resume import resume_problems
 from scaletrain.validate import load_config
 
+pytest.importorskip("torchao", reason="QAT needs torchao: the fp8 extra")
+
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=128, max_seq_len=32)
 INT4 = PrecisionConfig(qat="int8_int4", qat_group_size=16)
 
