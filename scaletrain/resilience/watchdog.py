@@ -35,9 +35,11 @@ class Watchdog:
     newest checkpoint. Time between steps (evaluation, checkpoints) is not watched unless bracketed as a step.
 
     The last collective comes from torch's flight recorder, which c10d keeps for every process group (gloo and
-    NCCL), so it sees the collectives DDP, FSDP2 and DTensor issue from C++ too. Its whole dump goes to
-    <run_dir>/flight_recorder/rank{rank}: `python -m torch.distributed.flight_recorder.fr_trace
-    <run_dir>/flight_recorder --prefix rank` compares the ranks' records and names the rank the others wait for.
+    NCCL), so it sees the collectives DDP, FSDP2 and DTensor issue from C++ too. Its whole dump (torch's pickle: the
+    recent collectives of every group with the Python stack that issued each) goes to
+    <run_dir>/flight_recorder/rank{rank}; comparing the ranks' sequence numbers per group names the rank the others
+    wait for. (torch's own analyser, `python -m torch.distributed.flight_recorder.fr_trace DIR --prefix rank`, stops
+    on gloo dumps with torch 2.13: they lack the group table it reads.)
     """
 
     def __init__(self, timeout_s: float, run_dir: Path, rank: int) -> None:
@@ -119,7 +121,7 @@ class Watchdog:
 def _last_collective(dump_to: Path) -> dict[str, Any] | None:
     """The collective this rank waits in, from torch's flight recorder: the newest one not yet finished, else the
     newest one entered. {"name", "group", "seq", "in_flight", "seconds_ago", "issued_at"}; the recorder's whole dump
-    is written to `dump_to` for torch's fr_trace analyser. None when the recorder holds nothing (no process group,
+    is written to `dump_to`. None when the recorder holds nothing (no process group,
     TORCH_FR_BUFFER_SIZE=0) or this torch has no dump call: a hang report must come out whatever fails here."""
     try:
         # The retrieval call torch's flight-recorder tutorial documents (a private name; absent in old torch).

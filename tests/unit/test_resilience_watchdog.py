@@ -73,7 +73,7 @@ def test_watchdog_ends_a_hung_process_with_stacks_and_an_event(tmp_path):
         "in_flight": False,  # it returned; the process hangs after it
     }
     assert 0.5 <= last["seconds_ago"] < 30 and isinstance(event["time"], float)
-    # The recorder's whole dump, in the form torch's analyser reads (fr_trace DIR --prefix rank).
+    # The recorder's whole dump, torch's pickle.
     dump = pickle.loads((tmp_path / "flight_recorder" / "rank3").read_bytes())
     assert [e["profiling_name"] for e in dump["entries"]] == ["gloo:all_reduce", "gloo:barrier"]
 
