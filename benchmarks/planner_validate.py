@@ -66,7 +66,7 @@ COMMON += ["--checkpoint.enabled", "false", "--metrics.progress", "false", "--me
 # --gpu, on a GPU host: the 125M and 1B presets on one GPU in bf16 at seq 2048, without and with selective
 # recompute, after `plan --calibrate` has measured that GPU (calibrate_gpu); predicted with its calibrated profile.
 GPU_LAYOUTS = [(1, m, rc) for m in ("125M", "1B") for rc in ([], ["--memory.recompute", "selective"])]
-GPU_COMMON = ["--training.device", "cuda", "--training.precision", "bf16", "--data.seq_len", "2048"]
+GPU_COMMON = ["--training.device", "cuda", "--precision.compute", "bf16", "--data.seq_len", "2048"]
 GPU_COMMON += ["--training.global_batch", "8", "--training.micro_batch", "4", "--training.eval_interval", "0"]
 GPU_COMMON += [
     "--checkpoint.enabled",

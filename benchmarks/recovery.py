@@ -302,7 +302,7 @@ def goodput_drill(steps: int, every: int, config: str, run_dir: Path) -> dict:
         "auto",
         "--checkpoint.mtbf_hours",
         str(max(every, 1) * 0.5 / 3600),
-        "--resilience.memory_interval",
+        "--checkpoint.snapshot_interval",
         "5",
         "--metrics.progress",
         "false",

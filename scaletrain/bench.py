@@ -3,7 +3,7 @@ alternating rounds (plain, v1, v2, plain, v1, v2, ...), so that a shared machine
 it prints tokens/s, MFU, peak memory, data-parallel bytes and the final loss, with each variant's ratio to the plain
 run of the same round and the spread of those ratios over rounds (min / median / max).
 
-    scaletrain bench --config configs/debug.toml --variants "training.precision=bf16" "training.compile=true" \\
+    scaletrain bench --config configs/debug.toml --variants "precision.compute=bf16" "training.compile=true" \\
         --nproc 2 --steps 30 --rounds 3
 """
 
@@ -31,13 +31,13 @@ FIGURES = ("tokens_per_s", "mfu", "mem_peak_mib", "comm_bytes", "loss")
 
 
 def parse_variant(text: str) -> list[str]:
-    """'training.precision=bf16,training.compile=true' -> ['--training.precision', 'bf16', ...]."""
+    """'precision.compute=bf16,training.compile=true' -> ['--precision.compute', 'bf16', ...]."""
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or "." not in key.strip():
             raise ConfigError(
-                f"variant '{text}': '{item}' is not section.key=value (e.g. training.precision=bf16)"
+                f"variant '{text}': '{item}' is not section.key=value (e.g. precision.compute=bf16)"
             )
         out += [f"--{key.strip()}", value.strip()]
     if not out:

@@ -48,7 +48,7 @@ scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" .
 scaletrain generate     RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S] [--tokenizer T] [--device D] [--json]
 scaletrain eval         RUN_DIR|HF_DIR --data FILE_OR_GLOB [--seq-len S] [--tokenizer T] [--batch B] [--max-windows N] [--device D] [--json]
 scaletrain report       RUN_DIR [RUN_DIR ...] [--out DIR]
-scaletrain bench        --config FILE --variants "training.precision=bf16" "parallel.grad_compression=powersgd" ... [--nproc N] [--steps 20] [--rounds 3] [--json FILE] [--section.key VALUE ...]
+scaletrain bench        --config FILE --variants "precision.compute=bf16" "parallel.grad_compression=powersgd" ... [--nproc N] [--steps 20] [--rounds 3] [--json FILE] [--section.key VALUE ...]
 scaletrain plan         --model PRESET --devices N --device h100|h200|a100|b200|cpu [--gpus-per-node 8] --seq-len S --global-batch-tokens T [--top K] [--json]  |  --config FILE --nproc N [--device KIND] [--json] [--section.key VALUE ...]  |  --calibrate [--nproc N]
 """
 KEYS_HELP = "Any config key can be overridden as --section.key VALUE or --section.key=VALUE. Keys:\n"
@@ -310,7 +310,7 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> _Parser:
     )
     bench.add_argument("--config")
     bench.add_argument(
-        "--variants", nargs="+", required=True, help='e.g. "training.precision=bf16" "a.b=1,c.d=2"'
+        "--variants", nargs="+", required=True, help='e.g. "precision.compute=bf16" "a.b=1,c.d=2"'
     )
     bench.add_argument("--nproc", type=int, default=1, help="local worker processes of every run")
     bench.add_argument("--steps", type=int, default=20, help="steps of each run")

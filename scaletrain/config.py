@@ -144,22 +144,6 @@ class TrainingConfig:
     """Bit-reproducible CPU runs: deterministic kernels, fixed thread count."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
-    """Compute precision; parameters (master weights) and optimizer state stay fp32. fp16 adds dynamic loss
-    scaling; fp8 (CUDA, compute capability >= 8.9, torchao) runs the blocks' Linear layers in float8 on top of bf16.
-    See docs/performance.md (Precision)."""
-    mixed_precision: Literal["auto", "autocast", "fsdp"] = "auto"
-    """How bf16/fp16 are applied: autocast casts per op; fsdp uses FSDP2's MixedPrecisionPolicy (parameters cast
-    at the all-gather, gradients reduced in training.reduce_dtype). auto: fsdp where FSDP2 wraps the model
-    (fsdp, zero2, hsdp over > 1 rank), autocast elsewhere."""
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Dtype of FSDP2's gradient reduce-scatter/all-reduce (fsdp, zero2, hsdp only); bf16 halves the traffic."""
-    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
-    """With precision fp8: torchao's scaling granularity; tensorwise also all-gathers fp8 weights under FSDP2."""
-    loss_scale_init: float = 65536.0
-    """fp16 only: the initial loss scale (a power of two keeps scaling exact)."""
-    loss_scale_growth_interval: int = 2000
-    """fp16 only: double the loss scale after this many steps in a row without an overflow."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available, else CPU."""
     eval_interval: int = 50
@@ -271,6 +255,24 @@ class MemoryConfig:
 
 @dataclass
 class PrecisionConfig:
+    """Numeric precision, read by scaletrain/precision/ (docs/performance.md, Precision; QAT in docs/qat.md)."""
+
+    compute: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    """Compute precision; parameters (master weights) and optimizer state stay fp32. fp16 adds dynamic loss
+    scaling; fp8 (CUDA, compute capability >= 8.9, torchao) runs the blocks' Linear layers in float8 on top of bf16.
+    See docs/performance.md (Precision)."""
+    mechanism: Literal["auto", "autocast", "fsdp"] = "auto"
+    """How bf16/fp16 are applied: autocast casts per op; fsdp uses FSDP2's MixedPrecisionPolicy (parameters cast
+    at the all-gather, gradients reduced in precision.reduce_dtype). auto: fsdp where FSDP2 wraps the model
+    (fsdp, zero2, hsdp over > 1 rank), autocast elsewhere."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of FSDP2's gradient reduce-scatter/all-reduce (fsdp, zero2, hsdp only); bf16 halves the traffic."""
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """With compute fp8: torchao's scaling granularity; tensorwise also all-gathers fp8 weights under FSDP2."""
+    loss_scale_init: float = 65536.0
+    """fp16 only: the initial loss scale (a power of two keeps scaling exact)."""
+    loss_scale_growth_interval: int = 2000
+    """fp16 only: double the loss scale after this many steps in a row without an overflow."""
     qat: Literal["none", "int8_int4", "int8_int8"] = "none"
     """Quantization-aware training (torchao): the transformer blocks' Linear layers train with fake int8 dynamic
     per-token activations and int4 (int8_int4) or int8 (int8_int8) grouped symmetric weights; `scaletrain convert
@@ -302,6 +304,18 @@ class CheckpointConfig:
     """Where checkpoints go: empty: <run.dir>/checkpoints; or a path or fsspec URL (s3://..., gs://...)."""
     mtbf_hours: float = 24.0
     """Mean time between failures of the whole job, for interval = auto."""
+    snapshot_interval: int = 0
+    """The snapshot tier (checkpoint/memory_tier.py): a snapshot in host shared memory every N steps, replicated to a
+    peer's slot, that survives a worker restart. 0: off. Needs room in /dev/shm for each rank's snapshot (its shard
+    of the weights and optimizer state: ~3x the weights with AdamW) plus, with several ranks, a peer's replica, twice
+    over while a new snapshot is written beside the kept one. Docker's default /dev/shm is 64 MiB (--shm-size).
+    Where they do not fit, the tier turns itself off with a warning and a memory_tier_off event; storage checkpoints
+    go on."""
+    snapshot_max_mb: int = 2048
+    """Bound on the host memory the snapshot tier may use per rank (own copy plus the peer's replica)."""
+    snapshot_ttl_hours: float = 24.0
+    """Snapshots of other jobs that wrote nothing for this long are removed from shared memory when a tier opens
+    (a job that crashed for good leaves them behind). 0: never."""
 
 
 FaultKind = Literal[
@@ -327,7 +341,7 @@ class FaultConfig:
 class ResilienceConfig:
     max_restarts: int = 0
     """Restarts the elastic agent may spend on worker failures (also --max-restarts); each resumes from the newest
-    complete checkpoint (memory tier or storage)."""
+    complete checkpoint (snapshot tier or storage)."""
     nan_check: bool = True
     """Skip (and count) an update whose loss or gradient norm is NaN/Inf."""
     nan_rollback_after: int = 3
@@ -346,17 +360,6 @@ class ResilienceConfig:
     0: off."""
     straggler_interval: int = 10
     """Steps between straggler checks (per-rank busy times are gathered then)."""
-    memory_interval: int = 0
-    """In-memory snapshot tier: a snapshot in host shared memory every N steps, replicated to a peer's slot, that
-    survives a worker restart. 0: off. Needs room in /dev/shm for each rank's snapshot (its shard of the weights and
-    optimizer state: ~3x the weights with AdamW) plus, with several ranks, a peer's replica, twice over while a new
-    snapshot is written beside the kept one. Docker's default /dev/shm is 64 MiB (--shm-size). Where they do not fit,
-    the tier turns itself off with a warning and a memory_tier_off event; storage checkpoints go on."""
-    memory_max_mb: int = 2048
-    """Bound on the host memory the snapshot tier may use per rank (own copy plus the peer's replica)."""
-    memory_ttl_hours: float = 24.0
-    """Snapshots of other jobs that wrote nothing for this long are removed from shared memory when a tier opens
-    (a job that crashed for good leaves them behind). 0: never."""
     inject: list[FaultConfig] = field(default_factory=list)
     """Fault injection for tests and drills, a list of tables, e.g. [{kind="kill", rank=1, step=5},
     {kind="nan", step=3}, {kind="slow", rank=1, factor=3}, {kind="write_error", step=6}]. Each fires once per job
@@ -434,3 +437,35 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+
+# Keys that moved, old dotted name -> new: a run saved before the move resumes with its values under the new names
+# (config_io.with_defaults, RunDir.saved_config), and a config or override that still uses an old name is refused
+# with the new one (config_io's unknown-key message).
+RENAMED_KEYS: dict[str, str] = {
+    "training.precision": "precision.compute",
+    "training.mixed_precision": "precision.mechanism",
+    "training.reduce_dtype": "precision.reduce_dtype",
+    "training.fp8_recipe": "precision.fp8_recipe",
+    "training.loss_scale_init": "precision.loss_scale_init",
+    "training.loss_scale_growth_interval": "precision.loss_scale_growth_interval",
+    "resilience.memory_interval": "checkpoint.snapshot_interval",
+    "resilience.memory_max_mb": "checkpoint.snapshot_max_mb",
+    "resilience.memory_ttl_hours": "checkpoint.snapshot_ttl_hours",
+}
+
+
+def translate_renamed(raw: dict) -> dict:
+    """A copy of the nested config `raw` with every key of RENAMED_KEYS moved to its new name (a value already
+    under the new name wins). What a run saved before a rename is read as."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for old, new in RENAMED_KEYS.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        section = out.get(old_section)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        value = section.pop(old_key)
+        target = out.setdefault(new_section, {})
+        if isinstance(target, dict):
+            target.setdefault(new_key, value)
+    return out

@@ -21,7 +21,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import tomli_w
 
-from scaletrain.config import Config, SourceConfig
+from scaletrain.config import RENAMED_KEYS, Config, SourceConfig, translate_renamed
 from scaletrain.errors import ConfigError
 from scaletrain.rundir import RunDir, absolute
 
@@ -78,8 +78,9 @@ def saved_config(run: RunDir) -> dict:
 
 
 def with_defaults(saved: dict) -> dict:
-    """A saved config with the keys it lacks set to today's defaults (and each data source's too): a run saved
-    before a field existed ran with what that field's default does, so a resume after an upgrade is the same run."""
+    """A saved config with its renamed keys under their new names (config.RENAMED_KEYS) and the keys it lacks set
+    to today's defaults (and each data source's too): a run saved before a field existed ran with what that field's
+    default does, so a resume after an upgrade is the same run."""
 
     def merge(base: dict, over: dict) -> dict:
         out = dict(base)
@@ -87,7 +88,7 @@ def with_defaults(saved: dict) -> dict:
             out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
         return out
 
-    out = merge(to_dict(Config()), saved)
+    out = merge(to_dict(Config()), translate_renamed(saved))
     sources = out.get("data", {}).get("sources")
     if isinstance(sources, list):
         base = to_dict(SourceConfig())
@@ -259,6 +260,12 @@ def _parse_cli_literal(text: str, list_hint: bool = False) -> Any:
 
 
 def _unknown_key(dotted: str, cls: type, prefix: str) -> str:
+    if dotted in RENAMED_KEYS:  # a key that moved: name its new place, whatever looks similar
+        section, key = RENAMED_KEYS[dotted].split(".")
+        return (
+            f"unknown key '{dotted}': it was renamed '{section}.{key}' (--{section}.{key} VALUE, or {key} = ... "
+            f"under [{section}])"
+        )
     here = [prefix + f.name for f in dataclasses.fields(cls)]
     everywhere = all_keys(Config)
     leaf = dotted.rsplit(".", 1)[-1]

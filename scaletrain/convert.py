@@ -33,7 +33,7 @@ from scaletrain.checkpoint.hf_moe import config_sections
 from scaletrain.checkpoint.integrity import COMMIT, newest_intact, step_path, verify
 from scaletrain.checkpoint.safe_load import make_reader
 from scaletrain.checkpoint.state import ModelState
-from scaletrain.config import Config
+from scaletrain.config import Config, translate_renamed
 from scaletrain.config_io import read_toml, to_dataclass, to_dict
 from scaletrain.data import Tokenizer, build_loader, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
@@ -107,7 +107,9 @@ def _newest_intact(ckpt_root: str) -> str:
 
 
 def _run_config(run_dir: Path) -> Config:
-    cfg, problems = to_dataclass(Config, read_toml(str(run_dir / CONFIG)))
+    cfg, problems = to_dataclass(
+        Config, translate_renamed(read_toml(str(run_dir / CONFIG)))
+    )  # an older run's too
     if problems:
         raise ConfigError(problems)
     return cfg

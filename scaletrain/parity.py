@@ -201,7 +201,7 @@ def run_parity(
     settings = (
         overrides
         + FINAL_SAVE
-        + ["--training.steps", str(steps), "--training.precision", "fp32", "--training.eval_interval", "0"]
+        + ["--training.steps", str(steps), "--precision.compute", "fp32", "--training.eval_interval", "0"]
         + ["--metrics.log_interval", "1", "--metrics.progress", "false", "--metrics.tensorboard", "false"]
         + ["--training.threads", "1"]
     )

@@ -6,6 +6,8 @@ resilience) may change freely — checkpoints reshard into any layout."""
 
 from __future__ import annotations
 
+from scaletrain.config import RENAMED_KEYS
+
 # Key prefixes, matched on whole dotted segments.
 CANNOT_CHANGE = (
     "model",
@@ -35,9 +37,9 @@ FREE = (
     "training.micro_batch",
     "training.eval_interval",
     "training.eval_sequences",
-    "training.mixed_precision",  # how the same dtype is applied, like the layout
-    "training.reduce_dtype",
-    "training.loss_scale_init",  # a resumed fp16 run continues from its checkpointed scale
+    "precision.mechanism",  # how the same dtype is applied, like the layout
+    "precision.reduce_dtype",
+    "precision.loss_scale_init",  # a resumed fp16 run continues from its checkpointed scale
 )
 
 
@@ -60,6 +62,7 @@ def resume_problems(saved: dict, new: dict, accepted: list[str]) -> list[str]:
     """Every difference between the saved resolved config and the new one that the resume cannot take, each with
     what to do; [] when the new start continues the same run. Both are `to_dict` forms (None values dropped)."""
     old, now = flatten(saved), flatten(new)
+    accepted = [RENAMED_KEYS.get(key, key) for key in accepted]  # a key named by its old name
     problems = []
     for key in sorted(set(old) | set(now)):
         was, is_ = old.get(key, "(unset)"), now.get(key, "(unset)")
@@ -82,11 +85,11 @@ def resume_problems(saved: dict, new: dict, accepted: list[str]) -> list[str]:
 def _loss_scaler_problems(old: dict, now: dict) -> list[str]:
     """fp16 resumes its loss scale from the checkpoint (precision/scaler.py): a run switched to fp16 mid-way finds
     none to load. Switching away from fp16 is a precision change like any other (run.accept_changes)."""
-    was, is_ = old.get("training.precision", "fp32"), now.get("training.precision", "fp32")
+    was, is_ = old.get("precision.compute", "fp32"), now.get("precision.compute", "fp32")
     if is_ == "fp16" and was != "fp16":
         return [
-            f"training.precision was {was!r} in the saved run, now 'fp16': its checkpoints hold no loss-scaler "
-            "state to resume; keep training.precision, or start fp16 in a new --run.dir"
+            f"precision.compute was {was!r} in the saved run, now 'fp16': its checkpoints hold no loss-scaler "
+            "state to resume; keep precision.compute, or start fp16 in a new --run.dir"
         ]
     return []
 

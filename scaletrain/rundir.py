@@ -23,7 +23,7 @@ from typing import Any
 
 import tomli_w
 
-from scaletrain.config import CheckpointConfig
+from scaletrain.config import CheckpointConfig, translate_renamed
 from scaletrain.errors import STOPPED_EXIT_CODE
 from scaletrain.resume import resume_problems
 
@@ -146,9 +146,10 @@ class RunDir:
         return end["step"] if end["step"] >= steps else None
 
     def saved_config(self) -> dict | None:
-        """The resolved config of the last start, None when there is none (or it cannot be read)."""
+        """The resolved config of the last start (renamed keys under their new names: config.RENAMED_KEYS), None
+        when there is none (or it cannot be read)."""
         try:
-            return tomllib.loads(self.config.read_text())
+            return translate_renamed(tomllib.loads(self.config.read_text()))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
             return None
 

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scaletrain.config import ParallelConfig, TrainingConfig
+from scaletrain.config import ParallelConfig, PrecisionConfig, TrainingConfig
 from scaletrain.models.attention import document_ids
 from scaletrain.models.loss import cross_entropy
 from scaletrain.models.moe import set_aux_loss_scale
@@ -150,7 +150,7 @@ class StepRunner:
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """The forward's context when training.precision is applied by autocast (fp32 weights and optimizer): bf16 or
+    """The forward's context when precision.compute is applied by autocast (fp32 weights and optimizer): bf16 or
     fp16 autocast, none for fp32."""
     return Precision(precision, "none" if precision == "fp32" else "autocast", device.type).autocast()
 
@@ -166,9 +166,9 @@ def build_step_runner(
 ) -> StepRunner:
     """The step for a parallelised model: what training, evaluation and the equivalence tests all run. eod_id:
     the tokenizer's end-of-document id when data.document_mask is on, else None. precision: the one `parallelize`
-    got as precision_policy; without one, parallelize applied no FSDP policy, so tcfg's precision runs by autocast."""
+    got; without one, fp32."""
     if precision is None:
-        precision = resolve_precision(tcfg, False, device.type)
+        precision = resolve_precision(PrecisionConfig(), False, device.type)
     cp_shard = None
     if dims.cp_enabled:
         cp_mesh = dims.submesh("cp")

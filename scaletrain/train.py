@@ -168,10 +168,9 @@ def build(cfg: Config) -> Job:
     if cfg.model.init_from.startswith("hf:"):
         load_hf_weights(model, Path(cfg.model.init_from[3:]))
     n_params = count_parameters(model)
-    precision = resolve_precision(cfg.training, layout.fsdp, env.device)
+    precision = resolve_precision(cfg.precision, layout.fsdp, env.device)
     pm = parallelize(model, dims, cfg.parallel, device=env.device, n_microbatches=layout.microbatches,
-                     memory=cfg.memory, compile=cfg.training.compile, precision=cfg.precision,
-                     precision_policy=precision)  # fmt: skip
+                     memory=cfg.memory, compile=cfg.training.compile, precision=precision)  # fmt: skip
     del model
     dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, the loss averaged for spikes
     make_optimizer = optimizer_builder(cfg.optimizer, cfg.parallel.data_parallel, dp_cp, env.device)
@@ -188,8 +187,8 @@ def build(cfg: Config) -> Job:
     state = dict(model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state,
                  **runner.resumable(), **moe.resumable(), comm=pm.comm)  # fmt: skip
     described = dims.describe(cfg.parallel)
-    ckpt = build_checkpointing(cfg.checkpoint, cfg.resilience, run, run_id, state, env, dims.control, described,
-                               writer.event, start_over=cfg.run.start_over)  # fmt: skip
+    ckpt = build_checkpointing(cfg.checkpoint, run, run_id, state, env, dims.control, described, writer.event,
+                               start_over=cfg.run.start_over)  # fmt: skip
 
     # -- Resilience: faults attach where each failure happens (loader, output layer, storage writer, commit).
     faults = None
@@ -207,7 +206,7 @@ def build(cfg: Config) -> Job:
     flops_tok = metrics.flops_per_token(n_params["active"], args.n_layers, args.dim, cfg.data.seq_len)
     meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device, cfg.training.compile)
     metrics.announce(cfg, env, n_params, described, global_batch, tokens_per_step, peak_source, precision)
-    info = dict(world_size=env.world_size, precision=cfg.training.precision, device=env.device.type, layout=described,
+    info = dict(world_size=env.world_size, precision=cfg.precision.compute, device=env.device.type, layout=described,
                 parameters=n_params["total"], peak_flops_source=peak_source)  # fmt: skip
     parts = (cfg, env, dims, run, writer, loader, runner, optimizers, train_state, ckpt, guard)
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)

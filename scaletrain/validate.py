@@ -98,7 +98,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
                 "each compiled block into pieces, and compiled MoE has not been tested against eager; set "
                 "training.compile = false"
             )
-        problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp, compute=cfg.training.precision)
+        problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp)
     problems += _data(cfg.data)
     problems += _training(cfg.training, layout)
     problems += _optimizer(cfg.optimizer)
@@ -117,7 +117,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += profile_problems(cfg.profile, cfg.training.steps, world_size, cuda)
     problems += _checkpoint(cfg.checkpoint)
     problems += _checkpoint_saving(cfg.checkpoint, check_storage=check_run_dir)
-    problems += _run(cfg.run, cfg.checkpoint, cfg.resilience) if check_run_dir else []
+    problems += _run(cfg.run, cfg.checkpoint) if check_run_dir else []
     problems += limit_problems(cfg.run, cfg.training.steps, cfg.checkpoint.enabled)
     problems += _resilience(cfg.resilience, world_size)
     problems += _memory(cfg, layout)
@@ -169,17 +169,15 @@ def _memory(cfg: Config, layout: Layout) -> list[str]:
 
 
 def _precision(cfg: Config, layout: Layout) -> list[str]:
-    """training.precision against the layout (where the FSDP2 policy can apply) and the device (fp8's hardware)."""
+    """precision.compute against the layout (where the FSDP2 policy can apply) and the device (fp8's hardware)."""
     device = "cuda" if uses_cuda(cfg.training.device) else "cpu"
-    return precision_problems(cfg.training, layout.fsdp, device, tp=cfg.parallel.tp)
+    return precision_problems(cfg.precision, layout.fsdp, device, tp=cfg.parallel.tp)
 
 
 def _resilience(r: ResilienceConfig, world_size: int) -> list[str]:
     problems = validate_specs(r.inject, world_size)
-    if min(r.max_restarts, r.memory_interval, r.hang_timeout_s, r.memory_ttl_hours) < 0:
-        problems.append(
-            "resilience.max_restarts, memory_interval, hang_timeout_s and memory_ttl_hours must be >= 0"
-        )
+    if min(r.max_restarts, r.hang_timeout_s) < 0:
+        problems.append("resilience.max_restarts and hang_timeout_s must be >= 0")
     if r.straggler_factor and r.straggler_factor <= 1:
         problems.append(
             "resilience.straggler_factor must be > 1 (a multiple of the median step time), or 0 (off)"
@@ -203,6 +201,8 @@ def _checkpoint(c: CheckpointConfig) -> list[str]:
         problems.append("checkpoint.keep_last and checkpoint.keep_every must be >= 0")
     if c.mtbf_hours <= 0:
         problems.append("checkpoint.mtbf_hours must be > 0")
+    if min(c.snapshot_interval, c.snapshot_ttl_hours) < 0:
+        problems.append("checkpoint.snapshot_interval and checkpoint.snapshot_ttl_hours must be >= 0")
     return problems
 
 
@@ -441,7 +441,7 @@ def _optimizer(o: OptimizerConfig) -> list[str]:
     return problems
 
 
-def _run(r: RunConfig, c: CheckpointConfig, res: ResilienceConfig) -> list[str]:
+def _run(r: RunConfig, c: CheckpointConfig) -> list[str]:
     if not r.dir:
         return []
     run = RunDir.at(r.dir)
@@ -449,7 +449,7 @@ def _run(r: RunConfig, c: CheckpointConfig, res: ResilienceConfig) -> list[str]:
     # A run counts once it started training: a start that failed before (bad data, say) blocks nothing.
     if run.started() and not r.start_over:
         saved = c.enabled and run.run_id() is not None and has_committed_checkpoint(run.checkpoint_root(c))
-        if not saved and res.memory_interval == 0:
+        if not saved and c.snapshot_interval == 0:
             return [
                 f"run.dir '{r.dir}' already holds a run that trained but has no committed checkpoint to continue from; it "
                 "is never overwritten: choose a new --run.dir, or add --run.start_over true to train it again "
@@ -486,6 +486,7 @@ def _fits_in_memory(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
         local_batch=layout.local_batch,
         overhead_bytes=overhead,
         memory=cfg.memory,
+        precision=cfg.precision.compute,
     )
     return [f"model.preset '{cfg.model.preset}': {problem}"] if problem else []
 

@@ -41,7 +41,7 @@ from scaletrain.checkpoint.memory_tier import (
     snapshot_bytes,
 )
 from scaletrain.checkpoint.safe_load import make_reader, read_metadata
-from scaletrain.config import CheckpointConfig, ResilienceConfig
+from scaletrain.config import CheckpointConfig
 from scaletrain.errors import UserError
 from scaletrain.parallel.mesh import any_rank, broadcast_object
 from scaletrain.rundir import RunDir
@@ -529,7 +529,6 @@ def has_committed_checkpoint(root: str) -> bool:
 
 def build_checkpointing(
     cfg: CheckpointConfig,
-    res: ResilienceConfig,
     run: RunDir,
     run_id: str,
     state: dict,
@@ -539,17 +538,17 @@ def build_checkpointing(
     event: Callable[..., None],
     start_over: bool = False,
 ) -> CheckpointManager:
-    """Both tiers for a run: storage (DCP, when checkpoint.enabled) and the in-memory tier (when
-    resilience.memory_interval > 0). `group` is the CPU control group; memory snapshots and the saving decisions
+    """Both tiers for a run: storage (DCP, when checkpoint.enabled) and the in-memory snapshot tier (when
+    checkpoint.snapshot_interval > 0). `group` is the CPU control group; memory snapshots and the saving decisions
     use it, as they run in the training thread between steps. `start_over`: run.start_over."""
     memory = None
-    if res.memory_interval > 0:
+    if cfg.snapshot_interval > 0:
         memory = MemoryTier(
             job_key(run.path, run_id),
             make_layout_key(env.world_size, layout),
             group=group,
-            max_bytes=res.memory_max_mb << 20,
-            ttl_s=res.memory_ttl_hours * 3600,
+            max_bytes=cfg.snapshot_max_mb << 20,
+            ttl_s=cfg.snapshot_ttl_hours * 3600,
         )
     return CheckpointManager(
         cfg,
@@ -559,7 +558,7 @@ def build_checkpointing(
         world_size=env.world_size,
         event=event,
         memory=memory,
-        memory_interval=res.memory_interval,
+        memory_interval=cfg.snapshot_interval,
         device_type=env.device.type,
         control=group,
         start_over=start_over,

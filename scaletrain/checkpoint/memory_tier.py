@@ -327,7 +327,7 @@ class MemoryTier:
         if over:  # every rank sees every size, so all skip together
             log.warning(
                 "memory tier: snapshot at step %d skipped: rank %d would hold %.0f MiB (own + replica), "
-                "over the bound of %.0f MiB (resilience.memory_max_mb)",
+                "over the bound of %.0f MiB (checkpoint.snapshot_max_mb)",
                 step,
                 over[0],
                 held[over[0]] / 2**20,

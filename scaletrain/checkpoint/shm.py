@@ -25,7 +25,7 @@ log = logging.getLogger("scaletrain")
 _SAFE_RMTREE = shutil.rmtree.avoids_symlink_attacks
 SHM_ADVICE = (
     "give the job more shared memory (docker run --shm-size=8g; Kubernetes: an emptyDir volume with medium: Memory "
-    "mounted at /dev/shm; Slurm: a node whose /dev/shm holds it), or set resilience.memory_interval = 0"
+    "mounted at /dev/shm; Slurm: a node whose /dev/shm holds it), or set checkpoint.snapshot_interval = 0"
 )
 
 

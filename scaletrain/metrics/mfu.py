@@ -17,7 +17,7 @@ import torch
 
 from scaletrain.hardware import best_time, cpu_model_name, gpu_peak_flops
 
-Precision = Literal["bf16", "fp32"]  # as in TrainingConfig.precision
+Precision = Literal["bf16", "fp32"]  # the peak a precision.compute is measured against (mfu_precision)
 
 _DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

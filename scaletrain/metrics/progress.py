@@ -152,7 +152,7 @@ def announce(
 ) -> None:
     """The job's setup in two log lines (after the CPU precision warning, if any)."""
     t, mode = cfg.training, "deterministic" if cfg.training.deterministic else "non-deterministic"
-    if warning := cpu_precision_warning(t.precision, env.device.type):
+    if warning := cpu_precision_warning(precision.name, env.device.type):
         log.warning(warning)
     # Under MoE a token uses only its top_k experts: the active count is what MFU's FLOPs are made of.
     sparse = n.get("active", n["non_embedding"]) != n["non_embedding"]

@@ -324,7 +324,7 @@ def comm_problems(layout: Layout) -> list[str]:
         if p.data_parallel not in ("ddp", "zero1"):
             problems.append(
                 f"parallel.grad_compression '{p.grad_compression}' is a DDP communication hook (ddp, zero1); "
-                f"{p.data_parallel} reduces its gradients through FSDP2: set training.reduce_dtype = 'bf16' to "
+                f"{p.data_parallel} reduces its gradients through FSDP2: set precision.reduce_dtype = 'bf16' to "
                 "halve that traffic, or parallel.grad_compression = 'none'"
             )
         elif max(p.tp, p.pp, p.cp) > 1:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from scaletrain.config import MemoryConfig, ParallelConfig, PrecisionConfig
+from scaletrain.config import MemoryConfig, ParallelConfig
 from scaletrain.models.loss import cross_entropy
 from scaletrain.parallel.comm import CommMeter, apply_comm_hook, count_fsdp
 from scaletrain.parallel.compile import apply_compile
@@ -108,24 +108,23 @@ def parallelize(
     n_microbatches: int,
     memory: MemoryConfig | None = None,
     compile: bool = False,
-    precision: PrecisionConfig | None = None,
-    precision_policy: Precision | None = None,
+    precision: Precision | None = None,
 ) -> ParallelModel:
-    """`memory` (recompute, offload), `compile` (training.compile) and `precision` (QAT) default to off;
-    `precision_policy` (training.precision: the FSDP2 mixed-precision policy, fp8 layers, fp16's scaled pipeline
-    loss) defaults to fp32."""
+    """`memory` (recompute, offload) and `compile` (training.compile) default to off; `precision` (the resolved
+    [precision] section: QAT and fp8 layers, the FSDP2 mixed-precision policy, fp16's scaled pipeline loss)
+    defaults to fp32."""
     loss_parallel = dims.tp_enabled and not dims.pp_enabled  # a pipeline's loss runs inside the schedule
     # Only data-parallel traffic is counted: with tp, pp, cp or ep (its all-to-alls) sending too, comm_bytes is not
     # reported.
     comm = CommMeter(counted=not (dims.tp_enabled or dims.pp_enabled or dims.cp_enabled or dims.ep_enabled))
-    mp_policy = precision_policy.mp_policy() if precision_policy is not None else None
-    loss_fn = precision_policy.loss_fn(cross_entropy) if precision_policy is not None else cross_entropy
+    mp_policy = precision.mp_policy() if precision is not None else None
+    loss_fn = precision.loss_fn(cross_entropy) if precision is not None else cross_entropy
 
     def per_stage(m: nn.Module) -> nn.Module:
         if precision is not None:
             m = apply_qat(m, precision)
-        if precision_policy is not None and precision_policy.fp8_recipe is not None:
-            m = apply_fp8(m, precision_policy.fp8_recipe, precision_policy.fp8_all_gather)
+            if precision.fp8_recipe is not None:
+                m = apply_fp8(m, precision.fp8_recipe, precision.fp8_all_gather)
         if dims.tp_enabled:
             from scaletrain.parallel.tensor_parallel import apply_tp
 

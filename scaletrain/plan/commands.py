@@ -118,7 +118,7 @@ def run_plan(
     _check_search_inputs(devices, seq_len, global_batch_tokens)
     kind = (device or "h100").lower()
     seeded = ["--model.preset", model, "--data.seq_len", str(seq_len), "--training.eval_interval", "0"]
-    seeded += ["--training.precision", "fp32" if kind == "cpu" else "bf16"]
+    seeded += ["--precision.compute", "fp32" if kind == "cpu" else "bf16"]
     seeded += ["--training.global_batch_tokens", str(global_batch_tokens or seq_len * devices)]
     cfg = parse_unvalidated(config, seeded + overrides)
     args = model_args(cfg)

@@ -56,11 +56,6 @@ def compute_bytes_of(precision: str) -> int:
     return 2 if precision in ("bf16", "fp16", "fp8") else 4
 
 
-def compute_bytes(training: TrainingConfig) -> int:
-    """compute_bytes_of the run's precision (read with getattr, so that new precision names keep working)."""
-    return compute_bytes_of(str(getattr(training, "precision", "fp32")))
-
-
 def block_parameters(args: ModelArgs) -> tuple[int, int]:
     """(split by tp, replicated) parameters of one transformer block: the matrices of attention and SwiGLU are
     split by tensor parallel, the two RMSNorm weights are replicated. Under MoE, the average block's dense part
@@ -146,14 +141,15 @@ def per_rank_bytes(
     local_batch: int | None = None,
     overhead_bytes: int = GPU_OVERHEAD_BYTES,
     memory: MemoryConfig | None = None,
+    precision: str = "fp32",
 ) -> dict[str, float]:
     """Bytes on the fullest rank, by part (PARTS) and "total"; with optimizer offload, "host" holds what moved to
     host memory (not in the total). `local_batch`: sequences per data-parallel rank per step (sets the pipeline
-    micro-batches; None: pp of training.micro_batch each). Raises ConfigError if the sizes do not tile
-    `world_size`, ValueError if the layers cannot fill the pipeline stages."""
+    micro-batches; None: pp of training.micro_batch each); `precision`: precision.compute. Raises ConfigError if
+    the sizes do not tile `world_size`, ValueError if the layers cannot fill the pipeline stages."""
     ranks = pp_rank_bytes(
         args, parallel, training, seq_len, world_size,
-        local_batch=local_batch, overhead_bytes=overhead_bytes, memory=memory,
+        local_batch=local_batch, overhead_bytes=overhead_bytes, memory=memory, precision=precision,
     )  # fmt: skip
     return max(ranks, key=lambda e: e["total"])
 
@@ -169,6 +165,7 @@ def pp_rank_bytes(
     overhead_bytes: int = GPU_OVERHEAD_BYTES,
     memory: MemoryConfig | None = None,
     activation_slack: float = 0.0,
+    precision: str = "fp32",
 ) -> list[dict[str, float]]:
     """per_rank_bytes of every pipeline rank, in pp-rank order (one entry without a pipeline)."""
     p, dims, mem = (
@@ -185,7 +182,7 @@ def pp_rank_bytes(
     block_split, block_rep = block_parameters(args)
     routed, ep = ffn_shape(args).routed, getattr(p, "ep", 1)
     vocab_rows = args.vocab_size * args.dim
-    shards, elt = _zero_shards(p, dims), compute_bytes(training)
+    shards, elt = _zero_shards(p, dims), compute_bytes_of(precision)
     # fsdp/hsdp under a zero-bubble schedule keep the stage's weights gathered, as zero2 does.
     keeps = p.data_parallel in ("fsdp", "hsdp") and not reshards_after_forward(
         p.data_parallel, p.pp, p.pp_schedule
@@ -265,6 +262,7 @@ def memory_problem(
     local_batch: int | None = None,
     overhead_bytes: int = GPU_OVERHEAD_BYTES,
     memory: MemoryConfig | None = None,
+    precision: str = "fp32",
 ) -> str | None:
     """None if the fullest rank fits in `device_bytes`; else what it needs, by how much that is over, and the
     single knobs (checked with the same estimate) that would make it fit."""
@@ -275,8 +273,9 @@ def memory_problem(
     ) -> dict[str, float] | None:
         try:
             return per_rank_bytes(
-                args, p, t, seq_len, world, local_batch=local_batch, overhead_bytes=overhead_bytes, memory=m
-            )
+                args, p, t, seq_len, world, local_batch=local_batch, overhead_bytes=overhead_bytes, memory=m,
+                precision=precision,
+            )  # fmt: skip
         except (ConfigError, ValueError):  # a layout that does not tile or split: not a fix
             return None
 

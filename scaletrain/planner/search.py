@@ -123,6 +123,7 @@ def estimate(
         overhead_bytes=overhead_of(profile, world_size),
         memory=cfg.memory,
         activation_slack=profile.activation_slack,
+        precision=cfg.precision.compute,
     )
     worst = max(ranks, key=lambda e: e["total"])
     time = step_time(
@@ -135,6 +136,7 @@ def estimate(
         profile,
         global_batch=layout.global_batch,
         gpus_per_node=gpus_per_node,
+        precision=cfg.precision.compute,
     )
     return Plan(cfg, layout, worst, time, [r["total"] for r in ranks])
 

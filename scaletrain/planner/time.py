@@ -244,17 +244,18 @@ def step_time(
     *,
     global_batch: int,
     gpus_per_node: int | None = None,
+    precision: str = "fp32",
 ) -> dict[str, float]:
     """Seconds per optimizer step and its breakdown: compute (forward, backward, recompute, element-wise), each
     communication's exposed share, the pipeline bubble, the optimizer and a fixed overhead; with tokens_per_s and
-    mfu. `global_batch` in sequences. Raises ConfigError if the layout does not tile the world."""
+    mfu. `global_batch` in sequences; `precision`: precision.compute. Raises ConfigError if the layout does not
+    tile the world."""
     p, dims = parallel, Layout.resolve(parallel, training, seq_len, world_size).checked()
     node = gpus_per_node or profile.devices_per_node
     # The ranks sharing one machine: on a CPU every rank is a local process on this host's cores.
     procs = world_size if profile.kind == "cpu" else min(world_size, node)
     threads = training.threads or max(1, (profile.cores or 1) // procs)
     share = _cpu_share(profile, procs, threads)
-    precision = str(getattr(training, "precision", "fp32"))
     local = max(global_batch // dims.dp_size, 1)
     v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
     if p.pp > 1:
@@ -266,7 +267,7 @@ def step_time(
     layers = args.n_layers / p.pp  # per rank (its v stages together)
     b = _block_times(args, p, profile, precision, micro, seq_len, share)
     links = _links(profile, dims, node)
-    out = _compute_parts(args, p, training, memory, profile, b, m, micro, seq_len, layers, share)
+    out = _compute_parts(args, p, precision, memory, profile, b, m, micro, seq_len, layers, share)
     slow = _slowdown(profile, share)
     comm = _comm_parts(
         args, p, dims, profile, links, b, out, m, micro, seq_len, layers, precision, memory, slow
@@ -331,7 +332,7 @@ def recompute_share(memory: MemoryConfig) -> float:
 def _compute_parts(
     args: ModelArgs,
     p: ParallelConfig,
-    t: TrainingConfig,
+    precision: str,
     memory: MemoryConfig,
     profile: DeviceProfile,
     b: dict[str, float],
@@ -351,7 +352,7 @@ def _compute_parts(
     ):  # a CPU's calibration measures the share it re-runs and its dispatch mode's cost
         fixed = profile.selective_block_s * _slowdown(profile, share) if profile.kind == "cpu" else 0.0
         recompute += (profile.selective_share or SELECTIVE_SHARE) * ew_fwd + fixed
-    t0, rate = _matmul_rate(profile, _not_fp8(str(getattr(t, "precision", "fp32"))))
+    t0, rate = _matmul_rate(profile, _not_fp8(precision))
     head_flops = 2 * micro * seq_len / p.cp * args.dim * args.vocab_size / p.tp
     head = 3 * (t0 * _slowdown(profile, share) + head_flops / (rate * share))  # forward, dX, dW
     per_micro = layers * (b["fwd"] + b["bwd"] + b["elementwise"]) + head

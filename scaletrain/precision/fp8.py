@@ -22,7 +22,7 @@ def fp8_problems(device_type: str, tp: int = 1, capability: tuple[int, int] | No
     minor), read from device 0 when not given."""
     if device_type != "cuda":
         return [
-            f"training.precision 'fp8' needs a CUDA GPU with compute capability >= 8.9 (fp8 tensor cores: Ada, "
+            f"precision.compute 'fp8' needs a CUDA GPU with compute capability >= 8.9 (fp8 tensor cores: Ada, "
             f"Hopper or newer); this run is on {device_type}, which has no fp8 matrix units (torch runs torchao's "
             "float8 matmuls there as casts around plain kernels: 3.7x slower than fp32 on the debug model); use "
             "fp32, or bf16 where the hardware has bf16 units"
@@ -31,12 +31,12 @@ def fp8_problems(device_type: str, tp: int = 1, capability: tuple[int, int] | No
     problems = []
     if tuple(cap) < MIN_CAPABILITY:
         problems.append(
-            f"training.precision 'fp8' needs compute capability >= 8.9 (fp8 tensor cores); this GPU has "
+            f"precision.compute 'fp8' needs compute capability >= 8.9 (fp8 tensor cores); this GPU has "
             f"{cap[0]}.{cap[1]}; use bf16"
         )
     if tp > 1:
         problems.append(
-            "training.precision 'fp8' with parallel.tp > 1 is not supported: torchao's float8 tensor-parallel "
+            "precision.compute 'fp8' with parallel.tp > 1 is not supported: torchao's float8 tensor-parallel "
             "styles are not part of the TP plan; set parallel.tp = 1 or use bf16"
         )
     if (missing := torchao_problem("fp8 training")) is not None:

@@ -1,6 +1,6 @@
-"""How training.precision runs: the mechanism that casts (per-op autocast, or FSDP2's MixedPrecisionPolicy where
-FSDP2 wraps the model), the loss scaler fp16 needs, the checks made before launch, and the start-up warning on CPUs
-without bf16 matrix units."""
+"""How the [precision] section runs: the mechanism that casts (per-op autocast, or FSDP2's MixedPrecisionPolicy
+where FSDP2 wraps the model), the loss scaler fp16 needs, fp8 and QAT's choices, the checks made before launch, and
+the start-up warning on CPUs without bf16 matrix units."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from scaletrain.config import TrainingConfig
+from scaletrain.config import PrecisionConfig
 from scaletrain.hardware import cpu_flags
 from scaletrain.precision.fp8 import fp8_problems
 from scaletrain.precision.scaler import LossScaler
@@ -31,16 +31,18 @@ REDUCE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bf
 
 @dataclass
 class Precision:
-    """One run's precision, resolved once (train.py) and handed to `parallelize` (the FSDP policy, fp8 layers, the
-    pipeline's scaled loss) and to `build_step_runner` (autocast, the loss scaler)."""
+    """One run's precision, resolved once (train.py) and handed to `parallelize` (QAT and fp8 layers, the FSDP
+    policy, the pipeline's scaled loss) and to `build_step_runner` (autocast, the loss scaler)."""
 
-    name: str  # training.precision
+    name: str  # precision.compute
     mechanism: Mechanism
     device_type: str
     reduce_dtype: torch.dtype = torch.float32
     scaler: LossScaler | None = None  # fp16 only
     fp8_recipe: str | None = None  # fp8 only: "tensorwise" or "rowwise"
     fp8_all_gather: bool = False  # fp8 tensorwise under FSDP2: all-gather the weights in float8
+    qat: str = "none"  # precision.qat: the fake-quantisation scheme of the blocks' Linear layers
+    qat_group_size: int = 32
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -95,54 +97,57 @@ class Precision:
         return f"{self.name} via {how}{extra}"
 
 
-def resolve_precision(t: TrainingConfig, fsdp: bool, device: torch.device | str) -> Precision:
-    """The precision of training config `t` on `device` (or its type); `fsdp`: whether FSDP2 wraps the model
-    (parallelize.fsdp_applies).
+def resolve_precision(p: PrecisionConfig, fsdp: bool, device: torch.device | str) -> Precision:
+    """The precision section `p` on `device` (or its type); `fsdp`: whether FSDP2 wraps the model
+    (Layout.fsdp).
 
     auto picks the FSDP policy where FSDP2 wraps the model: the all-gathers then move half the bytes, each unit's
     cast happens once per gather instead of once per op and use, and no fp32 copy of a gathered unit is ever held
     (docs/performance.md, Precision, has the comparison)."""
-    if t.precision == "fp32":
+    if p.compute == "fp32":
         mechanism: Mechanism = "none"
-    elif t.mixed_precision == "auto":
+    elif p.mechanism == "auto":
         mechanism = "fsdp" if fsdp else "autocast"
     else:
-        mechanism = t.mixed_precision
+        mechanism = p.mechanism
     scaler = None
-    if t.precision == "fp16":
-        scaler = LossScaler(t.loss_scale_init, t.loss_scale_growth_interval)
-    fp8 = t.fp8_recipe if t.precision == "fp8" else None
+    if p.compute == "fp16":
+        scaler = LossScaler(p.loss_scale_init, p.loss_scale_growth_interval)
+    fp8 = p.fp8_recipe if p.compute == "fp8" else None
     return Precision(
-        t.precision,
+        p.compute,
         mechanism,
         device.type if isinstance(device, torch.device) else device,
-        REDUCE_DTYPES[t.reduce_dtype] if fsdp else torch.float32,
+        REDUCE_DTYPES[p.reduce_dtype] if fsdp else torch.float32,
         scaler,
         fp8,
         fp8_all_gather=fp8 == "tensorwise" and fsdp,
+        qat=p.qat,
+        qat_group_size=p.qat_group_size,
     )
 
 
-def precision_problems(t: TrainingConfig, fsdp: bool, device_type: str, tp: int = 1) -> list[str]:
-    """training.precision and its companions against the layout and the device, each with what to change."""
+def precision_problems(p: PrecisionConfig, fsdp: bool, device_type: str, tp: int = 1) -> list[str]:
+    """precision.compute and its companions against the layout and the device, each with what to change (QAT's
+    own: qat.qat_problems)."""
     problems = []
-    if t.mixed_precision == "fsdp" and not fsdp and t.precision != "fp32":
+    if p.mechanism == "fsdp" and not fsdp and p.compute != "fp32":
         problems.append(
-            "training.mixed_precision 'fsdp' needs a layout that FSDP2 wraps (parallel.data_parallel fsdp, zero2 or "
+            "precision.mechanism 'fsdp' needs a layout that FSDP2 wraps (parallel.data_parallel fsdp, zero2 or "
             "hsdp over more than one rank); use auto or autocast"
         )
-    if t.reduce_dtype != "fp32" and not fsdp:
+    if p.reduce_dtype != "fp32" and not fsdp:
         problems.append(
-            f"training.reduce_dtype '{t.reduce_dtype}' applies to FSDP2's gradient reduction only (fsdp, zero2 or "
+            f"precision.reduce_dtype '{p.reduce_dtype}' applies to FSDP2's gradient reduction only (fsdp, zero2 or "
             "hsdp over more than one rank); leave it fp32 for this layout"
         )
-    if t.precision == "fp16":
-        if t.loss_scale_init <= 0 or t.loss_scale_growth_interval < 1:
+    if p.compute == "fp16":
+        if p.loss_scale_init <= 0 or p.loss_scale_growth_interval < 1:
             problems.append(
-                "training.loss_scale_init must be > 0 and training.loss_scale_growth_interval >= 1, got "
-                f"{t.loss_scale_init} and {t.loss_scale_growth_interval}"
+                "precision.loss_scale_init must be > 0 and precision.loss_scale_growth_interval >= 1, got "
+                f"{p.loss_scale_init} and {p.loss_scale_growth_interval}"
             )
-    if t.precision == "fp8":
+    if p.compute == "fp8":
         problems += fp8_problems(device_type, tp)
     return problems
 
@@ -165,8 +170,8 @@ def cpu_precision_warning(name: str, device_type: str, flags: set[str] | None = 
     if flags & {"amx_bf16", "avx512_bf16"} or (name == "fp16" and "amx_fp16" in flags):
         return None
     return (
-        f"training.precision {name} on a CPU without bf16 matrix units (no amx_bf16 or avx512_bf16 in "
+        f"precision.compute {name} on a CPU without bf16 matrix units (no amx_bf16 or avx512_bf16 in "
         "/proc/cpuinfo): autocast there converts every matmul's operands and computes without hardware support; "
         "bf16 was measured 3-4x slower than fp32 for every stack (bare PyTorch, torchtitan, scaletrain), and on "
-        "the debug model bf16 ~9x and fp16 ~11x slower; use --training.precision fp32"
+        "the debug model bf16 ~9x and fp16 ~11x slower; use --precision.compute fp32"
     )

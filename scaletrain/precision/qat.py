@@ -17,6 +17,7 @@ from scaletrain.models.attention import document_ids
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.loss import cross_entropy
 from scaletrain.precision._torchao import import_quietly, torchao_problem
+from scaletrain.precision.policy import Precision
 
 log = logging.getLogger("scaletrain")
 
@@ -43,9 +44,9 @@ def block_linear_inputs(args: ModelArgs) -> dict[str, int]:
     }
 
 
-def qat_problems(p: PrecisionConfig, args: ModelArgs, *, tp: int, compute: str = "fp32") -> list[str]:
-    """precision.qat against the model shape, the layout and training.precision (`compute`); [] when it is off
-    or sound. bf16 and fp16 compose (the quantisers run in the autocast dtype: one forward/backward checked)."""
+def qat_problems(p: PrecisionConfig, args: ModelArgs, *, tp: int) -> list[str]:
+    """precision.qat against the model shape, the layout and precision.compute; [] when it is off or sound. bf16
+    and fp16 compose (the quantisers run in the autocast dtype: one forward/backward checked)."""
     if p.qat == "none":
         return []
     if p.qat_group_size < 1:
@@ -60,12 +61,12 @@ def qat_problems(p: PrecisionConfig, args: ModelArgs, *, tp: int, compute: str =
             + ", ".join(f"{k} ({v})" for k, v in bad.items())
             + f": each weight group takes that many input channels; use one of {ok or [1]}"
         )
-    if compute == "fp8":
+    if p.compute == "fp8":
         # fp8 swaps every nn.Linear for Float8Linear after QAT has swapped them (FakeQuantizedLinear is one):
         # the fake quantisation would silently be dropped.
         problems.append(
-            "precision.qat cannot be combined with training.precision fp8: both replace the blocks' Linear "
-            "layers; use training.precision fp32, bf16 or fp16 with QAT"
+            "precision.qat cannot be combined with precision.compute fp8: both replace the blocks' Linear "
+            "layers; use precision.compute fp32, bf16 or fp16 with QAT"
         )
     if tp > 1:
         # Measured with torch 2.13 / torchao 0.18: parallelize_module's Colwise/RowwiseParallel fail on a
@@ -95,9 +96,10 @@ def _blocks(model: nn.Module) -> nn.Module:
     return model.layers
 
 
-def apply_qat(model: nn.Module, p: PrecisionConfig) -> nn.Module:
+def apply_qat(model: nn.Module, p: PrecisionConfig | Precision) -> nn.Module:
     """torchao's QAT prepare step on the model's blocks (in place): each nn.Linear becomes a FakeQuantizedLinear,
-    an nn.Linear subclass with the same `weight` parameter, so names, checkpoints and FSDP are unchanged."""
+    an nn.Linear subclass with the same `weight` parameter, so names, checkpoints and FSDP are unchanged. `p`: the
+    precision section, or the run's resolved Precision (which carries its qat and qat_group_size)."""
     if p.qat == "none":
         return model
     tq = _torchao_quantization()

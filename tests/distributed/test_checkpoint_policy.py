@@ -166,4 +166,4 @@ def test_a_write_failing_on_one_rank_turns_the_memory_tier_off_on_every_rank(see
         assert [o["step"] for o in r["off"]] == [2], r
         assert "failed on rank 1" in r["off"][0]["reason"] and "File too large" in r["off"][0]["reason"], r
         assert r["snapshots"] == [] and r["left"] == [], r
-        assert "resilience.memory_interval = 0" in r["reason"]
+        assert "checkpoint.snapshot_interval = 0" in r["reason"]

@@ -256,7 +256,7 @@ def test_comm_problems_refuse_what_is_not_supported_with_the_fix():
         (problem,) = comm_problems(Layout.resolve(ParallelConfig(**kw), TrainingConfig(), 64, world))
         return problem
 
-    assert "training.reduce_dtype = 'bf16'" in one(data_parallel="fsdp", grad_compression="bf16")
+    assert "precision.reduce_dtype = 'bf16'" in one(data_parallel="fsdp", grad_compression="bf16")
     assert "tp = pp = cp = 1" in one(tp=2, grad_compression="powersgd")
     assert "powersgd_start_iter >= 2" in one(powersgd_start_iter=1)
     assert "fsdp_prefetch must be >= 0" in one(fsdp_prefetch=-1)

@@ -77,7 +77,7 @@ def test_no_collective_of_a_training_run_uses_the_default_group(tmp_path, layout
         *layout,
         "--checkpoint.interval",
         "2",
-        "--resilience.memory_interval",
+        "--checkpoint.snapshot_interval",
         "3",
         "--resilience.straggler_factor",
         "3",

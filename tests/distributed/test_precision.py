@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from scaletrain.checkpoint import ModelState
-from scaletrain.config import ParallelConfig, TrainingConfig
+from scaletrain.config import ParallelConfig, PrecisionConfig, TrainingConfig
 from scaletrain.optim import Optimizers
 from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
@@ -104,10 +104,10 @@ def _build(spec: dict, world_size: int, rank: int):
     if not single and dims.mesh is None:
         dims.build_mesh("cpu")
     m = 2 if pcfg.pp > 1 else 1  # pipeline micro-batches: the schedule's loss_fn carries the fp16 scale
-    tcfg = TrainingConfig(
-        micro_batch=GLOBAL_BATCH // dims.dp_size // m,
-        precision=spec["precision"],
-        mixed_precision=spec.get("mixed_precision", "auto"),
+    tcfg = TrainingConfig(micro_batch=GLOBAL_BATCH // dims.dp_size // m)
+    prec = PrecisionConfig(
+        compute=spec["precision"],
+        mechanism=spec.get("mechanism", "auto"),
         loss_scale_init=1024.0,
         loss_scale_growth_interval=spec.get("growth", 2000),
     )
@@ -116,8 +116,8 @@ def _build(spec: dict, world_size: int, rank: int):
     step = {"i": -1}
     if "inject" in spec:
         _inject_inf(model, lambda: step["i"], spec["inject"], rank)
-    precision = resolve_precision(tcfg, fsdp_applies(dims, pcfg.data_parallel), "cpu")
-    pm = parallelize(model, dims, pcfg, device=CPU, n_microbatches=m, precision_policy=precision)
+    precision = resolve_precision(prec, fsdp_applies(dims, pcfg.data_parallel), "cpu")
+    pm = parallelize(model, dims, pcfg, device=CPU, n_microbatches=m, precision=precision)
     build = optimizer_builder(OPT, pcfg.data_parallel, dims.submesh("dp_cp"), CPU)
     optimizers = Optimizers(pm.parts, build, OPT, spec.get("steps", STEPS))
     runner = build_step_runner(pm, dims, pcfg, tcfg, CPU, precision=precision)
@@ -196,7 +196,7 @@ CASES = {
     "single_bf16": dict(layout="single", precision="bf16", rank=1),
     "single_fp16": dict(layout="single", precision="fp16", rank=0),
     "fsdp_fp32": dict(layout="fsdp", precision="fp32"),
-    "fsdp_bf16_autocast": dict(layout="fsdp", precision="bf16", mixed_precision="autocast"),
+    "fsdp_bf16_autocast": dict(layout="fsdp", precision="bf16", mechanism="autocast"),
     "fsdp_bf16_policy": dict(layout="fsdp", precision="bf16"),  # auto: the FSDP2 policy
     "fsdp_fp16_policy": dict(layout="fsdp", precision="fp16"),
     "pp2_fp16": dict(layout="pp2", precision="fp16"),

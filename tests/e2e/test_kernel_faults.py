@@ -61,7 +61,7 @@ def test_a_dev_shm_smaller_than_a_snapshot_turns_the_memory_tier_off_and_the_run
     tier turns itself off before step 1 with a warning and an event, and the run trains and commits its final
     storage checkpoint. Before issue 21 the first snapshot's SafetensorError (ENOSPC) killed the run at step 3."""
     run = tmp_path / "run"
-    p = _train("--run.dir", str(run), "--resilience.memory_interval", "3",
+    p = _train("--run.dir", str(run), "--checkpoint.snapshot_interval", "3",
                mount="mount -t tmpfs -o size=2m tmpfs /dev/shm")  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
@@ -80,7 +80,7 @@ def test_a_dev_shm_that_fills_up_turns_the_tier_off_at_the_next_snapshot_and_the
     is complete): the first snapshot is taken, the second finds no room, the tier turns off there, and the final
     storage save still happens (it used to snapshot to memory first and die)."""
     run = tmp_path / "run"
-    p = _train("--run.dir", str(run), "--resilience.memory_interval", "2",
+    p = _train("--run.dir", str(run), "--checkpoint.snapshot_interval", "2",
                mount="mount -t tmpfs -o size=12m tmpfs /dev/shm")  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
@@ -131,7 +131,7 @@ def test_a_file_size_limit_fails_every_save_cleanly(tmp_path):
         "prepare-data", "--config", DEBUG
     )  # the tokenised data (22 MiB) is written before the limit applies
     run = tmp_path / "run"
-    p = _train("--run.dir", str(run), "--resilience.memory_interval", "2", "--checkpoint.interval", "3",
+    p = _train("--run.dir", str(run), "--checkpoint.snapshot_interval", "2", "--checkpoint.interval", "3",
                preexec_fn=_limit_file_size)  # fmt: skip
     assert p.returncode == 1, p.stderr
     assert "Traceback" not in p.stderr

@@ -26,7 +26,7 @@ def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupte
         "true",
         "--checkpoint.interval",
         "3",
-        "--resilience.memory_interval",
+        "--checkpoint.snapshot_interval",
         "2",
     ]
     ref, run = tmp_path / "ref", tmp_path / "run"
@@ -113,7 +113,7 @@ def test_loss_spike_rolls_back_and_skips_the_bad_batches(tmp_path):
         *BASE,
         "--training.steps",
         "20",
-        "--resilience.memory_interval",
+        "--checkpoint.snapshot_interval",
         "4",
         "--resilience.spike_zscore",
         "4",
@@ -220,7 +220,7 @@ def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path)
         "true",
         "--checkpoint.interval",
         "3",
-        "--resilience.memory_interval",
+        "--checkpoint.snapshot_interval",
         "2",
     ]
     ref, run = tmp_path / "ref", tmp_path / "run"

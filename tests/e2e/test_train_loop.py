@@ -57,7 +57,7 @@ def test_a_kill_during_the_final_save_resumes_from_the_memory_tier(tmp_path):
         *BASE,
         "--training.steps",
         "8",
-        "--resilience.memory_interval",
+        "--checkpoint.snapshot_interval",
         "3",
         _inject('{kind="kill_during_save", step=8}'),
     )

@@ -23,7 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from scaletrain.checkpoint import CheckpointManager, ModelState, TrainState
-from scaletrain.config import CheckpointConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from scaletrain.config import (
+    CheckpointConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainingConfig,
+)
 from scaletrain.metrics.memory import peak_memory_mib
 from scaletrain.optim import Optimizers, build_optimizer
 from scaletrain.parallel.data_parallel import apply_fsdp, full_state_dict, optimizer_builder
@@ -522,7 +528,7 @@ def test_train_on_cuda_writes_finite_falling_losses(tmp_path, precision):
     run is on the GPU (the start event and the log line say so), in both precisions, with a checkpoint mid-run."""
     run = tmp_path / "run"
     args = ["--config", DEBUG, *QUICK, "--run.dir", str(run), "--training.device", "cuda"]
-    proc = run_cli("train", *args, "--training.precision", precision, "--checkpoint.interval", "10")
+    proc = run_cli("train", *args, "--precision.compute", precision, "--checkpoint.interval", "10")
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [5, 10, 15, 20]
     assert all(m["loss"] is not None and math.isfinite(m["loss"]) for m in metrics), metrics
@@ -553,10 +559,9 @@ def _fp8_worker(rank: int, world_size: int, out: str) -> None:
         ("rowwise", "rowwise", False),
         ("tensorwise_fsdp", "tensorwise", True),
     ):
-        tcfg = TrainingConfig(
-            micro_batch=4, precision="fp8" if recipe else "bf16", fp8_recipe=recipe or "tensorwise"
-        )
-        precision = resolve_precision(tcfg, fsdp, "cuda")
+        tcfg = TrainingConfig(micro_batch=4)
+        pcfg = PrecisionConfig(compute="fp8" if recipe else "bf16", fp8_recipe=recipe or "tensorwise")
+        precision = resolve_precision(pcfg, fsdp, "cuda")
         model = full_model(ARGS).to(CUDA)
         if fsdp:
             mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp_shard_cp",))
@@ -565,7 +570,7 @@ def _fp8_worker(rank: int, world_size: int, out: str) -> None:
             pm = ParallelModel([apply_fsdp(model, mesh, reshard_after_forward=True, mp_policy=policy)])
         else:
             pm = parallelize(model, ParallelDims(), ParallelConfig(), device=CUDA, n_microbatches=1,
-                             precision_policy=precision)  # fmt: skip
+                             precision=precision)  # fmt: skip
         optimizers = Optimizers(pm.parts, lambda part: build_optimizer(part, OPT, CUDA), OPT, STEPS)
         runner = build_step_runner(pm, ParallelDims(), ParallelConfig(), tcfg, CUDA, precision=precision)
         losses = []

@@ -11,10 +11,10 @@ from tests.helpers import DEBUG, QUICK
 
 
 def test_parse_variant():
-    assert parse_variant("training.precision=bf16, training.compile = true") == [
-        "--training.precision", "bf16", "--training.compile", "true",
+    assert parse_variant("precision.compute=bf16, training.compile = true") == [
+        "--precision.compute", "bf16", "--training.compile", "true",
     ]  # fmt: skip
-    for bad in ("precision=bf16", "training.precision", " , "):
+    for bad in ("precision=bf16", "precision.compute", " , "):
         with pytest.raises(ConfigError, match="section.key"):
             parse_variant(bad)
 

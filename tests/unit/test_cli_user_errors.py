@@ -66,11 +66,9 @@ def test_bench_and_parity_check_every_variant_before_the_first_run(monkeypatch):
     ran = []
     runner = lambda *a: ran.append(a) or []  # noqa: E731
     with pytest.raises(ConfigError) as e:
-        bench.run_bench(DEBUG, ["optimizer.lr=1e-3", "training.precision=fp7"], QUICK, steps=3, runner=runner)
+        bench.run_bench(DEBUG, ["optimizer.lr=1e-3", "precision.compute=fp7"], QUICK, steps=3, runner=runner)
     assert ran == [] and len(e.value.problems) == 1
-    assert e.value.problems[0].startswith(
-        "training.precision=fp7: 'training.precision' = 'fp7' is not one of"
-    )
+    assert e.value.problems[0].startswith("precision.compute=fp7: 'precision.compute' = 'fp7' is not one of")
     monkeypatch.setattr(parity, "run_train", runner)
     with pytest.raises(ConfigError) as e:
         parity.run_parity(DEBUG, ["dp_shard=2", "tp=3"], 2, QUICK, 1e-5, 2e-5)

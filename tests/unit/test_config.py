@@ -61,6 +61,20 @@ def test_unknown_keys_name_the_nearest_valid_key():
     assert any("'modle'" in p or "'modle.dim'" in p for p in got)
 
 
+def test_a_renamed_key_names_its_new_place(tmp_path):
+    got = problems("--training.precision", "bf16", "--resilience.memory_interval", "2")
+    assert got == [
+        "unknown key 'training.precision': it was renamed 'precision.compute' (--precision.compute VALUE, or "
+        "compute = ... under [precision])",
+        "unknown key 'resilience.memory_interval': it was renamed 'checkpoint.snapshot_interval' "
+        "(--checkpoint.snapshot_interval VALUE, or snapshot_interval = ... under [checkpoint])",
+    ]
+    old = tmp_path / "old.toml"
+    old.write_text('[training]\nreduce_dtype = "bf16"\n')
+    (msg,) = problems(path=str(old))
+    assert "it was renamed 'precision.reduce_dtype'" in msg
+
+
 def test_an_unknown_key_hides_no_other_problem():
     got = problems("--training.foo", "1", "--training.steps", "-3")
     assert any("'training.foo'" in p for p in got) and any("training.steps" in p for p in got), got
@@ -70,7 +84,7 @@ def test_every_problem_is_reported_at_once():
     got = problems(
         "--training.steps",
         "abc",
-        "--training.precision",
+        "--precision.compute",
         "fp4",
         "--optimizer.lr",
         "-1",
@@ -81,7 +95,7 @@ def test_every_problem_is_reported_at_once():
     )
     joined = "\n".join(got)
     assert "'training.steps' must be an integer" in joined
-    assert "'training.precision'" in joined and "fp32, bf16" in joined
+    assert "'precision.compute'" in joined and "fp32, bf16" in joined
     # Type errors stop before value checks: fix the types, then the values are checked together.
     got = problems(
         "--optimizer.lr",

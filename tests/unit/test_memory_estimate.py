@@ -111,13 +111,18 @@ def test_activation_formula_and_its_scaling():
 
 
 H100 = 80 * GiB
-BIG = TrainingConfig(micro_batch=1, precision="bf16")
+BIG, BF16 = TrainingConfig(micro_batch=1), "bf16"
 
 
 def test_8b_fits_under_fsdp_on_8x80gib_and_not_under_ddp():
     args = preset("8B")
-    assert memory_problem(args, ParallelConfig(data_parallel="fsdp"), BIG, 256, 8, device_bytes=H100) is None
-    msg = memory_problem(args, ParallelConfig(), BIG, 256, 8, device_bytes=H100)
+    assert (
+        memory_problem(
+            args, ParallelConfig(data_parallel="fsdp"), BIG, 256, 8, device_bytes=H100, precision=BF16
+        )
+        is None
+    )
+    msg = memory_problem(args, ParallelConfig(), BIG, 256, 8, device_bytes=H100, precision=BF16)
     # ddp: 16 bytes x 8.03e9 parameters = 119.7 GiB of state alone on every rank.
     assert msg is not None and "parameters 29.9, gradients 29.9, optimizer 59.8" in msg
     assert "more than the 80.0 GiB GPU" in msg and "--parallel.data_parallel fsdp" in msg
@@ -126,19 +131,26 @@ def test_8b_fits_under_fsdp_on_8x80gib_and_not_under_ddp():
 def test_70b_needs_more_than_8_ranks_of_fsdp():
     args = preset("70B")
     # 70.6e9 x 16 B / 8 ranks = 131 GiB of sharded state per rank > 80 GiB: refused, and more ranks suggested.
-    msg = memory_problem(args, ParallelConfig(data_parallel="fsdp"), BIG, 256, 8, device_bytes=H100)
+    msg = memory_problem(
+        args, ParallelConfig(data_parallel="fsdp"), BIG, 256, 8, device_bytes=H100, precision=BF16
+    )
     assert msg is not None and "optimizer 65.7" in msg and "more devices" in msg
-    assert memory_problem(args, ParallelConfig(data_parallel="fsdp"), BIG, 256, 64, device_bytes=H100) is None
+    assert (
+        memory_problem(
+            args, ParallelConfig(data_parallel="fsdp"), BIG, 256, 64, device_bytes=H100, precision=BF16
+        )
+        is None
+    )
     p = ParallelConfig(data_parallel="fsdp", tp=8, pp=2)
-    assert memory_problem(args, p, BIG, 256, 32, device_bytes=H100, local_batch=8) is None
+    assert memory_problem(args, p, BIG, 256, 32, device_bytes=H100, precision=BF16, local_batch=8) is None
 
 
 def test_the_suggested_micro_batch_is_the_largest_that_fits():
     args, fsdp = preset("8B", 4096), ParallelConfig(data_parallel="fsdp")
 
     def problem(micro: int) -> str | None:
-        t = TrainingConfig(micro_batch=micro, precision="bf16")
-        return memory_problem(args, fsdp, t, 4096, 8, device_bytes=H100)
+        t = TrainingConfig(micro_batch=micro)
+        return memory_problem(args, fsdp, t, 4096, 8, device_bytes=H100, precision="bf16")
 
     msg = problem(8)
     assert msg is not None and "--training.micro_batch 2 (" in msg and "--memory.recompute full (" in msg
@@ -155,7 +167,7 @@ def gpus_of_80gib(monkeypatch):
 
 
 def test_load_config_takes_sharded_8b_and_70b_and_refuses_ddp(gpus_of_80gib):
-    common = ["--training.micro_batch", "1", "--training.global_batch", "64", "--training.precision", "bf16"]
+    common = ["--training.micro_batch", "1", "--training.global_batch", "64", "--precision.compute", "bf16"]
     load_config(None, ["--model.preset", "8B", "--parallel.data_parallel", "fsdp", *common], world_size=8)
     layout = ["--parallel.data_parallel", "fsdp", "--parallel.tp", "8", "--parallel.pp", "2"]
     load_config(None, ["--model.preset", "70B", *layout, *common], world_size=32)
@@ -185,10 +197,19 @@ def test_recompute_shrinks_the_activations_it_drops_and_adds_one_block_back(poli
 def test_recompute_is_offered_when_activations_do_not_fit():
     # 8B at seq 16384 on 8 x 80 GiB under fsdp: activations, not state, overflow; full recompute fits.
     args, fsdp = preset("8B", 16384), ParallelConfig(data_parallel="fsdp")
-    msg = memory_problem(args, fsdp, BIG, 16384, 8, device_bytes=H100)
+    msg = memory_problem(args, fsdp, BIG, 16384, 8, device_bytes=H100, precision=BF16)
     assert msg is not None and "--memory.recompute full (" in msg
     assert (
-        memory_problem(args, fsdp, BIG, 16384, 8, device_bytes=H100, memory=MemoryConfig(recompute="full"))
+        memory_problem(
+            args,
+            fsdp,
+            BIG,
+            16384,
+            8,
+            device_bytes=H100,
+            precision=BF16,
+            memory=MemoryConfig(recompute="full"),
+        )
         is None
     )
 

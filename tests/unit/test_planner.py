@@ -9,7 +9,15 @@ import json
 
 import pytest
 
-from scaletrain.config import Config, DataConfig, MemoryConfig, ModelConfig, ParallelConfig, TrainingConfig
+from scaletrain.config import (
+    Config,
+    DataConfig,
+    MemoryConfig,
+    ModelConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainingConfig,
+)
 from scaletrain.errors import ConfigError
 from scaletrain.models.llama import count_parameters
 from scaletrain.models.presets import build_meta_model, resolve_model_args
@@ -62,16 +70,16 @@ def test_per_rank_state_of_8b_on_64_ranks_is_the_zero_formula(mode, stage):
 
 def test_bf16_gathers_in_16_bits_and_offload_moves_the_state_to_the_host():
     args = resolve_model_args(ModelConfig(preset="1B"), None, 256)
-    fp32, bf16 = TrainingConfig(micro_batch=1), TrainingConfig(micro_batch=1, precision="bf16")
+    t = TrainingConfig(micro_batch=1)
     fsdp = ParallelConfig(data_parallel="fsdp")
-    a, b = per_rank_bytes(args, fsdp, fp32, 256, 8), per_rank_bytes(args, fsdp, bf16, 256, 8)
+    a, b = per_rank_bytes(args, fsdp, t, 256, 8), per_rank_bytes(args, fsdp, t, 256, 8, precision="bf16")
     assert b["parameters"] == a["parameters"] and b["optimizer"] == a["optimizer"]  # fp32 master weights
     # fp32: 3 blocks x 4 B; bf16: 3 x 2 B plus the fp32 copy of the reduced gradient (4 B).
     assert b["gathered"] == pytest.approx(a["gathered"] * 10 / 12)
     assert b["activations"] < a["activations"]
-    ddp = per_rank_bytes(args, ParallelConfig(), bf16, 256, 8)
+    ddp = per_rank_bytes(args, ParallelConfig(), t, 256, 8, precision="bf16")
     assert ddp["gathered"] == pytest.approx(ddp["parameters"] / 2)  # autocast's bf16 copy of every weight
-    off = per_rank_bytes(args, fsdp, fp32, 256, 8, memory=MemoryConfig(optimizer_offload=True))
+    off = per_rank_bytes(args, fsdp, t, 256, 8, memory=MemoryConfig(optimizer_offload=True))
     assert off["parameters"] == off["gradients"] == off["optimizer"] == 0
     assert off["host"] == pytest.approx(a["parameters"] + a["gradients"] + a["optimizer"])
     assert off["total"] == pytest.approx(a["total"] - off["host"])
@@ -107,10 +115,11 @@ ARGS_8B = resolve_model_args(ModelConfig(preset="8B"), None, 8192)
 
 
 def _time(p: ParallelConfig, recompute: str = "none", world: int = 8, **kw) -> dict:
-    t = TrainingConfig(micro_batch=1, precision="bf16")
+    t = TrainingConfig(micro_batch=1)
     return step_time(
-        ARGS_8B, p, t, MemoryConfig(recompute=recompute), 8192, world, GPUS["h100"], global_batch=8, **kw
-    )
+        ARGS_8B, p, t, MemoryConfig(recompute=recompute), 8192, world, GPUS["h100"], global_batch=8,
+        precision="bf16", **kw,
+    )  # fmt: skip
 
 
 def test_recompute_adds_forward_flops_and_tp_is_on_the_critical_path():
@@ -128,18 +137,18 @@ def test_recompute_adds_forward_flops_and_tp_is_on_the_critical_path():
 
 
 def _precision_time(args, precision: str) -> dict:
-    t = TrainingConfig(micro_batch=1, precision=precision)
+    t = TrainingConfig(micro_batch=1)
     p = ParallelConfig(data_parallel="fsdp")
-    return step_time(args, p, t, MemoryConfig(), 8192, 8, GPUS["h100"], global_batch=8)
+    return step_time(args, p, t, MemoryConfig(), 8192, 8, GPUS["h100"], global_batch=8, precision=precision)
 
 
 def test_fp8_speeds_the_block_linears_only_and_mfu_is_against_the_bf16_peak():
     bf16, fp8 = _precision_time(ARGS_8B, "bf16"), _precision_time(ARGS_8B, "fp8")
     # Activations and what FSDP gathers are bf16 under both (torchao keeps bf16 inputs for backward).
     assert fp8["micro_batch"] == bf16["micro_batch"]
-    assert per_rank_bytes(ARGS_8B, ParallelConfig(data_parallel="fsdp"), TrainingConfig(micro_batch=1,
-        precision="fp8"), 8192, 8) == per_rank_bytes(ARGS_8B, ParallelConfig(data_parallel="fsdp"),
-        TrainingConfig(micro_batch=1, precision="bf16"), 8192, 8)  # fmt: skip
+    assert per_rank_bytes(ARGS_8B, ParallelConfig(data_parallel="fsdp"), TrainingConfig(micro_batch=1), 8192, 8,
+        precision="fp8") == per_rank_bytes(ARGS_8B, ParallelConfig(data_parallel="fsdp"),
+        TrainingConfig(micro_batch=1), 8192, 8, precision="bf16")  # fmt: skip
     # H100's fp8 peak is twice bf16's: the Linear layers take half the time, attention and the head as long.
     assert bf16["head_s"] == fp8["head_s"]
     linear_share = 1 - _attention_share(ARGS_8B)
@@ -328,8 +337,9 @@ def test_gpu_calibration_measures_in_place_of_the_datasheet_fractions(tmp_path):
 
 
 def _search_cfg(preset: str, seq: int, tokens: int) -> Config:
-    t = TrainingConfig(global_batch_tokens=tokens, precision="bf16", eval_interval=0)
-    return Config(model=ModelConfig(preset=preset), data=DataConfig(seq_len=seq), training=t)
+    t = TrainingConfig(global_batch_tokens=tokens, eval_interval=0)
+    bf16 = PrecisionConfig(compute="bf16")
+    return Config(model=ModelConfig(preset=preset), data=DataConfig(seq_len=seq), training=t, precision=bf16)
 
 
 def test_405b_on_8_gpus_is_refused_with_the_reason():
@@ -394,7 +404,7 @@ def test_8b_on_8_h100_plans_are_ranked_and_all_validate(monkeypatch):
         "--training.global_batch_tokens",
         str(8192 * 16),
     ]
-    base += ["--training.precision", "bf16", "--training.eval_interval", "0"]
+    base += ["--precision.compute", "bf16", "--training.eval_interval", "0"]
     load_config(None, base + plans[0].overrides(), world_size=8)
 
 

@@ -1,4 +1,4 @@
-"""training.precision on one process: the loss scaler's growth, backoff and checkpointed state; which mechanism each
+"""precision.compute on one process: the loss scaler's growth, backoff and checkpointed state; which mechanism each
 layout gets; the checks before launch (fp8 off fp8 hardware, the FSDP-only switches); the CPU warning; fp8's choice
 of layers; and an fp16 step whose gradient overflows, skipped by StepRunner without the guard counting it."""
 
@@ -10,7 +10,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from scaletrain.config import Config, OptimizerConfig, ParallelConfig, ResilienceConfig, TrainingConfig
+from scaletrain.config import (
+    Config,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    ResilienceConfig,
+    TrainingConfig,
+)
 from scaletrain.config_io import to_dict
 from scaletrain.errors import ConfigError
 from scaletrain.models import ModelArgs, build_model
@@ -75,20 +82,20 @@ def test_scaling_and_unscaling_by_a_power_of_two_are_exact():
 
 
 def test_each_layout_gets_its_mechanism():
-    bf16 = TrainingConfig(precision="bf16")
+    bf16 = PrecisionConfig(compute="bf16")
     on_fsdp, on_ddp = resolve_precision(bf16, True, "cpu"), resolve_precision(bf16, False, "cpu")
     assert on_fsdp.mechanism == "fsdp" and on_ddp.mechanism == "autocast"
     mp = on_fsdp.mp_policy()
     assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
-    assert isinstance(on_fsdp.autocast(), type(resolve_precision(TrainingConfig(), True, "cpu").autocast()))
+    assert isinstance(on_fsdp.autocast(), type(resolve_precision(PrecisionConfig(), True, "cpu").autocast()))
     assert on_ddp.mp_policy() is None and on_ddp.autocast().fast_dtype == torch.bfloat16
-    forced = resolve_precision(TrainingConfig(precision="bf16", mixed_precision="autocast"), True, "cpu")
+    forced = resolve_precision(PrecisionConfig(compute="bf16", mechanism="autocast"), True, "cpu")
     assert forced.mechanism == "autocast" and forced.mp_policy() is None
-    fp32 = resolve_precision(TrainingConfig(), True, "cpu")
+    fp32 = resolve_precision(PrecisionConfig(), True, "cpu")
     assert fp32.mechanism == "none" and fp32.mp_policy() is None and fp32.scaler is None
-    reduced = resolve_precision(TrainingConfig(reduce_dtype="bf16"), True, "cpu").mp_policy()
+    reduced = resolve_precision(PrecisionConfig(reduce_dtype="bf16"), True, "cpu").mp_policy()
     assert (reduced.param_dtype, reduced.reduce_dtype) == (None, torch.bfloat16)
-    fp16 = resolve_precision(TrainingConfig(precision="fp16", loss_scale_init=256.0), False, "cpu")
+    fp16 = resolve_precision(PrecisionConfig(compute="fp16", loss_scale_init=256.0), False, "cpu")
     assert fp16.scaler.scale == 256.0 and "loss scale" in fp16.describe()
     assert mfu_precision("fp16", "cuda") == "bf16" and mfu_precision("fp16", "cpu") == "fp32"
     assert mfu_precision("fp8", "cuda") == "bf16"
@@ -101,10 +108,10 @@ def _problems(*overrides: str, world_size: int = 1) -> list[str]:
 
 
 def test_fp8_is_refused_before_launch_off_fp8_hardware():
-    (msg,) = _problems("--training.precision", "fp8", "--training.device", "cpu")
+    (msg,) = _problems("--precision.compute", "fp8", "--training.device", "cpu")
     assert "needs a CUDA GPU with compute capability >= 8.9" in msg and "this run is on cpu" in msg
     with_qat = _problems(
-        "--training.precision", "fp8", "--training.device", "cpu", "--precision.qat", "int8_int4"
+        "--precision.compute", "fp8", "--training.device", "cpu", "--precision.qat", "int8_int4"
     )
     assert len(with_qat) == 2 and any("both replace the blocks' Linear layers" in p for p in with_qat)
     (old,) = fp8_problems("cuda", capability=(8, 0))
@@ -114,28 +121,31 @@ def test_fp8_is_refused_before_launch_off_fp8_hardware():
 
 
 def test_fsdp_only_switches_are_refused_where_fsdp_does_not_wrap():
-    got = _problems("--training.precision", "bf16", "--training.mixed_precision", "fsdp", "--training.reduce_dtype",
+    got = _problems("--precision.compute", "bf16", "--precision.mechanism", "fsdp", "--precision.reduce_dtype",
                     "bf16")  # fmt: skip
     assert len(got) == 2 and "use auto or autocast" in got[0] and "leave it fp32" in got[1]
-    load_config(None, ["--training.precision", "bf16", "--training.mixed_precision", "fsdp",
-                       "--parallel.data_parallel", "fsdp", "--training.reduce_dtype", "bf16"], world_size=2)  # fmt: skip
-    (scale,) = _problems("--training.precision", "fp16", "--training.loss_scale_growth_interval", "0")
+    load_config(None, ["--precision.compute", "bf16", "--precision.mechanism", "fsdp",
+                       "--parallel.data_parallel", "fsdp", "--precision.reduce_dtype", "bf16"], world_size=2)  # fmt: skip
+    (scale,) = _problems("--precision.compute", "fp16", "--precision.loss_scale_growth_interval", "0")
     assert "loss_scale_growth_interval >= 1" in scale
 
 
 def test_switching_to_fp16_on_resume_is_refused():
     saved, new = Config(), Config()
-    new.training.precision = "fp16"
-    (msg,) = [p for p in resume_problems(to_dict(saved), to_dict(new), ["training"]) if "loss-scaler" in p]
+    new.precision.compute = "fp16"
+    (msg,) = [p for p in resume_problems(to_dict(saved), to_dict(new), ["precision"]) if "loss-scaler" in p]
     assert "new --run.dir" in msg
     back = Config()
-    back.training.precision = "fp16"
-    assert resume_problems(to_dict(back), to_dict(saved), ["training.precision"]) == []
+    back.precision.compute = "fp16"
+    assert resume_problems(to_dict(back), to_dict(saved), ["precision.compute"]) == []
+    assert (
+        resume_problems(to_dict(back), to_dict(saved), ["training.precision"]) == []
+    )  # named by its old name
 
 
 def test_cpu_without_bf16_units_warns_with_the_reason():
     msg = cpu_precision_warning("bf16", "cpu", flags={"avx2", "fma"})
-    assert "no amx_bf16 or avx512_bf16" in msg and "3-4x slower" in msg and "--training.precision fp32" in msg
+    assert "no amx_bf16 or avx512_bf16" in msg and "3-4x slower" in msg and "--precision.compute fp32" in msg
     assert "fp16" in cpu_precision_warning("fp16", "cpu", flags={"avx2"})
     assert cpu_precision_warning("bf16", "cpu", flags={"avx512_bf16"}) is None
     assert cpu_precision_warning("bf16", "cpu", flags={"amx_bf16"}) is None
@@ -148,9 +158,9 @@ def test_fp8_swaps_the_block_linears_and_keeps_the_output_projection():
     args = ModelArgs(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=128, max_seq_len=16
     )
-    precision = resolve_precision(TrainingConfig(precision="fp8", fp8_recipe="rowwise"), False, "cuda")
+    precision = resolve_precision(PrecisionConfig(compute="fp8", fp8_recipe="rowwise"), False, "cuda")
     pm = parallelize(build_model(args, 0, CPU), ParallelDims(), ParallelConfig(), device=CPU, n_microbatches=1,
-                     precision_policy=precision)  # fmt: skip
+                     precision=precision)  # fmt: skip
     kinds = {
         name: type(m).__name__ for name, m in pm.parts[0].named_modules() if "Linear" in type(m).__name__
     }
@@ -167,10 +177,10 @@ def _fp16_step_setup(tmp_path):
         dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, vocab_size=64, max_seq_len=16
     )
     model = build_model(args, 0, CPU)
-    tcfg = TrainingConfig(micro_batch=2, precision="fp16", loss_scale_init=1024.0)
-    precision = resolve_precision(tcfg, False, "cpu")
+    tcfg = TrainingConfig(micro_batch=2)
+    precision = resolve_precision(PrecisionConfig(compute="fp16", loss_scale_init=1024.0), False, "cpu")
     pm = parallelize(model, ParallelDims(), ParallelConfig(), device=CPU, n_microbatches=1,
-                     precision_policy=precision)  # fmt: skip
+                     precision=precision)  # fmt: skip
     runner = build_step_runner(pm, ParallelDims(), ParallelConfig(), tcfg, CPU, precision=precision)
     opt = OptimizerConfig(warmup_steps=0)
     optimizers = Optimizers(pm.parts, lambda p: build_optimizer(p, opt, CPU), opt, 10)

@@ -19,13 +19,13 @@ def test_fp16_run_skips_overflows_records_the_scale_and_checkpoints_it(tmp_path)
     run = tmp_path / "run"
     proc = run_cli(
         "train", "--config", DEBUG, *QUICK, *SMALL, "--run.dir", str(run), "--training.steps", "6",
-        "--training.eval_interval", "0", "--metrics.log_interval", "1", "--training.precision", "fp16",
+        "--training.eval_interval", "0", "--metrics.log_interval", "1", "--precision.compute", "fp16",
         # 2^18: the first steps overflow for sure; a guard that saw them would roll back at the first one.
-        "--training.loss_scale_init", "262144", "--resilience.nan_rollback_after", "1",
+        "--precision.loss_scale_init", "262144", "--resilience.nan_rollback_after", "1",
     )  # fmt: skip
     assert "precision fp16 via torch.autocast(cpu, fp16), dynamic loss scale from 262144" in proc.stderr
     if not cpu_flags() & {"amx_bf16", "avx512_bf16"}:
-        assert "no amx_bf16 or avx512_bf16" in proc.stderr and "use --training.precision fp32" in proc.stderr
+        assert "no amx_bf16 or avx512_bf16" in proc.stderr and "use --precision.compute fp32" in proc.stderr
     metrics = read_jsonl(run / "metrics.jsonl")
     scales = [m["loss_scale"] for m in metrics]
     skipped = [m["overflow_skipped"] for m in metrics]

@@ -105,9 +105,9 @@ def test_qat_problems_name_the_fix():
     assert "[64, 32, 16, 8]" in bad
     (tp,) = qat_problems(INT4, ARGS, tp=2)
     assert "parallel.tp > 1" in tp and "precision.qat = none" in tp
-    (fp8,) = qat_problems(INT4, ARGS, tp=1, compute="fp8")
-    assert "training.precision fp8" in fp8 and "fp32, bf16 or fp16" in fp8
-    assert qat_problems(INT4, ARGS, tp=1, compute="bf16") == []
+    (fp8,) = qat_problems(PrecisionConfig(qat="int8_int4", qat_group_size=16, compute="fp8"), ARGS, tp=1)
+    assert "precision.compute fp8" in fp8 and "fp32, bf16 or fp16" in fp8
+    assert qat_problems(PrecisionConfig(qat="int8_int4", qat_group_size=16, compute="bf16"), ARGS, tp=1) == []
     assert "must be >= 1" in qat_problems(PrecisionConfig(qat="int8_int8", qat_group_size=0), ARGS, tp=1)[0]
 
 
