@@ -41,12 +41,12 @@ from scaletrain.rundir import RunDir, continue_command, default_run_dir, find_ru
 from scaletrain.validate import load_config
 
 USAGE = """\
-scaletrain train        --config FILE [--nproc N] [--max-restarts R] [--section.key VALUE ...]
+scaletrain train        --config FILE [--nproc N] [--max-restarts R] [--dry-run] [--section.key VALUE ...]
 scaletrain prepare-data --config FILE [--train-tokenizer --vocab-size N [--tokenizer-out PATH]] [--section.key VALUE ...]
 scaletrain convert      --to hf RUN_OR_CHECKPOINT OUT_DIR  |  --from hf HF_DIR [--out config.toml]  |  --quantize int8_int4|int8_int8 RUN_OR_CHECKPOINT OUT_DIR
 scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" ... [--steps 10] [--rtol 1e-5] [--atol 2e-5] [--section.key VALUE ...]
 scaletrain generate     RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S] [--tokenizer T] [--device D] [--json]
-scaletrain eval         RUN_DIR|HF_DIR --data FILE_OR_GLOB [--seq-len S] [--tokenizer T] [--batch B] [--max-windows N] [--device D] [--json]
+scaletrain eval         RUN_DIR|HF_DIR --data FILE_OR_GLOB [--field F] [--seq-len S] [--tokenizer T] [--batch B] [--max-windows N] [--device D] [--json]
 scaletrain report       RUN_DIR [RUN_DIR ...] [--out DIR]
 scaletrain bench        --config FILE --variants "precision.compute=bf16" "parallel.grad_compression=powersgd" ... [--nproc N] [--steps 20] [--rounds 3] [--json FILE] [--section.key VALUE ...]
 scaletrain plan         --model PRESET --devices N --device h100|h200|a100|b200|cpu [--gpus-per-node 8] --seq-len S --global-batch-tokens T [--top K] [--json]  |  --config FILE --nproc N [--device KIND] [--json] [--section.key VALUE ...]  |  --calibrate [--nproc N]

@@ -13,7 +13,8 @@ from typing import Literal
 @dataclass
 class ModelConfig:
     preset: str = "debug"
-    """Named architecture: debug, 125M, 1B, 8B, 70B, 405B. The fields below, when set, override it."""
+    """Named architecture: debug, 125M, 1B, 8B, 70B, 405B (dense); debug_moe, mixtral_8x7b, deepseek_moe_16b,
+    deepseek_v3_671b (MoE). The fields below, when set, override it."""
     dim: int | None = None
     """Hidden size."""
     n_layers: int | None = None
