@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint bench clean
+.PHONY: train test lint bench clean compat compat-run gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -30,6 +30,45 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
+
+# What the GPU machine's image lacks, as wheels for benchmarks/gpu_check.sh to install without a network: carry
+# .gpu_wheels (git-ignored) with the command (docs/performance.md, GPU check). tomli-w is pure Python (7 KB);
+# FP8=1 adds torchao (3.4 MB, abi3: any CPython >= 3.10) for the fp8 phase and fp8 GPU tests.
+GPU_WHEELS := tomli-w==1.2.0 $(if $(FP8),torchao==0.18.0)
+gpu-wheels:
+	mkdir -p .gpu_wheels
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d .gpu_wheels $(GPU_WHEELS)
+
+# scaletrain on another torch release, as the GPU machine's image runs it: a throw-away venv outside the checkout
+# with that torch (PyPI's CUDA build, several GB, runs on the CPU) and the image's packages but not torchao nor
+# tomli-w (taken from .gpu_wheels), PYTHONPATH=. instead of an install. It runs a subset of the unit tests, a 2-rank
+# fsdp run checkpointed then resumed, and the GPU check's CPU dry run. SCALETRAIN_ANY_TORCH=1: a release outside
+# scaletrain.TORCH_RANGE is tried, not refused. `make compat TORCH=2.11.0 COMPAT_PY=python3.12` matches the image.
+TORCH ?= 2.11.0
+COMPAT_PY ?= $(PY)
+COMPAT_VENV ?= /tmp/scaletrain-torch-$(TORCH)
+COMPAT_OUT ?= /tmp/scaletrain-compat-$(TORCH)
+COMPAT_PACKAGES := numpy tokenizers safetensors pyarrow rich tensorboard matplotlib fsspec pytest transformers pyyaml
+COMPAT_TESTS := tests/unit/test_versions.py tests/unit/test_checkpoint.py tests/unit/test_model.py \
+	tests/e2e/test_checkpoint_cli.py
+COMPAT_ENV = PATH=$(COMPAT_VENV)/bin:$$PATH PYTHONPATH=$(CURDIR):$(wildcard $(CURDIR)/.gpu_wheels/tomli_w-*.whl) \
+	SCALETRAIN_ANY_TORCH=1 PIP_NO_INDEX=1 OMP_NUM_THREADS=1
+FSDP_RUN = python -m scaletrain train --config configs/debug.toml --nproc 2 --parallel.data_parallel fsdp \
+	--checkpoint.interval 5 --metrics.progress false --run.dir $(COMPAT_OUT)/fsdp
+compat:
+	test -n "$(wildcard .gpu_wheels/tomli_w-*.whl)" || $(MAKE) gpu-wheels
+	test -x $(COMPAT_VENV)/bin/python || $(COMPAT_PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install --quiet torch==$(TORCH) $(COMPAT_PACKAGES)
+	rm -rf $(COMPAT_OUT) && mkdir -p $(COMPAT_OUT)
+	$(MAKE) compat-run
+compat-run:
+	$(COMPAT_ENV) python -c "import torch, scaletrain; print('torch', torch.__version__, scaletrain.torch_version_problem(torch.__version__) or 'in range')"
+	$(COMPAT_ENV) python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+	$(COMPAT_ENV) $(FSDP_RUN) --training.steps 10
+	$(COMPAT_ENV) $(FSDP_RUN) --training.steps 20 --run.accept_changes training.steps
+	$(COMPAT_ENV) python -c "import sys; from scaletrain.rundir import RunDir; e = RunDir.at(sys.argv[1]).read_events(); \
+		got = [x['step'] for x in e if x['kind'] == 'checkpoint_loaded']; assert got == [10], got; print('fsdp x2 resumed from', got)" $(COMPAT_OUT)/fsdp
+	$(COMPAT_ENV) DEVICE=cpu PRESET=debug OUT=$(COMPAT_OUT)/gpu_check bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs

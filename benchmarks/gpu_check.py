@@ -78,31 +78,17 @@ class Sizes:
 
 def sizes(device: str) -> Sizes:
     env = os.environ.get
-    if device == "cuda":  # an H200: measured figures, 7 minutes in all
+    if device == "cuda":  # one H200, about 7 minutes in all (docs/performance.md, GPU check)
         s = Sizes(
-            env("PRESET", "1B"),
-            int(env("SEQ", "2048")),
-            int(env("BATCH", "8")),
-            "bf16",
-            8,
-            "125M",
-            512,
-            20,
-            200,
-        )
-        s.caps = {"pytest_gpu": 170, "side": 100, "compiled_side": 150, "ckpt_run": 60, "fp8_side": 90}
+            preset=env("PRESET", "1B"), seq=int(env("SEQ", "2048")), batch=int(env("BATCH", "8")),
+            precision="bf16", threads=8, ckpt_preset="125M", ckpt_seq=512, ckpt_interval=20, ckpt_steps=120,
+        )  # fmt: skip
+        s.caps = {"pytest_gpu": 150, "side": 100, "compiled_side": 150, "ckpt_run": 75, "fp8_side": 90}
     else:  # the dry run of the plumbing: seconds
         s = Sizes(
-            env("PRESET", "debug"),
-            int(env("SEQ", "64")),
-            int(env("BATCH", "8")),
-            "fp32",
-            1,
-            "debug",
-            64,
-            5,
-            40,
-        )
+            preset=env("PRESET", "debug"), seq=int(env("SEQ", "64")), batch=int(env("BATCH", "8")),
+            precision="fp32", threads=1, ckpt_preset="debug", ckpt_seq=64, ckpt_interval=5, ckpt_steps=40,
+        )  # fmt: skip
         s.caps = {"pytest_gpu": 120, "side": 60, "compiled_side": 200, "ckpt_run": 60, "fp8_side": 60}
     return s
 
@@ -426,13 +412,13 @@ def phase_fp8(c: Check) -> None:
             "fp8",
             "skipped",
             0,
-            f"torchao is not installed here (the fp8 extra; no network on the machine): carry a torchao wheel made for torch {torch.__version__.split('+')[0]} in .gpu_wheels/ to run it",
+            "torchao is not installed here (the fp8 extra; no network on the machine): `make gpu-wheels FP8=1` puts torchao 0.18.0 (3.4 MB; it imports with torch 2.11) in .gpu_wheels/ to run it",
         )
         return
     if c.device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9):
         c.record("fp8", "skipped", 0, "needs a CUDA GPU with compute capability >= 8.9 (fp8 units)")
         return
-    if c.left() < 2 * c.sizes.caps["fp8_side"]:
+    if c.left() < 100:
         c.record("fp8", "skipped", 0, f"time budget: {c.left():.0f} s left")
         return
     from scaletrain.rundir import RunDir

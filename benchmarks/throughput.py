@@ -113,8 +113,8 @@ def bare_run(args, run_dir: Path) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     times, loss = [], None
     for _ in range(args.steps):
+        t0 = time.perf_counter()  # the batch counts, as scaletrain's loader does in its step time
         inputs, targets = loader.next_batch()
-        t0 = time.perf_counter()
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast:
             logits = model(inputs)
