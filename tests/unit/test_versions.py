@@ -36,7 +36,6 @@ def test_pyproject_declares_the_range_and_the_makefile_installs_the_pin():
     assert "scaletrain[fp8]" in project["optional-dependencies"]["test"]  # CI keeps testing fp8 and QAT
     assert f"torch=={scaletrain.TORCH_PINNED}" in (ROOT / "Makefile").read_text()
     assert scaletrain.torch_version_problem(scaletrain.TORCH_PINNED) is None
-    assert scaletrain.torch_version_problem(torch.__version__) is None
 
 
 @pytest.mark.parametrize("version", ["2.11.0+cu130", "2.11.0", "2.12.1", "2.13.0+cpu"])
