@@ -18,18 +18,18 @@ import torch
 from scaletrain import metrics
 from scaletrain.checkpoint import CheckpointManager, LoaderState, ModelState, TrainState, build_checkpointing
 from scaletrain.checkpoint.hf import load_hf_weights
-from scaletrain.config import Config, TrainingConfig
+from scaletrain.config import Config, MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.config_io import to_dict
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
 from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
-from scaletrain.models import build_model, count_parameters, resolve_model_args
+from scaletrain.models import Transformer, build_model, count_parameters, resolve_model_args
 from scaletrain.optim import Optimizers, RoutingBias
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.layout import Layout
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
-from scaletrain.parallel.parallelize import parallelize
-from scaletrain.precision import resolve_precision
+from scaletrain.parallel.parallelize import ParallelModel, parallelize
+from scaletrain.precision import Precision, resolve_precision
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.goodput import final_goodput
 from scaletrain.resilience.guard import Guard
@@ -143,6 +143,33 @@ class Job:
         return val
 
 
+def build_core(
+    model: Transformer,
+    dims: ParallelDims,
+    parallel: ParallelConfig,
+    training: TrainingConfig,
+    optimizer: OptimizerConfig,
+    *,
+    device: torch.device,
+    n_microbatches: int,
+    memory: MemoryConfig | None = None,
+    precision: Precision | None = None,
+    eod: int | None = None,
+    routing_bias_rate: float = 0.0,
+) -> tuple[ParallelModel, Optimizers, StepRunner]:
+    """The model (consumed) parallelised, its optimizers and the step runner, as every run assembles them: train.build
+    and the tests that train a layout call this, so that what they check is what runs. `precision` None: fp32."""
+    n_experts = model.args.n_experts
+    pm = parallelize(model, dims, parallel, device=device, n_microbatches=n_microbatches, memory=memory,
+                     compile=training.compile, precision=precision)  # fmt: skip
+    dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, MoE load summed
+    make_optimizer = optimizer_builder(optimizer, parallel.data_parallel, dp_cp, device)
+    bias = RoutingBias.for_model(pm.parts, n_experts, routing_bias_rate, dp_cp)  # MoE balancing
+    optimizers = Optimizers(pm.parts, make_optimizer, optimizer, training.steps, bias)
+    runner = build_step_runner(pm, dims, parallel, training, device, eod, precision)
+    return pm, optimizers, runner
+
+
 def build(cfg: Config) -> Job:
     """Set up the job. The order matters where noted; each part gets only its own config section."""
     # -- Processes and the mesh: the device mesh for the model's tensors, one CPU group for control.
@@ -169,15 +196,12 @@ def build(cfg: Config) -> Job:
         load_hf_weights(model, Path(cfg.model.init_from[3:]))
     n_params = count_parameters(model)
     precision = resolve_precision(cfg.precision, layout.fsdp, env.device)
-    pm = parallelize(model, dims, cfg.parallel, device=env.device, n_microbatches=layout.microbatches,
-                     memory=cfg.memory, compile=cfg.training.compile, precision=precision)  # fmt: skip
-    del model
-    dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, the loss averaged for spikes
-    make_optimizer = optimizer_builder(cfg.optimizer, cfg.parallel.data_parallel, dp_cp, env.device)
-    bias = RoutingBias.for_model(pm.parts, args.n_experts, cfg.moe.bias_update_rate, dp_cp)  # MoE balancing
-    optimizers = Optimizers(pm.parts, make_optimizer, cfg.optimizer, cfg.training.steps, bias)
     eod = tokenizer.eod_id if cfg.data.document_mask else None  # masks attention at document ends
-    runner = build_step_runner(pm, dims, cfg.parallel, cfg.training, env.device, eod, precision)
+    pm, optimizers, runner = build_core(model, dims, cfg.parallel, cfg.training, cfg.optimizer, device=env.device,
+                                        n_microbatches=layout.microbatches, memory=cfg.memory, precision=precision,
+                                        eod=eod, routing_bias_rate=cfg.moe.bias_update_rate)  # fmt: skip
+    del model
+    dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: the loss averaged for spikes
 
     # -- What resumes: one dict of Stateful objects, saved and restored by the checkpoint tiers and rollbacks.
     train_state = TrainState(dims.control)

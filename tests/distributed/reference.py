@@ -1,5 +1,5 @@
 """The one harness of the parallel equivalence tests (llm.c's habit: one reference run, everything else checked
-against it). `train_steps` trains any layout as train.py does — `parallelize()`, `build_step_runner`, `Optimizers` —
+against it). `train_steps` trains any layout as train.py does — with its `build_core` —
 and the single-process reference is the same call on one process. `run_layouts` trains named cases in N gloo
 processes and summarises each against its reference; `check_equivalent` is what a test asserts on that summary."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -19,10 +19,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.models import ModelArgs, Transformer, build_model
 from scaletrain.optim import Optimizers
-from scaletrain.parallel.data_parallel import full_state_dict, optimizer_builder
+from scaletrain.parallel.data_parallel import full_state_dict
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
-from scaletrain.parallel.parallelize import ParallelModel, parallelize
-from scaletrain.step import StepRunner, build_step_runner
+from scaletrain.parallel.parallelize import ParallelModel
+from scaletrain.step import StepRunner
+from scaletrain.train import build_core
 from tests.distributed.spawn import spawn
 
 CPU = torch.device("cpu")
@@ -92,10 +93,8 @@ def train_steps(
     (recompute, offload) is handed to parallelize() as train.py does; default off."""
     if dims.mesh is None and dims.world_size > 1:
         dims.build_mesh("cpu")
-    pm = parallelize(model, dims, pcfg, device=CPU, n_microbatches=n_microbatches, memory=memory)
-    build = optimizer_builder(opt_cfg, pcfg.data_parallel, dims.submesh("dp_cp"), CPU)
-    optimizers = Optimizers(pm.parts, build, opt_cfg, len(batches))
-    runner = build_step_runner(pm, dims, pcfg, tcfg, CPU)
+    pm, optimizers, runner = build_core(model, dims, pcfg, replace(tcfg, steps=len(batches)), opt_cfg, device=CPU,
+                                        n_microbatches=n_microbatches, memory=memory)  # fmt: skip
     local = batches[0][0].shape[0] // dims.dp_size
     rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
     losses, norms = [], []

@@ -16,11 +16,8 @@ import torch.distributed.checkpoint as dcp
 from scaletrain.checkpoint import ModelState
 from scaletrain.config import ParallelConfig, TrainingConfig
 from scaletrain.models import ModelArgs
-from scaletrain.optim import Optimizers
-from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
-from scaletrain.parallel.parallelize import parallelize
-from scaletrain.step import build_step_runner
+from scaletrain.train import build_core
 from tests.distributed.reference import (
     CPU,
     OPT,
@@ -76,9 +73,8 @@ def comm_case(rank: int, world_size: int, spec: dict) -> dict:
 def _build(pcfg: ParallelConfig, world_size: int, args: ModelArgs):
     dims = ParallelDims.from_config(pcfg, world_size)
     dims.build_mesh("cpu")
-    pm = parallelize(full_model(args), dims, pcfg, device=CPU, n_microbatches=1)
-    optimizers = Optimizers(pm.parts, optimizer_builder(OPT, "ddp", dims.submesh("dp_cp"), CPU), OPT, STEPS)
-    runner = build_step_runner(pm, dims, pcfg, TrainingConfig(micro_batch=2), CPU)
+    tcfg = TrainingConfig(micro_batch=2, steps=STEPS)
+    pm, optimizers, runner = build_core(full_model(args), dims, pcfg, tcfg, OPT, device=CPU, n_microbatches=1)
     return dims, pm, optimizers, runner
 
 

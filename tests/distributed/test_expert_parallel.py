@@ -14,12 +14,9 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
-from scaletrain.optim import Optimizers
-from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.expert_parallel import is_expert_param
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
-from scaletrain.parallel.parallelize import parallelize
-from scaletrain.step import build_step_runner
+from scaletrain.train import build_core
 from tests.distributed.reference import (
     CPU,
     OPT,
@@ -63,11 +60,10 @@ def _train(
         dims.build_mesh("cpu")
     batches = global_batches(args)
     memory = MemoryConfig(recompute=recompute)
-    pm = parallelize(full_model(args), dims, pcfg, device=CPU, n_microbatches=m, memory=memory)
-    build = optimizer_builder(OPT, pcfg.data_parallel, dims.submesh("dp_cp"), CPU)
-    opts = Optimizers(pm.parts, build, OPT, STEPS)
     local = batches[0][0].shape[0] // dims.dp_size
-    runner = build_step_runner(pm, dims, pcfg, TrainingConfig(micro_batch=local // m, grad_clip=1.0), CPU)
+    tcfg = TrainingConfig(micro_batch=local // m, grad_clip=1.0, steps=STEPS)
+    pm, opts, runner = build_core(full_model(args), dims, pcfg, tcfg, OPT, device=CPU, n_microbatches=m,
+                                  memory=memory)  # fmt: skip
     state = {"model": ModelState(pm.parts), "optimizer": opts}
     if load:
         dcp.load(state, checkpoint_id=load)

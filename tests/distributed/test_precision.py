@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,12 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.checkpoint import ModelState
 from scaletrain.config import ParallelConfig, PrecisionConfig, TrainingConfig
-from scaletrain.optim import Optimizers
-from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
-from scaletrain.parallel.parallelize import fsdp_applies, parallelize
+from scaletrain.parallel.parallelize import fsdp_applies
 from scaletrain.precision import resolve_precision
-from scaletrain.step import build_step_runner
+from scaletrain.train import build_core
 from tests.distributed.reference import (
     CPU,
     OPT,
@@ -117,10 +116,9 @@ def _build(spec: dict, world_size: int, rank: int):
     if "inject" in spec:
         _inject_inf(model, lambda: step["i"], spec["inject"], rank)
     precision = resolve_precision(prec, fsdp_applies(dims, pcfg.data_parallel), "cpu")
-    pm = parallelize(model, dims, pcfg, device=CPU, n_microbatches=m, precision=precision)
-    build = optimizer_builder(OPT, pcfg.data_parallel, dims.submesh("dp_cp"), CPU)
-    optimizers = Optimizers(pm.parts, build, OPT, spec.get("steps", STEPS))
-    runner = build_step_runner(pm, dims, pcfg, tcfg, CPU, precision=precision)
+    tcfg = replace(tcfg, steps=spec.get("steps", STEPS))
+    pm, optimizers, runner = build_core(model, dims, pcfg, tcfg, OPT, device=CPU, n_microbatches=m,
+                                        precision=precision)  # fmt: skip
     state = {"model": ModelState(pm.parts), "optimizer": optimizers, **runner.resumable()}  # as train.py's
     return dims, pm, optimizers, runner, state, seen, step, precision
 

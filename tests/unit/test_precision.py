@@ -21,7 +21,6 @@ from scaletrain.config import (
 from scaletrain.config_io import to_dict
 from scaletrain.errors import ConfigError
 from scaletrain.models import ModelArgs, build_model
-from scaletrain.optim import Optimizers, build_optimizer
 from scaletrain.parallel.mesh import DistEnv, ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.precision import (
@@ -34,7 +33,7 @@ from scaletrain.precision import (
 )
 from scaletrain.resilience.guard import Guard
 from scaletrain.resume import resume_problems
-from scaletrain.step import build_step_runner
+from scaletrain.train import build_core
 from scaletrain.validate import load_config
 
 CPU = torch.device("cpu")
@@ -177,13 +176,11 @@ def _fp16_step_setup(tmp_path):
         dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, vocab_size=64, max_seq_len=16
     )
     model = build_model(args, 0, CPU)
-    tcfg = TrainingConfig(micro_batch=2)
+    tcfg = TrainingConfig(micro_batch=2, steps=10)
     precision = resolve_precision(PrecisionConfig(compute="fp16", loss_scale_init=1024.0), False, "cpu")
-    pm = parallelize(model, ParallelDims(), ParallelConfig(), device=CPU, n_microbatches=1,
-                     precision=precision)  # fmt: skip
-    runner = build_step_runner(pm, ParallelDims(), ParallelConfig(), tcfg, CPU, precision=precision)
     opt = OptimizerConfig(warmup_steps=0)
-    optimizers = Optimizers(pm.parts, lambda p: build_optimizer(p, opt, CPU), opt, 10)
+    pm, optimizers, runner = build_core(model, ParallelDims(), ParallelConfig(), tcfg, opt, device=CPU,
+                                        n_microbatches=1, precision=precision)  # fmt: skip
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=CPU)
     events: list = []
     guard = Guard(ResilienceConfig(nan_rollback_after=1), tmp_path, env, None,
