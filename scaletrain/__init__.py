@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 # The torch releases tried (docs/performance.md, "Torch versions"): pyproject.toml declares the same range (a test
 # holds them together); `make` and CI install TORCH_PINNED, `make compat TORCH=...` tries another release.
-TORCH_RANGE = ((2, 11), (2, 14))  # (major, minor): >= the first, < the second
+TORCH_RANGE = ((2, 11), (2, 15))  # (major, minor): >= the first, < the second
 TORCH_PINNED = "2.13.0"
 ANY_TORCH_ENV = "SCALETRAIN_ANY_TORCH"
 

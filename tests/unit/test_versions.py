@@ -38,15 +38,15 @@ def test_pyproject_declares_the_range_and_the_makefile_installs_the_pin():
     assert scaletrain.torch_version_problem(scaletrain.TORCH_PINNED) is None
 
 
-@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.11.0", "2.12.1", "2.13.0+cpu"])
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.11.0", "2.12.1", "2.13.0+cpu", "2.14.1"])
 def test_the_releases_tried_are_accepted(version):
     assert scaletrain.torch_version_problem(version) is None
 
 
-@pytest.mark.parametrize("version", ["2.10.1", "2.14.1", "2.14.0a0+git1234", "3.0.0", "unknown"])
+@pytest.mark.parametrize("version", ["2.10.1", "2.15.0", "2.15.0a0+git1234", "3.0.0", "unknown"])
 def test_other_releases_are_refused_with_the_range_and_the_way_out(version):
     problem = scaletrain.torch_version_problem(version)
-    assert problem and ">=2.11,<2.14" in problem and version in problem
+    assert problem and ">=2.11,<2.15" in problem and version in problem
     assert scaletrain.ANY_TORCH_ENV in problem and "pip install 'torch==" in problem
 
 
@@ -54,7 +54,7 @@ def test_importing_scaletrain_under_another_torch_fails_with_the_reason_unless_a
     code = "import torch; torch.__version__ = '2.10.0'; import scaletrain; print('imported')"
     env = {k: v for k, v in os.environ.items() if k != scaletrain.ANY_TORCH_ENV}
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode != 0 and "ImportError: scaletrain supports torch >=2.11,<2.14" in run.stderr
+    assert run.returncode != 0 and "ImportError: scaletrain supports torch >=2.11,<2.15" in run.stderr
     env[scaletrain.ANY_TORCH_ENV] = "1"
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0 and "imported" in run.stdout, run.stderr
