@@ -176,11 +176,24 @@ class Check:
         return [self.py, "-m", "scaletrain", "train", "--config", "configs/debug.toml", *overrides]
 
 
-def flag(*candidates: str) -> str:
-    """`--key` for the first dotted config key that exists (benchmarks/throughput.py's config_key)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from throughput import config_key
+def config_key(*candidates: str) -> str:
+    """The first dotted key the config tree has (a key that moved between sections is found under either name)."""
+    import dataclasses
 
+    from scaletrain.config import Config
+
+    for dotted in candidates:
+        node: object = Config()
+        for part in dotted.split("."):
+            if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+                break
+            node = getattr(node, part)
+        else:
+            return dotted
+    raise KeyError(f"none of {candidates} is a config key")
+
+
+def flag(*candidates: str) -> str:
     return "--" + config_key(*candidates)
 
 

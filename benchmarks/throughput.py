@@ -17,7 +17,6 @@ peak memory and a hung compile can be killed alone):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import tempfile
@@ -26,8 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gpu_check import config_key  # benchmarks/ is on sys.path: this script's folder
 
-from scaletrain.config import Config
 from scaletrain.data import build_loader, load_tokenizer
 from scaletrain.hardware import cpu_features, gpu_peak_flops
 from scaletrain.metrics.mfu import flops_per_token
@@ -35,19 +34,6 @@ from scaletrain.models import build_meta_model, build_model, count_parameters, r
 from scaletrain.rundir import RunDir
 from scaletrain.train import train
 from scaletrain.validate import load_config
-
-
-def config_key(*candidates: str) -> str:
-    """The first dotted key the config tree has (a key that moved between sections is found under either name)."""
-    for dotted in candidates:
-        node: object = Config()
-        for part in dotted.split("."):
-            if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
-                break
-            node = getattr(node, part)
-        else:
-            return dotted
-    raise KeyError(f"none of {candidates} is a config key")
 
 
 def overrides(args, run_dir: Path) -> list[str]:
