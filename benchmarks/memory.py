@@ -57,8 +57,8 @@ from scaletrain.hardware import cpu_features  # noqa: E402
 from scaletrain.memory.measure import saved_activation_bytes  # noqa: E402
 from scaletrain.models import ModelArgs, build_meta_model, build_model  # noqa: E402
 from scaletrain.models.loss import cross_entropy  # noqa: E402
-from scaletrain.optim import build_optimizer  # noqa: E402
-from scaletrain.parallel.data_parallel import apply_ddp, apply_fsdp, build_zero1_optimizer  # noqa: E402
+from scaletrain.optim import build_optimizer, build_zero1_optimizer  # noqa: E402
+from scaletrain.parallel.data_parallel import apply_ddp, apply_fsdp  # noqa: E402
 from scaletrain.parallel.recompute import apply_recompute  # noqa: E402
 from scaletrain.step import StepRunner  # noqa: E402
 from tests.distributed.spawn import spawn  # noqa: E402

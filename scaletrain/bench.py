@@ -18,7 +18,7 @@ from pathlib import Path
 
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.metrics import cpu_features
-from scaletrain.parity import check_configs, run_train
+from scaletrain.runs import check_configs, run_train
 
 PLAIN = "plain"
 # Every run: metrics every step, no evaluation, no checkpoints, no progress bar (the user's overrides come first,

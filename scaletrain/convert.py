@@ -9,15 +9,11 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-import fsspec
 import tomli_w
-import torch.distributed.checkpoint as dcp
 
 from scaletrain.checkpoint.hf import (
     architecture,
@@ -30,12 +26,9 @@ from scaletrain.checkpoint.hf import (
     verify_with_transformers,
 )
 from scaletrain.checkpoint.hf_moe import config_sections
-from scaletrain.checkpoint.integrity import COMMIT, newest_intact, step_path, verify
-from scaletrain.checkpoint.safe_load import make_reader
-from scaletrain.checkpoint.state import ModelState
-from scaletrain.config import Config, translate_renamed
-from scaletrain.config_io import read_toml, to_dataclass, to_dict
-from scaletrain.data import Tokenizer, build_loader, load_tokenizer
+from scaletrain.checkpoint.run_model import load_run_model, run_config
+from scaletrain.config_io import to_dict
+from scaletrain.data import build_loader, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.host import unwritable
 from scaletrain.models import Transformer, build_meta_model, resolve_model_args
@@ -48,17 +41,9 @@ from scaletrain.precision.qat import (
     qat_problems,
     save_quantized,
 )
-from scaletrain.rundir import CONFIG, RunDir, absolute
+from scaletrain.rundir import CONFIG
 
 log = logging.getLogger("scaletrain")
-_STEP_DIR = re.compile(r"step-\d+")
-
-
-def is_checkpoint_dir(path: Path) -> bool:
-    """A run's checkpoint directory (`checkpoints/step-N`), committed or not, rather than a run directory."""
-    if (path / COMMIT).exists():
-        return True
-    return bool(_STEP_DIR.fullmatch(path.name)) and path.is_dir() and not (path / CONFIG).exists()
 
 
 def claim_out_dir(out: Path) -> bool:
@@ -92,58 +77,6 @@ def _into(out: Path, created: bool) -> Iterator[None]:
             shutil.rmtree(out, ignore_errors=True)
         raise
     umask_permissions(out)
-
-
-def _newest_intact(ckpt_root: str) -> str:
-    """The newest intact checkpoint under a run's checkpoint root (a folder or an fsspec URL)."""
-    step, failed = newest_intact(fsspec.core.url_to_fs(ckpt_root)[0], ckpt_root)
-    reasons = [f"step-{s:08d}: {reason}" for s, reason, _ in failed]
-    if step is None:
-        because = f" ({'; '.join(reasons)})" if reasons else ""
-        raise UserError(f"no committed, intact checkpoint under {ckpt_root}{because}")
-    for reason in reasons:
-        log.warning("skipping %s", reason)
-    return step_path(ckpt_root, step)
-
-
-def _run_config(run_dir: Path) -> Config:
-    cfg, problems = to_dataclass(
-        Config, translate_renamed(read_toml(str(run_dir / CONFIG)))
-    )  # an older run's too
-    if problems:
-        raise ConfigError(problems)
-    return cfg
-
-
-def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, str]:
-    """The model of a run directory (or one of its checkpoint directories), on CPU in fp32, with the weights of
-    the newest intact checkpoint; also the run's config, its tokenizer and the checkpoint read. A checkpoint
-    directory given by itself is verified as the newest is (every file against its checksum)."""
-    src = absolute(src)
-    given = is_checkpoint_dir(src)
-    run_dir = src.parent.parent if given else src
-    if given:
-        reason = verify(fsspec.filesystem("file"), str(src))
-        if reason is not None:
-            raise UserError(
-                f"{src} is not an intact checkpoint: {reason}; give the run directory (its newest intact "
-                "checkpoint is read) or another checkpoints/step-N directory"
-            )
-    if not (run_dir / CONFIG).is_file():
-        raise UserError(f"{run_dir} has no {CONFIG}; give a run directory or a checkpoint inside one")
-    cfg = _run_config(run_dir)
-    ckpt = str(src) if given else _newest_intact(RunDir(run_dir).checkpoint_root(cfg.checkpoint))
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    model = build_meta_model(
-        resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
-    )
-    model.to_empty(device="cpu")
-    model.init_weights()
-    with warnings.catch_warnings():
-        # DCP's note that it loads on one process ("torch.distributed is disabled ..."): what is meant here.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load({"model": ModelState([model])}, storage_reader=make_reader(str(ckpt)), no_dist=True)
-    return model, cfg, tokenizer, ckpt
 
 
 def to_hf(src: Path, out: Path) -> str:
@@ -246,7 +179,7 @@ def _quantize(src: Path, out: Path, scheme: str) -> str:
 
 def load_quantized(out: Path) -> Transformer:
     """The model `to_quantized` wrote, rebuilt on CPU: its architecture converted, then its tensors assigned."""
-    cfg = _run_config(out)
+    cfg = run_config(out)
     with quiet_torchao():  # precision.qat imports torchao here
         state, meta = load_quantized_state(out / WEIGHTS_FILE)
     tokenizer = load_tokenizer(cfg.data.tokenizer)

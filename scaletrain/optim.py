@@ -1,9 +1,12 @@
-"""AdamW with decay only on matrices, the learning-rate schedules (warmup then cosine, linear, WSD, constant), the
-MoE routing-bias update (`RoutingBias`, DeepSeek-V3's auxiliary-loss-free balancing), and `Optimizers`: every part's
-optimizer and schedule, and the bias update, stepped together and checkpointed as one."""
+"""AdamW with decay only on matrices (whole, or ZeRO-1: its state sharded over the data-parallel ranks), the
+learning-rate schedules (warmup then cosine, linear, WSD, constant), the MoE routing-bias update (`RoutingBias`,
+DeepSeek-V3's auxiliary-loss-free balancing), and `Optimizers`: every part's optimizer and schedule, and the bias
+update, stepped together and checkpointed as one."""
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 from collections.abc import Callable
 
@@ -17,9 +20,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletrain.config import OptimizerConfig
 from scaletrain.models.moe import MoE
+
+log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
@@ -47,6 +53,42 @@ def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     for p in params:
         by.setdefault(getattr(p, "device_mesh", None), []).append(p)
     return list(by.values()) if len(by) > 1 else [params]
+
+
+def build_zero1_optimizer(
+    model: nn.Module, opt_cfg: OptimizerConfig, device: torch.device, dp_mesh: DeviceMesh
+) -> ZeroRedundancyOptimizer:
+    """ZeRO-1 (Rajbhandari et al. 2020): each rank keeps AdamW state only for its share of the parameters, steps
+    them, and broadcasts the updated values. Gradients stay whole (DDP all-reduces them).
+
+    The param groups and AdamW settings are taken from `build_optimizer` (the single source: no decay on 1-D
+    tensors), so ZeRO-1 trains exactly what the unsharded optimizer trains. ZeroRedundancyOptimizer accepts param
+    groups: it partitions each group's parameters greedily by size (the running per-rank total carries across
+    groups) and gives every rank's local AdamW the same groups, some possibly empty. Not supported with groups:
+    `overlap_with_ddp` and a hand-made `params_per_rank`, neither used here."""
+    reference = build_optimizer(model, opt_cfg, device)  # allocates no state until its first step
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in reference.param_groups]
+    accepted = inspect.signature(torch.optim.AdamW).parameters
+    defaults = {k: v for k, v in reference.defaults.items() if k in accepted and k != "weight_decay"}
+    opt = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=dp_mesh.get_group(), **defaults)
+    local = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
+    total = sum(p.numel() for g in groups for p in g["params"])
+    log.info(
+        "applied ZeRO-1 over %d ranks: this rank holds AdamW state for %.1f%% of the parameters",
+        dp_mesh.size(),
+        100 * local / max(total, 1),
+    )
+    return opt
+
+
+def optimizer_builder(
+    opt_cfg: OptimizerConfig, mode: str, dp_cp: DeviceMesh | None, device: torch.device
+) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    """How each model part gets its optimizer: ZeRO-1 shards AdamW's state over the data-parallel ranks, every
+    other mode uses plain AdamW (FSDP/ZeRO-2 already shard what it holds)."""
+    if mode == "zero1" and dp_cp is not None and dp_cp.size() > 1:
+        return lambda part: build_zero1_optimizer(part, opt_cfg, device, dp_cp)
+    return lambda part: build_optimizer(part, opt_cfg, device)
 
 
 def lr_factor(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

@@ -7,8 +7,6 @@ with the single-process run: losses and gradient norms step by step, and every p
 from __future__ import annotations
 
 import math
-import os
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,12 +15,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from scaletrain.convert import load_run_model
+from scaletrain.checkpoint.run_model import load_run_model
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.host import run_from_small_parent
 from scaletrain.parallel.mesh import MESH_DIMS
-from scaletrain.rundir import RunDir
-from scaletrain.validate import load_config
+from scaletrain.runs import check_configs, run_train
 
 # Every run ends with one synchronous save into its own run directory, whatever the user's overrides say (they
 # come first, so these win): the final parameters are read back from it.
@@ -72,42 +68,6 @@ def parse_layout(text: str) -> tuple[int, list[str]]:
         overrides += [f"--parallel.{key}", value]
     world = nproc or math.prod(sizes.values())
     return world, overrides
-
-
-def check_configs(config: str | None, runs: list[tuple[str, list[str], int]]) -> None:
-    """Validate the whole config of every run before the first starts: (name, its overrides of `config`, world
-    size) each. A bad variant or layout is refused with every problem of every run at once, named by run, instead
-    of after minutes of the runs before it."""
-    problems = []
-    for name, overrides, world in runs:
-        try:
-            load_config(config, overrides, world_size=world, check_run_dir=False)
-        except ConfigError as e:
-            problems += [f"{name}: {p}" for p in e.problems]
-    if problems:
-        raise ConfigError(problems)
-
-
-def run_train(args: list[str], nproc: int, run_dir: Path) -> list[dict]:
-    """`scaletrain train --nproc N ARGS --run.dir RUN_DIR` in a subprocess; its metrics.jsonl records. Shared by
-    parity and bench. Started from a bare interpreter so that the run's peak memory is its own (see
-    run_from_small_parent); a failed run is a ConfigError with the tail of its stderr."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "scaletrain",
-        "train",
-        "--nproc",
-        str(nproc),
-        *args,
-        "--run.dir",
-        str(run_dir),
-    ]
-    proc = run_from_small_parent(cmd, os.environ.copy(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise ConfigError(f"run failed ({' '.join(cmd[3:])}):\n{tail}")
-    return RunDir(run_dir).read_metrics()
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -23,9 +23,8 @@ from scaletrain.config_io import to_dict
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
 from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
 from scaletrain.models import Transformer, build_model, count_parameters, resolve_model_args
-from scaletrain.optim import Optimizers, RoutingBias
+from scaletrain.optim import Optimizers, RoutingBias, optimizer_builder
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
-from scaletrain.parallel.data_parallel import optimizer_builder
 from scaletrain.parallel.layout import Layout
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
 from scaletrain.parallel.parallelize import ParallelModel, parallelize

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.hf import args_from_hf_config, hf_dir_problems, load_hf_weights
-from scaletrain.convert import is_checkpoint_dir, load_run_model
+from scaletrain.checkpoint.run_model import is_checkpoint_dir, load_run_model
 from scaletrain.data import Tokenizer, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.hardware import cuda_available, uses_cuda

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from scaletrain.convert import load_run_model
+from scaletrain.checkpoint.run_model import load_run_model
 from tests.helpers import DEBUG, QUICK, ROOT, per_step, read_jsonl, run_cli
 
 DET = [

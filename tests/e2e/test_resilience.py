@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from scaletrain.convert import load_run_model
+from scaletrain.checkpoint.run_model import load_run_model
 from tests.helpers import DEBUG, QUICK, ROOT, events, free_port, per_step, read_jsonl, run_cli
 
 BASE = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--metrics.log_interval", "1"]

@@ -31,8 +31,8 @@ from scaletrain.config import (
     TrainingConfig,
 )
 from scaletrain.metrics.memory import peak_memory_mib
-from scaletrain.optim import Optimizers, build_optimizer
-from scaletrain.parallel.data_parallel import apply_fsdp, full_state_dict, optimizer_builder
+from scaletrain.optim import Optimizers, build_optimizer, optimizer_builder
+from scaletrain.parallel.data_parallel import apply_fsdp, full_state_dict
 from scaletrain.parallel.expert_parallel import apply_ep
 from scaletrain.parallel.mesh import (
     DistEnv,
