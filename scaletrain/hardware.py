@@ -27,6 +27,11 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def gpu_count() -> int:
+    """How many CUDA devices this process sees (the only call of torch.cuda.device_count); 0 without CUDA."""
+    return torch.cuda.device_count() if cuda_available() else 0
+
+
 def uses_cuda(device: str) -> bool:
     """The CUDA rule for a `training.device` / `--device` setting: "cuda" means CUDA (validation refuses it when no
     device is visible), "auto" means CUDA when torch sees one, anything else ("cpu") means the CPU."""

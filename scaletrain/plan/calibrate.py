@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scaletrain.data import resolve_cache_dir
-from scaletrain.hardware import best_time, cpu_model_name, cuda_available, usable_cpus
+from scaletrain.hardware import best_time, cpu_model_name, cuda_available, gpu_count, usable_cpus
 from scaletrain.host import run_from_small_parent
 from scaletrain.parallel.layout import Layout
 from scaletrain.plan.calibrate_gpu import calibrate_gpu
@@ -314,7 +314,7 @@ def run_calibrate(config: str | None, overrides: list[str], device: str | None, 
     The profile is saved in the config's cache directory."""
     cache = resolve_cache_dir(parse_unvalidated(config, overrides).data)
     if cuda_available() and (device or "").lower() != "cpu":
-        profile, path = calibrate_gpu(cache, min(nproc, torch.cuda.device_count()))
+        profile, path = calibrate_gpu(cache, min(nproc, gpu_count()))
         kind = gpu_kind(profile.name)
     else:
         (profile, path), kind = calibrate(cache, nproc), "cpu"

@@ -14,7 +14,7 @@ from scaletrain.config import Config
 from scaletrain.config_io import fields_typed, parse_config
 from scaletrain.data import resolve_cache_dir
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import uses_cuda
+from scaletrain.hardware import gpu_count, uses_cuda
 from scaletrain.parallel.layout import Layout, layout_problems
 from scaletrain.planner.hardware import GPUS, KINDS, DeviceProfile, load_profile, local_gpu_profile
 from scaletrain.planner.inputs import model_args, parse_unvalidated
@@ -178,9 +178,7 @@ def auto_overrides(config: str | None, overrides: list[str], world: int) -> list
         return overrides  # load_config reports the unknown keys with the other problems
     args = model_args(cfg)
     profile = profile_for(cfg, None)
-    node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (
-        torch.cuda.device_count() if profile.kind == "gpu" else 0
-    )
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (gpu_count() if profile.kind == "gpu" else 0)
     chosen = pick(cfg, args, world, profile, node or world)
     if os.environ.get("RANK", "0") == "0":
         print(

@@ -71,9 +71,9 @@ def test_every_planned_gpu_plans_with_its_table_peaks():
 
 
 def test_cuda_is_asked_in_one_module_only():
-    """torch.cuda.is_available() is called in scaletrain/hardware.py and nowhere else in the package: every other
-    module asks uses_cuda / cuda_available, so the rule cannot drift again."""
-    pattern = re.compile(r"cuda\.is_available\s*\(")
+    """torch.cuda.is_available() and torch.cuda.device_count() are called in scaletrain/hardware.py and nowhere else
+    in the package: every other module asks uses_cuda / cuda_available / gpu_count, so the rule cannot drift again."""
+    pattern = re.compile(r"cuda\.(is_available|device_count)\s*\(")
     asking = sorted(
         str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text())
     )
