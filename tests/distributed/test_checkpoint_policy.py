@@ -22,7 +22,7 @@ from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.memory_tier import MemoryTier, make_layout_key
 from scaletrain.config import CheckpointConfig
 from tests.distributed.spawn import spawn
-from tests.unit.test_checkpoint import make_state
+from tests.fixtures import make_state
 
 WORLD = 2
 SLOW_WRITE_S = 0.3

@@ -23,8 +23,8 @@ from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from tests.distributed.reference import OPT, full_model, tiny_args
 from tests.distributed.spawn import spawn
-from tests.unit.test_checkpoint import FakeLoader as Loader
-from tests.unit.test_memory_tier import flip_bit
+from tests.fixtures import FakeLoader as Loader
+from tests.fixtures import flip_bit
 
 WORLD = 3
 CPU = torch.device("cpu")

@@ -3,51 +3,13 @@ import pickle
 import pytest
 import torch
 
-from scaletrain.checkpoint import CheckpointManager, LoaderState, ModelState, TrainState
+from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.integrity import verify
 from scaletrain.checkpoint.interval import interval_steps, young_daly_interval_s
 from scaletrain.checkpoint.safe_load import UnsafeCheckpointError, read_metadata
 from scaletrain.config import CheckpointConfig, FaultConfig, OptimizerConfig
 from scaletrain.errors import UserError
-from scaletrain.optim import Optimizers, build_optimizer
-from scaletrain.resilience.faults import FaultInjector
-from tests.unit.test_model import tiny
-
-
-class FakeLoader:
-    def __init__(self):
-        self.next_sample = 0
-
-    def state_dict(self):
-        return {"next_sample": self.next_sample, "global_batch": 8}
-
-    def load_state_dict(self, sd):
-        self.next_sample = sd["next_sample"]
-
-
-def make_state(seed=0, total_steps=100):
-    model = tiny()
-    torch.manual_seed(seed)
-    for p in model.parameters():
-        p.data.normal_()
-    optimizers = Optimizers(
-        [model],
-        lambda m: build_optimizer(m, OptimizerConfig(), torch.device("cpu")),
-        OptimizerConfig(warmup_steps=5),
-        total_steps,
-    )
-    model(torch.randint(0, 64, (2, 8))).sum().backward()
-    optimizers.step()
-    opt, sched = optimizers.optimizers[0], optimizers.schedulers[0]
-    train = TrainState()
-    loader = FakeLoader()
-    state = {
-        "model": ModelState([model]),
-        "optimizer": optimizers,
-        "data": LoaderState(loader),
-        "train": train,
-    }
-    return state, model, opt, sched, loader, train
+from tests.fixtures import checkpoint_manager, make_state
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -166,27 +128,15 @@ def test_resuming_with_a_longer_run_follows_the_new_schedule(tmp_path):
     assert [g["lr"] for g in opt2.param_groups] == [pytest.approx(want)] * 2
 
 
-def _manager(tmp_path, state, events, *faults, **cfg):
-    mgr = CheckpointManager(
-        CheckpointConfig(**cfg),
-        str(tmp_path / "ck"),
-        state,
-        rank=0,
-        world_size=1,
-        event=lambda kind, **kw: events.append((kind, kw)),
-    )
-    if faults:
-        FaultInjector(list(faults), 0, tmp_path, event=lambda *a, **k: None).attach(None, [], mgr)
-    return mgr
-
-
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_write_failure_inside_dcp_is_reported_and_the_previous_checkpoint_stays(tmp_path, async_save):
     """The storage writer DCP uses raises ENOSPC in write_data, so DCP raises its own CheckpointException (a
     BaseException, not an OSError): reported as checkpoint_failed, training goes on, step 1 stays loadable."""
     state, *_ = make_state()
     events = []
-    mgr = _manager(tmp_path, state, events, FaultConfig(kind="write_error", step=2), async_save=async_save)
+    mgr = checkpoint_manager(
+        tmp_path, state, events, FaultConfig(kind="write_error", step=2), async_save=async_save
+    )
     assert mgr.try_save(1) is not None
     mgr.wait()
     started = mgr.try_save(2)  # sync: fails at once (None); async: starts, and fails in the background
@@ -206,7 +156,7 @@ def test_the_async_commit_runs_off_the_training_thread(tmp_path):
     training thread only learns that it finished (poll() is a local check)."""
     state, *_ = make_state()
     events = []
-    mgr = _manager(tmp_path, state, events, async_save=True, interval=2)
+    mgr = checkpoint_manager(tmp_path, state, events, async_save=True, interval=2)
     mgr.load_latest()
     assert mgr.maybe_save(1) == 0.0 and mgr.pending is None
     mgr.maybe_save(2)
@@ -222,7 +172,9 @@ def test_the_async_commit_runs_off_the_training_thread(tmp_path):
 def test_the_final_save_failing_is_an_error_and_keeps_the_previous_checkpoint(tmp_path):
     state, *_ = make_state()
     events = []
-    mgr = _manager(tmp_path, state, events, FaultConfig(kind="write_error", step=4), async_save=False)
+    mgr = checkpoint_manager(
+        tmp_path, state, events, FaultConfig(kind="write_error", step=4), async_save=False
+    )
     mgr.try_save(2)
     with pytest.raises(UserError, match="final checkpoint of step 4 failed"):
         mgr.close(4)
@@ -232,7 +184,7 @@ def test_the_final_save_failing_is_an_error_and_keeps_the_previous_checkpoint(tm
 def test_a_disabled_manager_saves_nothing_and_loads_nothing(tmp_path):
     state, *_ = make_state()
     events = []
-    mgr = _manager(tmp_path, state, events, enabled=False, interval=1)
+    mgr = checkpoint_manager(tmp_path, state, events, enabled=False, interval=1)
     assert mgr.load_latest() is None
     assert mgr.maybe_save(1) == 0.0
     mgr.close(1)

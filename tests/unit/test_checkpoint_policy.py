@@ -9,8 +9,8 @@ import pytest
 from scaletrain.config import CheckpointConfig
 from scaletrain.errors import ConfigError
 from scaletrain.validate import load_config
+from tests.fixtures import checkpoint_manager, make_state
 from tests.helpers import DEBUG, ROOT
-from tests.unit.test_checkpoint import _manager, make_state
 
 
 def test_the_default_saves_at_least_every_interval_minutes(tmp_path):
@@ -20,7 +20,7 @@ def test_the_default_saves_at_least_every_interval_minutes(tmp_path):
     assert CheckpointConfig().interval_minutes == 30
     state, *_ = make_state()
     events, now = [], [0.0]
-    mgr = _manager(tmp_path, state, events, async_save=False)
+    mgr = checkpoint_manager(tmp_path, state, events, async_save=False)
     mgr.clock = lambda: now[0]
     mgr.load_latest()
     saved = []
@@ -36,7 +36,7 @@ def test_the_default_saves_at_least_every_interval_minutes(tmp_path):
 def test_no_time_bound_with_interval_minutes_zero(tmp_path):
     state, *_ = make_state()
     events, now = [], [0.0]
-    mgr = _manager(tmp_path, state, events, async_save=False, interval_minutes=0, interval=5)
+    mgr = checkpoint_manager(tmp_path, state, events, async_save=False, interval_minutes=0, interval=5)
     mgr.clock = lambda: now[0]
     for step in range(1, 8):
         mgr.maybe_save(step)

@@ -6,10 +6,8 @@ machine (nothing here allocates on, or needs, a CUDA device)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ from scaletrain.optim import build_optimizer
 from scaletrain.parallel.mesh import DistEnv, ParallelDims, init_distributed, setup_process
 from scaletrain.resilience.guard import Guard
 from scaletrain.step import autocast
-from tests.unit.test_model import tiny
+from tests.fixtures import kept_process_settings, tiny
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -34,24 +32,6 @@ class _Stop(Exception):
 
 def _env(device: torch.device) -> DistEnv:
     return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device)
-
-
-@contextlib.contextmanager
-def kept_process_settings() -> Iterator[None]:
-    """setup_process changes process-wide settings (root logging, threads, TF32, deterministic kernels): restore
-    them afterwards (tests/gpu/test_cuda.py uses it too)."""
-    root = logging.getLogger()
-    handlers, level, threads = root.handlers[:], root.level, torch.get_num_threads()
-    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-        torch.set_num_threads(threads)
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-        torch.use_deterministic_algorithms(deterministic)
 
 
 @pytest.mark.parametrize(

@@ -135,11 +135,3 @@ def test_best_time_warms_up_then_takes_the_fastest_of_at_least_least_calls():
     took = best_time(lambda: calls.append(1), budget_s=0.0, least=4, before=lambda: before.append(1))
     assert len(calls) == 5 and len(before) == 4  # one warm-up outside the timing
     assert 0.0 <= took < 0.1
-
-
-def test_hardware_is_a_ground_floor_module():
-    """scaletrain/hardware.py imports no scaletrain module (only torch and the standard library), so every layer
-    may read device facts from it."""
-    from tests.unit.test_layering import import_graph
-
-    assert import_graph()["scaletrain.hardware"] == set()

@@ -19,8 +19,8 @@ from scaletrain.checkpoint.memory_tier import (
     make_layout_key,
     unflatten_state,
 )
-from tests.unit.test_checkpoint import make_state as checkpoint_state
-from tests.unit.test_model import tiny
+from tests.fixtures import flip_bit, tiny
+from tests.fixtures import make_state as checkpoint_state
 
 LAYOUT = make_layout_key(1, "single process")
 
@@ -43,17 +43,6 @@ def shm(tmp_path) -> Path:
     root = base / f"scaletrain-test-{uuid.uuid4().hex[:12]}"
     yield root
     shutil.rmtree(root, ignore_errors=True)
-
-
-def flip_bit(path: Path, at: float = 0.5) -> int:
-    """Flip one bit of a file in place, behind the tier's back (a stray write, a bit flipped in memory)."""
-    pos = int(path.stat().st_size * at)
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        byte = f.read(1)[0]
-        f.seek(pos)
-        f.write(bytes([byte ^ 0x10]))
-    return pos
 
 
 def test_flatten_unflatten_round_trip():

@@ -3,19 +3,9 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain.config import ModelConfig
-from scaletrain.models import ModelArgs, Transformer, build_meta_model, count_parameters, resolve_model_args
+from scaletrain.models import build_meta_model, count_parameters, resolve_model_args
 from scaletrain.models.presets import PRESETS
-
-
-def tiny(**kw) -> Transformer:
-    args = ModelArgs(
-        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16, **kw
-    )
-    model = build_meta_model(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    return model
+from tests.fixtures import tiny
 
 
 def test_changing_a_later_token_leaves_earlier_logits_unchanged():

@@ -15,30 +15,10 @@ from torch import nn
 from scaletrain.config import MoEConfig, OptimizerConfig
 from scaletrain.metrics.moe import MoEMonitor, moe_layers
 from scaletrain.models.llama import ModelArgs
-from scaletrain.models.moe import MoE
 from scaletrain.optim import Optimizers, RoutingBias, build_optimizer
+from tests.fixtures import MOE_EXPERTS as E
+from tests.fixtures import fill_load, moe_layer, moe_model
 from tests.helpers import QUICK, ROOT, events, read_jsonl
-
-E = 4
-
-
-class _Block(nn.Module):
-    def __init__(self, ff: nn.Module):
-        super().__init__()
-        self.feed_forward = ff
-
-
-def _model(moe_ids: tuple[int, ...] = (1, 3), n_layers: int = 4, n_experts: int = E) -> nn.Module:
-    """A stand-in model: `layers.N.feed_forward` is an MoE on `moe_ids`, a Linear elsewhere (as llama.py names it)."""
-    args = ModelArgs(dim=8, n_experts=n_experts, top_k=2, moe_hidden=8)
-    torch.manual_seed(0)
-    model = nn.Module()
-    model.layers = nn.ModuleDict(
-        {str(i): _Block(MoE(args) if i in moe_ids else nn.Linear(8, 8)) for i in range(n_layers)}
-    )
-    for i in moe_ids:
-        model.layers[str(i)].feed_forward.init_weights(0.02, 0.02)
-    return model
 
 
 def _monitor(model: nn.Module, n_experts: int = E, **cfg) -> tuple[MoEMonitor, list[dict]]:
@@ -53,34 +33,21 @@ def _monitor(model: nn.Module, n_experts: int = E, **cfg) -> tuple[MoEMonitor, l
     return mon, seen
 
 
-def _fill(m: MoE, counts, dropped=0.0, aux=0.0, z=0.0, forwards=1.0) -> None:
-    m.tokens_per_expert.copy_(torch.tensor(counts, dtype=torch.float32))
-    m.routed_tokens.fill_(float(sum(counts)))
-    m.dropped_tokens.fill_(dropped)
-    m.aux_loss_sum.fill_(aux)
-    m.z_loss_sum.fill_(z)
-    m.forwards.fill_(forwards)
-
-
-def _ff(model: nn.Module, i: int) -> MoE:
-    return model.layers[str(i)].feed_forward
-
-
 def test_moe_layers_are_found_by_layer_id_through_wrappers():
-    model = _model()
+    model = moe_model()
     wrapped = nn.Module()
     wrapped._orig_mod = (
         model  # torch.compile's and checkpoint_wrapper's prefixes leave the layer id in the name
     )
     assert sorted(moe_layers([wrapped])) == [1, 3]
-    assert moe_layers([wrapped])[3] is _ff(model, 3)
+    assert moe_layers([wrapped])[3] is moe_layer(model, 3)
 
 
 def test_metrics_from_constructed_buffers_and_buffers_reset():
-    model = _model()
+    model = moe_model()
     mon, _ = _monitor(model)
-    _fill(_ff(model, 1), [4, 4, 4, 4], dropped=2, aux=2.0, z=0.4, forwards=2)
-    _fill(_ff(model, 3), [8, 0, 4, 4], dropped=0, aux=3.3, z=0.9, forwards=3)
+    fill_load(moe_layer(model, 1), [4, 4, 4, 4], dropped=2, aux=2.0, z=0.4, forwards=2)
+    fill_load(moe_layer(model, 3), [8, 0, 4, 4], dropped=0, aux=3.3, z=0.9, forwards=3)
     mon.step_done(1)
     m = mon.metrics()
     assert set(m) == {
@@ -98,8 +65,8 @@ def test_metrics_from_constructed_buffers_and_buffers_reset():
     assert m["moe_aux_loss"] == pytest.approx((2.0 / 2 + 3.3 / 3) / 2)  # per forward, averaged over layers
     assert m["moe_z_loss"] == pytest.approx((0.4 / 2 + 0.9 / 3) / 2)
     for i in (1, 3):
-        assert float(_ff(model, i).tokens_per_expert.sum()) == 0.0
-        assert float(_ff(model, i).forwards) == 0.0
+        assert float(moe_layer(model, i).tokens_per_expert.sum()) == 0.0
+        assert float(moe_layer(model, i).forwards) == 0.0
 
 
 def _optimizers(model: nn.Module, rate: float) -> Optimizers:
@@ -109,42 +76,42 @@ def _optimizers(model: nn.Module, rate: float) -> Optimizers:
 
 
 def test_bias_moves_each_expert_towards_the_mean_by_the_rate():
-    model = _model()
+    model = moe_model()
     mon, _ = _monitor(model)
     start = torch.tensor([0.1, -0.2, 0.0, 0.3])
     for i in (1, 3):
-        _ff(model, i).router.expert_bias.copy_(start)
-    _fill(_ff(model, 1), [10, 2, 5, 3])  # mean 5: over, under, even, under
-    _fill(_ff(model, 3), [1, 1, 1, 9])  # mean 3
+        moe_layer(model, i).router.expert_bias.copy_(start)
+    fill_load(moe_layer(model, 1), [10, 2, 5, 3])  # mean 5: over, under, even, under
+    fill_load(moe_layer(model, 3), [1, 1, 1, 9])  # mean 3
     _optimizers(model, 0.01).step()  # as the loop: the optimizers' step, then the monitor reads and clears
     mon.step_done(1)
     torch.testing.assert_close(
-        _ff(model, 1).router.expert_bias, start + 0.01 * torch.tensor([-1.0, 1.0, 0.0, 1.0])
+        moe_layer(model, 1).router.expert_bias, start + 0.01 * torch.tensor([-1.0, 1.0, 0.0, 1.0])
     )
     torch.testing.assert_close(
-        _ff(model, 3).router.expert_bias, start + 0.01 * torch.tensor([1.0, 1.0, 1.0, -1.0])
+        moe_layer(model, 3).router.expert_bias, start + 0.01 * torch.tensor([1.0, 1.0, 1.0, -1.0])
     )
 
 
 def test_no_bias_update_when_off_on_a_skipped_step_or_by_the_monitor():
-    model = _model()
+    model = moe_model()
     assert RoutingBias.for_model([model], E, 0.0, None) is None  # off
-    assert RoutingBias.for_model([_model(moe_ids=())], E, 0.01, None) is None  # no MoE layer to move
+    assert RoutingBias.for_model([moe_model(moe_ids=())], E, 0.01, None) is None  # no MoE layer to move
     mon, _ = _monitor(model, bias_update_rate=0.01)
-    _fill(_ff(model, 1), [10, 2, 5, 3])
+    fill_load(moe_layer(model, 1), [10, 2, 5, 3])
     mon.step_done(1)  # metrics read the load, they never move a bias
-    assert torch.count_nonzero(_ff(model, 1).router.expert_bias) == 0
+    assert torch.count_nonzero(moe_layer(model, 1).router.expert_bias) == 0
     on = _optimizers(model, 0.01)
-    _fill(_ff(model, 1), [10, 2, 5, 3])
+    fill_load(moe_layer(model, 1), [10, 2, 5, 3])
     on.step(skip=True)  # a skipped step: its batch moves nothing ...
-    assert torch.count_nonzero(_ff(model, 1).router.expert_bias) == 0
+    assert torch.count_nonzero(moe_layer(model, 1).router.expert_bias) == 0
     mon.step_done(2, applied=False)  # ... and its counts are cleared
-    assert float(_ff(model, 1).tokens_per_expert.sum()) == 0.0
+    assert float(moe_layer(model, 1).tokens_per_expert.sum()) == 0.0
 
 
 def _route(model: nn.Module, skewed: bool, seed: int) -> None:
     """One forward of layer 1 with gradients on: all tokens to experts 0 and 1 (skewed), else a random router."""
-    m = _ff(model, 1)
+    m = moe_layer(model, 1)
     with torch.no_grad():
         m.router.expert_bias.copy_(torch.tensor([5.0, 5.0] + [0.0] * (E - 2)) if skewed else torch.zeros(E))
     x = torch.randn(4, 64, 8, generator=torch.Generator().manual_seed(seed))
@@ -152,7 +119,7 @@ def _route(model: nn.Module, skewed: bool, seed: int) -> None:
 
 
 def test_imbalance_event_fires_after_exactly_n_steps_once_per_episode():
-    model = _model(moe_ids=(1,))
+    model = moe_model(moe_ids=(1,))
     mon, seen = _monitor(model, imbalance_threshold=1.5, imbalance_steps=3)
     pattern = [True] * 6 + [False] + [True] * 3  # an episode of 6 steps, a recovery, then a new episode
     for step, skewed in enumerate(pattern, start=1):
@@ -170,7 +137,7 @@ def test_imbalance_event_fires_after_exactly_n_steps_once_per_episode():
 
 
 def test_state_round_trip_continues_the_streak():
-    model = _model(moe_ids=(1,))
+    model = moe_model(moe_ids=(1,))
     mon, _ = _monitor(model, imbalance_threshold=1.5, imbalance_steps=3)
     for step in (1, 2):
         _route(model, True, step)
@@ -187,7 +154,7 @@ def test_state_round_trip_continues_the_streak():
 
 
 def test_a_dense_model_has_no_moe_state_or_metrics():
-    model = _model(moe_ids=())
+    model = moe_model(moe_ids=())
     mon, _ = _monitor(model, n_experts=0)
     mon.step_done(1)
     assert not mon.active and mon.metrics() == {} and mon.resumable() == {}

@@ -4,7 +4,7 @@ import torch
 
 from scaletrain.config import OptimizerConfig
 from scaletrain.optim import Optimizers, build_optimizer, lr_factor
-from tests.unit.test_model import tiny
+from tests.fixtures import tiny
 
 
 def test_warmup_then_cosine_reaches_the_floor():

@@ -20,7 +20,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.resilience import faults
 from scaletrain.resilience.faults import FaultInjector, InjectedFault, check_specs, label, validate_specs
 from scaletrain.validate import load_config
-from tests.unit.test_model import tiny
+from tests.fixtures import tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ from scaletrain.checkpoint.memory_tier import MemoryTier, default_root, remove_s
 from scaletrain.checkpoint.safe_load import UnsafeCheckpointError, read_metadata, safe_unpickle
 from scaletrain.config import CheckpointConfig
 from scaletrain.errors import UserError
-from tests.unit.test_checkpoint import make_state
+from tests.fixtures import make_state
 
 
 def _listening_addresses() -> list[str]:
