@@ -18,7 +18,8 @@ from pathlib import Path
 
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.metrics import cpu_features
-from scaletrain.runs import check_configs, run_train
+from scaletrain.runs import run_train
+from scaletrain.validate import check_configs
 
 PLAIN = "plain"
 # Every run: metrics every step, no evaluation, no checkpoints, no progress bar (the user's overrides come first,

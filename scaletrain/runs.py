@@ -1,5 +1,5 @@
 """Training runs started as subprocesses, for the commands that train several runs and compare them (parity,
-bench): every run's config checked before the first starts, then each run and its per-step metrics."""
+bench): each run and its per-step metrics. (validate.check_configs checks every run's config before the first.)"""
 
 from __future__ import annotations
 
@@ -10,21 +10,6 @@ from pathlib import Path
 from scaletrain.errors import ConfigError
 from scaletrain.host import run_from_small_parent
 from scaletrain.rundir import RunDir
-from scaletrain.validate import load_config
-
-
-def check_configs(config: str | None, runs: list[tuple[str, list[str], int]]) -> None:
-    """Validate the whole config of every run before the first starts: (name, its overrides of `config`, world
-    size) each. A bad variant or layout is refused with every problem of every run at once, named by run, instead
-    of after minutes of the runs before it."""
-    problems = []
-    for name, overrides, world in runs:
-        try:
-            load_config(config, overrides, world_size=world, check_run_dir=False)
-        except ConfigError as e:
-            problems += [f"{name}: {p}" for p in e.problems]
-    if problems:
-        raise ConfigError(problems)
 
 
 def run_train(args: list[str], nproc: int, run_dir: Path) -> list[dict]:

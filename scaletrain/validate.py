@@ -78,6 +78,20 @@ def load_config(
     return cfg
 
 
+def check_configs(config: str | None, runs: list[tuple[str, list[str], int]]) -> None:
+    """Validate the whole config of every run before the first starts: (name, its overrides of `config`, world
+    size) each. A bad variant or layout is refused with every problem of every run at once, named by run, instead
+    of after minutes of the runs before it."""
+    problems = []
+    for name, overrides, world in runs:
+        try:
+            load_config(config, overrides, world_size=world, check_run_dir=False)
+        except ConfigError as e:
+            problems += [f"{name}: {p}" for p in e.problems]
+    if problems:
+        raise ConfigError(problems)
+
+
 def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[str]:
     """Every problem of the config for a job of `world_size` ranks; its Layout is resolved once, here."""
     layout = Layout.of(cfg, world_size)
