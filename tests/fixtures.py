@@ -23,11 +23,10 @@ from scaletrain.resilience.faults import FaultInjector
 
 
 def tiny(**kw) -> Transformer:
-    """A 2-layer, 32-wide Transformer (vocab 64, 16 positions) on the CPU, initialised with seed 0."""
-    args = ModelArgs(
-        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16, **kw
-    )
-    model = build_meta_model(args)
+    """A 2-layer, 32-wide Transformer (vocab 64, 16 positions unless `kw` says otherwise) on the CPU, initialised
+    with seed 0; `kw` are ModelArgs fields."""
+    shape = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16)
+    model = build_meta_model(ModelArgs(**{**shape, **kw}))
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights()

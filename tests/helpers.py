@@ -1,5 +1,5 @@
-"""Shared by the tests: run the real CLI in a subprocess, read what a run wrote (metrics.jsonl, events.jsonl), and
-pick a free port."""
+"""Shared by the tests: run the real CLI in a subprocess (`train_cli` for a training run), read what a run wrote
+(metrics.jsonl, events.jsonl), and pick a free port. (Objects the tests build in-process: tests/fixtures.py.)"""
 
 from __future__ import annotations
 
@@ -41,6 +41,56 @@ def run_cli(
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
+
+
+def train_args(
+    run: Path | str | None,
+    *args: str,
+    steps: int | None = None,
+    nproc: int = 1,
+    config: str = DEBUG,
+    quick: bool = True,
+    **overrides: object,
+) -> list[str]:
+    """The arguments of `scaletrain train --config CONFIG --run.dir RUN [--nproc N] [QUICK] [--training.steps S]
+    ARGS OVERRIDES` (no --run.dir when `run` is None; --nproc only above 1).
+
+    `args` go as they are (launcher flags such as --max-restarts, `--key=value` forms, a layout's list). Each
+    override `section__key=value` becomes `--section.key value`, True/False as true/false:
+    `train_args(run, steps=10, training__eval_interval=0)`. A key given twice on a command line takes its last
+    value; here a dict of overrides says it once (`{**BASE, "steps": 6}`)."""
+    flags = [
+        a
+        for key, value in overrides.items()
+        for a in (
+            f"--{key.replace('__', '.')}",
+            str(value).lower() if isinstance(value, bool) else str(value),
+        )
+    ]
+    return [
+        "train",
+        "--config",
+        config,
+        *(["--run.dir", str(run)] if run is not None else []),
+        *(["--nproc", str(nproc)] if nproc != 1 else []),
+        *(QUICK if quick else []),
+        *(["--training.steps", str(steps)] if steps is not None else []),
+        *args,
+        *flags,
+    ]
+
+
+def train_cli(
+    run: Path | str | None,
+    *args: str,
+    check: bool = True,
+    timeout: float = 300,
+    cwd: Path = ROOT,
+    **kw: object,
+) -> subprocess.CompletedProcess:
+    """`scaletrain train` with `train_args(run, *args, **kw)` (steps, nproc, config, quick, section__key=value),
+    through run_cli: the debug config, the run directory `run`, QUICK, unless told otherwise."""
+    return run_cli(*train_args(run, *args, **kw), check=check, timeout=timeout, cwd=cwd)
 
 
 def start_cli(*args: str, cwd: Path = ROOT, **popen: object) -> subprocess.Popen:

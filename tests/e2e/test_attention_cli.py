@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 
-from tests.helpers import QUICK, losses, run_cli
+from tests.helpers import losses, train_cli
 
-STEPS = ["--training.steps", "3", "--metrics.log_interval", "1", "--training.deterministic", "true"]
+STEPS = dict(steps=3, metrics__log_interval=1, training__deterministic=True)
 
 
 def short_docs_config(tmp_path) -> str:
@@ -30,11 +30,9 @@ def short_docs_config(tmp_path) -> str:
 def test_document_mask_trains_end_to_end_and_changes_the_loss(tmp_path):
     cfg = short_docs_config(tmp_path)
     plain = tmp_path / "plain"
-    run_cli("train", "--config", cfg, "--run.dir", str(plain), *QUICK, *STEPS)
+    train_cli(plain, config=cfg, **STEPS)
     masked = tmp_path / "masked"
-    proc = run_cli(
-        "train", "--config", cfg, "--run.dir", str(masked), *QUICK, *STEPS, "--data.document_mask", "true"
-    )
+    proc = train_cli(masked, config=cfg, **STEPS, data__document_mask=True)
     assert "bool mask): SDPA" in proc.stdout + proc.stderr
     got, ref = losses(masked), losses(plain)
     assert sorted(got) == [1, 2, 3] and all(math.isfinite(v) for v in got.values())

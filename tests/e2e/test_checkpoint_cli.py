@@ -12,24 +12,16 @@ import pytest
 import torch
 
 from scaletrain.checkpoint.run_model import load_run_model
-from tests.helpers import DEBUG, QUICK, ROOT, per_step, read_jsonl, run_cli
+from tests.helpers import ROOT, per_step, read_jsonl, run_cli, train_args, train_cli
 
-DET = [
-    *QUICK,
-    "--training.deterministic",
-    "true",
-    "--training.eval_interval",
-    "0",
-    "--metrics.log_interval",
-    "1",
-    "--checkpoint.interval",
-    "3",
-]
+DET = dict(
+    training__deterministic=True, training__eval_interval=0, metrics__log_interval=1, checkpoint__interval=3
+)
 
 
-def _start(run, *extra):
+def _start(run, **kw):
     return subprocess.Popen(
-        [sys.executable, "-m", "scaletrain", "train", "--config", DEBUG, "--run.dir", str(run), *DET, *extra],
+        [sys.executable, "-m", "scaletrain", *train_args(run, **{**DET, **kw})],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -53,15 +45,15 @@ def _steps(run):
 
 def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
     ref = tmp_path / "ref"
-    run_cli("train", "--config", DEBUG, "--run.dir", str(ref), *DET, "--training.steps", "12")
+    train_cli(ref, steps=12, **DET)
     killed = tmp_path / "killed"
     k = random.Random().randint(4, 10)
-    proc = _start(killed, "--training.steps", "12")
+    proc = _start(killed, steps=12)
     _wait_for(lambda: _steps(killed) >= k and any((killed / "checkpoints").glob("step-*/commit.json")))
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    resumed = run_cli("train", "--config", DEBUG, "--run.dir", str(killed), *DET, "--training.steps", "12")
+    resumed = train_cli(killed, steps=12, **DET)
     assert "resumed from" in resumed.stderr, f"killed at step {k}"
     got, want = (per_step(r, ("loss", "grad_norm")) for r in (killed, ref))
     assert got == want, f"killed at step {k}"
@@ -73,7 +65,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run = tmp_path / "run"
-    proc = _start(run, "--training.steps", "100000", "--checkpoint.interval", "0")
+    proc = _start(run, steps=100000, checkpoint__interval=0)
     _wait_for(lambda: _steps(run) >= 3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -84,18 +76,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     commits = sorted((run / "checkpoints").glob("step-*/commit.json"))
     assert json.loads(commits[-1].read_text())["step"] == pre[0]["step"]
     # The next start resumes from it.
-    run_cli(
-        "train",
-        "--config",
-        DEBUG,
-        "--run.dir",
-        str(run),
-        *DET,
-        "--training.steps",
-        str(pre[0]["step"] + 2),
-        "--run.accept_changes",
-        "training.steps",
-    )
+    train_cli(run, steps=pre[0]["step"] + 2, **DET, run__accept_changes="training.steps")
     start = [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "start"][-1]
     assert start["resumed"] and start["step"] == pre[0]["step"]
 
@@ -103,18 +84,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 def test_hugging_face_export_and_import_give_the_same_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     run = tmp_path / "run"
-    run_cli(
-        "train",
-        "--config",
-        DEBUG,
-        "--run.dir",
-        str(run),
-        *QUICK,
-        "--training.steps",
-        "3",
-        "--training.eval_interval",
-        "0",
-    )
+    train_cli(run, steps=3, training__eval_interval=0)
     out = tmp_path / "hf"
     proc = run_cli("convert", "--to", "hf", str(run), str(out))
     assert "logits match" in proc.stdout
@@ -127,25 +97,15 @@ def test_hugging_face_export_and_import_give_the_same_logits(tmp_path):
     cfg = tmp_path / "from_hf.toml"
     run_cli("convert", "--from", "hf", str(out), "--out", str(cfg))
     run2 = tmp_path / "run2"
-    run_cli(
-        "train",
-        "--config",
-        str(cfg),
-        "--run.dir",
-        str(run2),
-        *QUICK,
-        "--training.steps",
-        "1",
-        "--optimizer.lr",
-        "1e-12",
-        "--training.eval_interval",
-        "0",
-        "--data.seq_len",
-        "64",
-        "--training.global_batch",
-        "8",
-        "--training.micro_batch",
-        "4",
+    train_cli(
+        run2,
+        config=str(cfg),
+        steps=1,
+        optimizer__lr="1e-12",
+        training__eval_interval=0,
+        data__seq_len=64,
+        training__global_batch=8,
+        training__micro_batch=4,
     )
     imported = load_run_model(run2)[0].eval()
     with torch.no_grad():

@@ -6,24 +6,15 @@ mode's optimizer shards."""
 
 import pytest
 
-from tests.helpers import DEBUG, QUICK, losses, read_jsonl, run_cli
+from tests.helpers import losses, read_jsonl, train_cli
 
-BASE = [
-    "--config",
-    DEBUG,
-    *QUICK,
-    "--training.eval_interval",
-    "0",
-    "--metrics.log_interval",
-    "1",
-    "--checkpoint.interval",
-    "0",
-    "--optimizer.schedule",
-    "constant",
-    "--training.micro_batch",
-    "2",
-    "--training.steps",
-]
+BASE = dict(
+    training__eval_interval=0,
+    metrics__log_interval=1,
+    checkpoint__interval=0,
+    optimizer__schedule="constant",
+    training__micro_batch=2,
+)
 FSDP = ["--parallel.data_parallel", "fsdp"]
 # Each link loads the previous link's checkpoint and saves its own: a save/load round trip in every layout.
 CHAIN = [
@@ -41,13 +32,13 @@ CHAIN = [
 
 def test_resume_across_layouts_continues_the_reference_losses(tmp_path):
     ref = tmp_path / "ref"
-    run_cli("train", "--run.dir", str(ref), *BASE, str(2 * len(CHAIN)))
+    train_cli(ref, steps=2 * len(CHAIN), **BASE)
     want = losses(ref)
     run = tmp_path / "chain"
     for i, (nproc, layout) in enumerate(CHAIN):
         # Each link runs two more steps of a constant schedule: a length change the resume must be told to accept.
-        longer = [str(2 * (i + 1)), "--run.accept_changes", "training.steps"]
-        run_cli("train", "--nproc", str(nproc), "--run.dir", str(run), *BASE, *longer, *layout)
+        longer = dict(steps=2 * (i + 1), run__accept_changes="training.steps")
+        train_cli(run, *layout, nproc=nproc, **BASE, **longer)
     got = losses(run)
     assert sorted(got) == sorted(want)
     for step, loss in want.items():

@@ -12,7 +12,7 @@ import torch
 
 from scaletrain.cli import main
 from scaletrain.data import ByteTokenizer
-from tests.helpers import DEBUG, QUICK, run_cli
+from tests.helpers import train_cli
 
 PROMPT = "def "
 SEQ = 32  # eval windows; the run's context (data.seq_len of the debug config) is 64
@@ -23,19 +23,9 @@ def run(tmp_path_factory):
     """(run dir, HF export, `train`'s stdout, eval text files)."""
     root = tmp_path_factory.mktemp("gen")
     run = root / "run"
-    layout = [
-        "--nproc",
-        "4",
-        "--parallel.data_parallel",
-        "fsdp",
-        "--parallel.tp",
-        "2",
-        "--parallel.dp_shard",
-        "2",
-    ]
-    proc = run_cli(
-        "train", "--config", DEBUG, "--run.dir", str(run), *QUICK, *layout, "--training.steps", "3",
-        "--training.eval_interval", "0", "--metrics.sample_prompt", PROMPT,
+    proc = train_cli(
+        run, nproc=4, steps=3, parallel__data_parallel="fsdp", parallel__tp=2, parallel__dp_shard=2,
+        training__eval_interval=0, metrics__sample_prompt=PROMPT,
     )  # fmt: skip
     hf = root / "hf"
     assert main(["convert", "--to", "hf", str(run), str(hf)]) == 0

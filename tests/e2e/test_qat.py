@@ -15,7 +15,7 @@ from scaletrain.convert import load_quantized
 from scaletrain.data import build_loader, load_tokenizer
 from scaletrain.errors import CONFIG_EXIT_CODE
 from scaletrain.precision.qat import mean_loss
-from tests.helpers import DEBUG, QUICK, events, run_cli
+from tests.helpers import events, train_cli
 
 pytest.importorskip("torchao", reason="QAT needs torchao: the fp8 extra")
 
@@ -25,8 +25,9 @@ CONVERTED_GAP = 1e-4
 
 def test_qat_trains_and_converts_to_an_int_model_with_the_fake_quant_loss(tmp_path, capsys):
     run, out = tmp_path / "run", tmp_path / "quantized"
-    run_cli("train", "--config", DEBUG, *QUICK, "--run.dir", str(run), "--precision.qat", "int8_int4",
-            "--training.steps", "20", "--training.eval_interval", "10", "--checkpoint.async_save", "false")  # fmt: skip
+    train_cli(
+        run, steps=20, precision__qat="int8_int4", training__eval_interval=10, checkpoint__async_save=False
+    )
     val = [e["val_loss"] for e in events(run, "eval")]
     assert len(val) == 3 and val[0] > val[1] > val[2] and val[0] - val[2] > 2  # measured 6.6 -> 2.7
 

@@ -12,10 +12,9 @@ from PIL import Image
 
 from scaletrain.cli import main
 from scaletrain.report.plots import COLOURS, PLOTS
-from tests.helpers import DEBUG, QUICK, events, run_cli
+from tests.helpers import events, train_cli
 
-SHORT = [*QUICK, "--training.steps", "6", "--training.eval_interval", "3", "--metrics.log_interval", "1",
-         "--checkpoint.interval", "3"]  # fmt: skip
+SHORT = dict(steps=6, training__eval_interval=3, metrics__log_interval=1, checkpoint__interval=3)
 PLOT_NAMES = [name for name, *_ in PLOTS]
 
 
@@ -24,8 +23,8 @@ def runs(tmp_path_factory):
     """Two finished runs that differ in the learning rate only; the first printed its report when it ended."""
     root = tmp_path_factory.mktemp("report")
     a, b = root / "lr3e-3", root / "lr1e-3"
-    trained = run_cli("train", "--config", DEBUG, "--run.dir", str(a), *SHORT, "--metrics.report", "true")
-    run_cli("train", "--config", DEBUG, "--run.dir", str(b), *SHORT, "--optimizer.lr", "1e-3")
+    trained = train_cli(a, **SHORT, metrics__report=True)
+    train_cli(b, **SHORT, optimizer__lr="1e-3")
     return a, b, trained
 
 

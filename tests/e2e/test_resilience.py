@@ -8,9 +8,9 @@ import time
 import torch
 
 from scaletrain.checkpoint.run_model import load_run_model
-from tests.helpers import DEBUG, QUICK, ROOT, events, free_port, per_step, read_jsonl, run_cli
+from tests.helpers import ROOT, events, free_port, per_step, read_jsonl, train_args, train_cli
 
-BASE = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--metrics.log_interval", "1"]
+BASE = dict(training__eval_interval=0, metrics__log_interval=1)
 
 
 def _inject(*tables):
@@ -18,30 +18,12 @@ def _inject(*tables):
 
 
 def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupted_run(tmp_path):
-    args = [
-        *BASE,
-        "--training.steps",
-        "12",
-        "--training.deterministic",
-        "true",
-        "--checkpoint.interval",
-        "3",
-        "--checkpoint.snapshot_interval",
-        "2",
-    ]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    run_cli("train", "--nproc", "2", "--run.dir", str(ref), *args)
-    run_cli(
-        "train",
-        "--nproc",
-        "2",
-        "--max-restarts",
-        "2",
-        "--run.dir",
-        str(run),
-        *args,
-        _inject('{kind="kill", rank=1, step=7}'),
+    args = dict(
+        BASE, steps=12, training__deterministic=True, checkpoint__interval=3, checkpoint__snapshot_interval=2
     )
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train_cli(ref, nproc=2, **args)
+    train_cli(run, "--max-restarts", "2", _inject('{kind="kill", rank=1, step=7}'), nproc=2, **args)
     # One failure, one restart, blamed on the killed rank (not on its peer, which lost its connection to it).
     [failure] = events(run, "failure")
     assert (failure["cause"], failure["rank"]) == ("killed", 1), failure
@@ -56,20 +38,14 @@ def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupte
 def test_a_slowed_rank_is_named_in_lock_step_data_parallel(tmp_path):
     # DDP's gradient all-reduce makes both ranks' wall-clock step times equal; busy time still tells them apart.
     run = tmp_path / "run"
-    run_cli(
-        "train",
-        "--nproc",
-        "2",
-        "--run.dir",
-        str(run),
-        *BASE,
-        "--training.steps",
-        "9",
-        "--resilience.straggler_factor",
-        "2",
-        "--resilience.straggler_interval",
-        "3",
+    train_cli(
+        run,
         _inject('{kind="slow", rank=1, factor=4, step=4}'),
+        nproc=2,
+        steps=9,
+        **BASE,
+        resilience__straggler_factor=2,
+        resilience__straggler_interval=3,
     )
     named = events(run, "straggler")
     assert [e["step"] for e in named] == [6, 9] and all(e["rank"] == 1 and e["ratio"] > 2 for e in named), (
@@ -82,16 +58,12 @@ def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):
     CheckpointException (a BaseException): the run reports checkpoint_failed, trains on, and the checkpoints before
     and after it are committed. (Both save modes, step by step: tests/unit/test_checkpoint.py.)"""
     run = tmp_path / "run"
-    run_cli(
-        "train",
-        "--run.dir",
-        str(run),
-        *BASE,
-        "--training.steps",
-        "10",
-        "--checkpoint.interval",
-        "3",
+    train_cli(
+        run,
         _inject('{kind="nan", step=4}', '{kind="write_error", step=6}'),
+        steps=10,
+        **BASE,
+        checkpoint__interval=3,
     )
     (skipped,) = events(run, "skipped_step")
     assert skipped["step"] == 4 and skipped["skipped_total"] == 1
@@ -106,20 +78,14 @@ def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):
 
 def test_loss_spike_rolls_back_and_skips_the_bad_batches(tmp_path):
     run = tmp_path / "run"
-    run_cli(
-        "train",
-        "--run.dir",
-        str(run),
-        *BASE,
-        "--training.steps",
-        "20",
-        "--checkpoint.snapshot_interval",
-        "4",
-        "--resilience.spike_zscore",
-        "4",
-        "--resilience.spike_window",
-        "8",
+    train_cli(
+        run,
         _inject('{kind="spike", step=15}'),
+        steps=20,
+        **BASE,
+        checkpoint__snapshot_interval=4,
+        resilience__spike_zscore=4,
+        resilience__spike_window=8,
     )
     (spike,) = events(run, "loss_spike")
     (rollback,) = events(run, "rollback")
@@ -131,22 +97,16 @@ def test_loss_spike_rolls_back_and_skips_the_bad_batches(tmp_path):
 
 def test_hang_is_caught_by_the_watchdog_and_the_job_recovers(tmp_path):
     run = tmp_path / "run"
-    run_cli(
-        "train",
-        "--nproc",
-        "2",
+    train_cli(
+        run,
         "--max-restarts",
         "1",
-        "--run.dir",
-        str(run),
-        *BASE,
-        "--training.steps",
-        "8",
-        "--checkpoint.interval",
-        "2",
-        "--resilience.hang_timeout_s",
-        "3",
         _inject('{kind="hang", rank=1, step=5}'),
+        nproc=2,
+        steps=8,
+        **BASE,
+        checkpoint__interval=2,
+        resilience__hang_timeout_s=3,
     )
     fired = [e for e in events(run, "fault_injected") if e["fault"].startswith("hang")][0]
     hangs = [e for e in events(run, "hang") if e["rank"] == 1]
@@ -159,20 +119,15 @@ def test_hang_is_caught_by_the_watchdog_and_the_job_recovers(tmp_path):
 
 def test_corrupted_checkpoint_falls_back_to_the_previous_one_after_a_crash(tmp_path):
     run = tmp_path / "run"
-    run_cli(
-        "train",
+    train_cli(
+        run,
         "--max-restarts",
         "1",
-        "--run.dir",
-        str(run),
-        *BASE,
-        "--training.steps",
-        "10",
-        "--checkpoint.interval",
-        "3",
-        "--checkpoint.async_save",
-        "false",  # step 6 commits before the kill
         _inject('{kind="corrupt_checkpoint", step=6}', '{kind="kill", rank=0, step=8}'),
+        steps=10,
+        **BASE,
+        checkpoint__interval=3,
+        checkpoint__async_save=False,  # step 6 commits before the kill
     )
     (rejected,) = events(run, "checkpoint_rejected")
     assert rejected["step"] == 6 and "checksum" in rejected["reason"]
@@ -184,20 +139,15 @@ def test_auto_interval_is_measured_again_after_a_restart(tmp_path):
     # A restarted worker must choose its own interval: before, only the first run segment probed, so after a
     # restart no storage checkpoint was ever written again.
     run = tmp_path / "run"
-    run_cli(
-        "train",
+    train_cli(
+        run,
         "--max-restarts",
         "1",
-        "--run.dir",
-        str(run),
-        *BASE,
-        "--training.steps",
-        "16",
-        "--checkpoint.interval",
-        "auto",
-        "--checkpoint.mtbf_hours",
-        "0.0001",
         _inject('{kind="kill", rank=0, step=9}'),
+        steps=16,
+        **BASE,
+        checkpoint__interval="auto",
+        checkpoint__mtbf_hours="0.0001",
     )
     probes = events(run, "checkpoint_interval")
     [resumed] = [e["step"] for e in events(run, "start") if e["resumed"]]
@@ -212,19 +162,11 @@ def test_auto_interval_is_measured_again_after_a_restart(tmp_path):
 def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path):
     # Two agents joined by c10d rendezvous on localhost act as two nodes; node 1's worker is killed at step 6 and
     # torchrun's own restart brings both nodes back, resuming the deterministic run bit for bit.
-    args = [
-        *BASE,
-        "--training.steps",
-        "10",
-        "--training.deterministic",
-        "true",
-        "--checkpoint.interval",
-        "3",
-        "--checkpoint.snapshot_interval",
-        "2",
-    ]
+    args = dict(
+        BASE, steps=10, training__deterministic=True, checkpoint__interval=3, checkpoint__snapshot_interval=2
+    )
     ref, run = tmp_path / "ref", tmp_path / "run"
-    run_cli("train", "--nproc", "2", "--run.dir", str(ref), *args)
+    train_cli(ref, nproc=2, **args)
     port = free_port()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     agents = []
@@ -253,11 +195,7 @@ def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path)
             "0.2",
             "-m",
             "scaletrain",
-            "train",
-            "--run.dir",
-            str(run),
-            *args,
-            _inject('{kind="kill", rank=1, step=6}'),
+            *train_args(run, _inject('{kind="kill", rank=1, step=6}'), **args),
         ]
         log = open(tmp_path / f"node{node}.log", "w")  # a file, not a pipe: nobody reads it while they run
         agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env))

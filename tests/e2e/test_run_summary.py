@@ -13,16 +13,17 @@ import pytest
 
 from scaletrain.errors import STOPPED_EXIT_CODE
 from scaletrain.report.runs import read_run
-from tests.helpers import DEBUG, QUICK, ROOT, events, per_step, run_cli
+from tests.helpers import ROOT, events, per_step, train_args, train_cli
 
 # 100000 steps (the schedule of every start), logged and evaluated every 1000: the stops below fall between logs.
-ARGS = [*QUICK, "--training.deterministic", "true", "--training.steps", "100000", "--metrics.log_interval", "1000",
-        "--training.eval_interval", "1000"]  # fmt: skip
+ARGS = dict(
+    training__deterministic=True, steps=100000, metrics__log_interval=1000, training__eval_interval=1000
+)
 TOKENS_PER_STEP = 8 * 64  # configs/debug.toml: global_batch 8 sequences of seq_len 64
 
 
 def _sigterm_after_a_few_steps(run) -> None:
-    cmd = [sys.executable, "-m", "scaletrain", "train", "--config", DEBUG, "--run.dir", str(run), *ARGS]
+    cmd = [sys.executable, "-m", "scaletrain", *train_args(run, **ARGS)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=os.environ.copy())  # fmt: skip
     deadline = time.monotonic() + 120
@@ -44,11 +45,10 @@ def job(tmp_path_factory):
     _sigterm_after_a_few_steps(run)
     (pre,) = events(run, "preempted")
     s = pre["step"]
-    train = ("train", "--config", DEBUG, "--run.dir", str(run), *ARGS)
-    for stop in (("--run.stop_at_step", str(s + 3)), ("--run.time_limit", "1s")):
-        assert run_cli(*train, *stop, check=False).returncode == STOPPED_EXIT_CODE
-    ref_args = (*ARGS, "--run.stop_at_step", str(s + 4), "--metrics.log_interval", "1")
-    assert run_cli("train", "--config", DEBUG, "--run.dir", str(ref), *ref_args, check=False).returncode == 75
+    for stop in ({"run__stop_at_step": s + 3}, {"run__time_limit": "1s"}):
+        assert train_cli(run, **ARGS, **stop, check=False).returncode == STOPPED_EXIT_CODE
+    ref_args = {**ARGS, "run__stop_at_step": s + 4, "metrics__log_interval": 1}
+    assert train_cli(ref, **ref_args, check=False).returncode == 75
     first_val = events(run, "eval")[0]
     assert first_val["step"] == 0 and [e["step"] for e in events(run, "start")] == [0, s, s + 3]
     return {"s": s, "ends": events(run, "end"), "first_val": first_val["val_loss"], "run": run,

@@ -8,10 +8,9 @@ import subprocess
 import sys
 import time
 
-from tests.helpers import DEBUG, QUICK, ROOT, events, per_step, read_jsonl, run_cli
+from tests.helpers import ROOT, events, per_step, read_jsonl, train_args, train_cli
 
-BASE = ["--config", DEBUG, *QUICK, "--training.eval_interval", "0", "--metrics.log_interval", "1"]
-DET = [*BASE, "--training.deterministic", "true"]
+BASE = dict(training__eval_interval=0, metrics__log_interval=1)
 
 
 def _inject(*tables: str) -> str:
@@ -22,19 +21,13 @@ def test_a_skipped_step_on_a_save_step_resumes_exactly(tmp_path):
     """Step 4 is skipped (NaN) and saved. The checkpoint must say step 4 with the loader past batch 4: a resumed
     run then continues with batch 5, bit for bit as the uninterrupted run (it used to store step 3 with the loader
     past batch 4, so the resumed run was shifted by one batch)."""
-    args = [*DET, "--training.steps", "8", "--checkpoint.interval", "4", "--checkpoint.async_save", "false"]
+    args = dict(
+        BASE, training__deterministic=True, steps=8, checkpoint__interval=4, checkpoint__async_save=False
+    )
     nan = '{kind="nan", step=4}'
     ref, run = tmp_path / "ref", tmp_path / "run"
-    run_cli("train", "--run.dir", str(ref), *args, _inject(nan))
-    run_cli(
-        "train",
-        "--run.dir",
-        str(run),
-        "--max-restarts",
-        "1",
-        *args,
-        _inject(nan, '{kind="kill", rank=0, step=6}'),
-    )
+    train_cli(ref, _inject(nan), **args)
+    train_cli(run, "--max-restarts", "1", _inject(nan, '{kind="kill", rank=0, step=6}'), **args)
     (loaded,) = events(run, "checkpoint_loaded")
     assert loaded["step"] == 4 and events(run, "skipped_step")[0]["step"] == 4
     assert per_step(run, "loss") == per_step(ref, "loss")
@@ -48,18 +41,14 @@ def test_a_kill_during_the_final_save_resumes_from_the_memory_tier(tmp_path):
     memory at the last step and commits the final checkpoint (it used to delete the snapshots first and lose the
     whole run with checkpoint.interval = 0)."""
     run = tmp_path / "run"
-    run_cli(
-        "train",
-        "--run.dir",
-        str(run),
+    train_cli(
+        run,
         "--max-restarts",
         "1",
-        *BASE,
-        "--training.steps",
-        "8",
-        "--checkpoint.snapshot_interval",
-        "3",
         _inject('{kind="kill_during_save", step=8}'),
+        steps=8,
+        **BASE,
+        checkpoint__snapshot_interval=3,
     )
     [failure] = events(run, "failure")
     assert failure["cause"] == "killed"
@@ -71,19 +60,13 @@ def test_a_kill_during_the_final_save_resumes_from_the_memory_tier(tmp_path):
 
 def test_sigterm_with_checkpoints_disabled_stops_within_30_s(tmp_path):
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "scaletrain",
-        "train",
-        "--run.dir",
-        str(run),
-        *BASE,
-        "--training.steps",
-        "100000",
-    ]
     proc = subprocess.Popen(
-        [*cmd, "--checkpoint.enabled", "false"],
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            *train_args(run, steps=100000, **BASE, checkpoint__enabled=False),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from scaletrain.metrics import cpu_features
-from tests.helpers import DEBUG, QUICK, read_jsonl, run_cli
+from tests.helpers import QUICK, read_jsonl, train_cli
 
 GOLDEN = Path(__file__).with_name("debug.json")
 COMMON = [*QUICK, "--training.deterministic", "true", "--metrics.log_interval", "1"]
@@ -31,7 +31,7 @@ LAYOUTS: dict[str, list[str]] = {
 
 
 def run_layout(name: str, run_dir: Path) -> dict:
-    run_cli("train", "--config", DEBUG, "--run.dir", str(run_dir), *COMMON, *LAYOUTS[name])
+    train_cli(run_dir, *COMMON, *LAYOUTS[name], quick=False)  # COMMON holds QUICK
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     evals = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "eval"]
     return {

@@ -6,19 +6,14 @@ import torch
 
 from scaletrain.errors import UserError
 from scaletrain.inference.generate import generate, next_token
-from scaletrain.models import ModelArgs, Transformer, build_meta_model
+from scaletrain.models import Transformer
 from scaletrain.models.kv_cache import KVCache
+from tests import fixtures
 
 
 def tiny(**kw) -> Transformer:
-    args = ModelArgs(
-        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=24, **kw
-    )
-    model = build_meta_model(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    return model.eval()
+    """The shared tiny model with 24 positions, in eval mode."""
+    return fixtures.tiny(max_seq_len=24, **kw).eval()
 
 
 @torch.no_grad()

@@ -39,7 +39,7 @@ from scaletrain.planner.time import (
     step_time,
 )
 from scaletrain.validate import load_config
-from tests.helpers import DEBUG, QUICK, run_cli
+from tests.helpers import DEBUG, train_cli
 
 PSI, ND = 7.5e9, 64  # Rajbhandari et al. 2020, figure 1: a 7.5B model on 64 devices
 
@@ -442,8 +442,7 @@ def test_parallel_auto_picks_a_layout_that_validates(capsys, tmp_path, monkeypat
 
 def test_train_dry_run_prints_the_estimate_and_starts_nothing(tmp_path):
     run = tmp_path / "run"
-    args = ["--parallel.pp", "2", "--parallel.data_parallel", "fsdp", "--run.dir", str(run)]
-    proc = run_cli("train", "--config", DEBUG, "--nproc", "2", "--dry-run", *QUICK, *args)
+    proc = train_cli(run, "--dry-run", nproc=2, parallel__pp=2, parallel__data_parallel="fsdp")
     out = proc.stdout
     assert "dry run: nothing started" in out and "mesh: pp2 (1f1b) on 2 rank(s)" in out
     assert "global 8 sequences x 64 tokens = 512 tokens per step" in out

@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 
 from scaletrain.precision import LossScaler
 from scaletrain.precision.policy import cpu_flags
-from tests.helpers import DEBUG, QUICK, events, read_jsonl, run_cli
+from tests.helpers import events, read_jsonl, train_cli
 
 # The debug config at a quarter of its width: fp16 autocast on a CPU without fp16 units costs ~2 s per debug step.
 SMALL = ["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.n_kv_heads", "1",
@@ -17,11 +17,10 @@ SMALL = ["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2", "
 
 def test_fp16_run_skips_overflows_records_the_scale_and_checkpoints_it(tmp_path):
     run = tmp_path / "run"
-    proc = run_cli(
-        "train", "--config", DEBUG, *QUICK, *SMALL, "--run.dir", str(run), "--training.steps", "6",
-        "--training.eval_interval", "0", "--metrics.log_interval", "1", "--precision.compute", "fp16",
+    proc = train_cli(
+        run, *SMALL, steps=6, training__eval_interval=0, metrics__log_interval=1, precision__compute="fp16",
         # 2^18: the first steps overflow for sure; a guard that saw them would roll back at the first one.
-        "--precision.loss_scale_init", "262144", "--resilience.nan_rollback_after", "1",
+        precision__loss_scale_init=262144, resilience__nan_rollback_after=1,
     )  # fmt: skip
     assert "precision fp16 via torch.autocast(cpu, fp16), dynamic loss scale from 262144" in proc.stderr
     if not cpu_flags() & {"amx_bf16", "avx512_bf16"}:

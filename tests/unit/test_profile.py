@@ -19,7 +19,7 @@ from scaletrain.metrics.profile import (
     profile_problems,
     summarize,
 )
-from tests.helpers import DEBUG, QUICK, events, read_jsonl, run_cli
+from tests.helpers import events, read_jsonl, train_cli
 
 
 @pytest.mark.parametrize("text, span", [("10-12", (10, 12)), (" 3 - 3 ", (3, 3)), ("7", (7, 7)), ("", None)])
@@ -93,9 +93,9 @@ def test_classify_on_gpu_uses_kernels():
 
 def test_trace_written_by_the_chosen_rank_only(tmp_path):
     run = tmp_path / "run"
-    run_cli(
-        "train", "--config", DEBUG, "--nproc", "2", *QUICK, "--training.steps", "3", "--training.eval_interval",
-        "0", "--metrics.log_interval", "1", "--profile.steps", "2-3", "--profile.ranks", "[1]", "--run.dir", str(run),
+    train_cli(
+        run, nproc=2, steps=3, training__eval_interval=0, metrics__log_interval=1, profile__steps="2-3",
+        profile__ranks="[1]",
     )  # fmt: skip
     files = sorted(p.name for p in (run / "profile").iterdir())
     assert files == ["rank1.summary.json", "rank1.summary.txt", "rank1.trace.json"]
