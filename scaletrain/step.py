@@ -29,6 +29,7 @@ from scaletrain.parallel.pipeline import clip_grad_norm_pp
 from scaletrain.parallel.tensor_parallel import loss_context
 from scaletrain.precision.policy import Precision, resolve_precision
 from scaletrain.precision.scaler import LossScaler
+from scaletrain.resilience.busy import BusyClock, ProcessClock
 
 
 @dataclass
@@ -48,6 +49,8 @@ class StepRunner:
     eod_id: int | None = None
     scaler: LossScaler | None = None  # fp16: the loss scaled before backward, the gradients unscaled in clip
     comm: CommMeter = field(default_factory=CommMeter)  # data-parallel bytes sent per step (comm_bytes)
+    # Straggler detection's busy clock (the guard's): the step's compute is bracketed on it (CUDA events on a GPU).
+    clock: BusyClock = field(default_factory=ProcessClock)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss over this rank's share of the global batch, gradients accumulated into .grad.
@@ -61,17 +64,24 @@ class StepRunner:
             # The schedule calls the stage modules itself: autocast must wrap the whole step. Under context parallel
             # each stage gets its tokens' positions from apply_cp's hook.
             self._scale_aux_losses(self.pipeline.schedule._n_microbatches)  # no public accessor (torch 2.13)
+            self.clock.compute_start()
             with self.autocast:
                 loss = self.pipeline.step(inputs, targets)  # under fp16 the schedule's loss_fn scaled it
+            self.clock.compute_end()
             return loss / self.scaler.scale if self.scaler is not None else loss
         model = self.parts[0]
         xs, ys = inputs.split(self.micro_batch), targets.split(self.micro_batch)
         n = len(xs)
         self._scale_aux_losses(n)
         loss_sum = torch.zeros((), device=inputs.device)
+        self.clock.compute_start()
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             with self._grad_sync(model, last=i == n - 1), self.loss_context():
                 loss = cross_entropy(self._logits(model, x, positions), y)
+                if (
+                    i == n - 1
+                ):  # the last backward's gradient collectives wait for the slowest peer: not busy time
+                    self.clock.compute_end()
                 share = loss / n
                 (self.scaler.scale_loss(share) if self.scaler is not None else share).backward()
             loss_sum += _local(loss.detach())

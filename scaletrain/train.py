@@ -220,6 +220,7 @@ def build(cfg: Config) -> Job:
         loader = faults.attach(loader, pm.parts, ckpt, vocab_size=args.vocab_size)
     guard = Guard(cfg.resilience, run.path, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
                   faults)  # fmt: skip
+    runner.clock = guard.clock  # the step brackets its compute for straggler detection (CUDA events on a GPU)
 
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).
     cache = resolve_cache_dir(cfg.data)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from scaletrain.config import ResilienceConfig
 from scaletrain.parallel.mesh import DistEnv
+from scaletrain.resilience.busy import BusyClock, clock_for
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.health import Decision, NanGuard, SpikeDetector
 from scaletrain.resilience.straggler import StragglerMonitor
@@ -32,6 +33,7 @@ class Guard:
         event: Callable[..., None],
         mean_loss: Callable[[torch.Tensor], torch.Tensor],
         faults: FaultInjector | None = None,
+        clock: BusyClock | None = None,
     ):
         rank, device_type = env.rank, env.device.type
         self.cfg = cfg
@@ -50,15 +52,16 @@ class Guard:
             else None
         )
         self.first_step = True
-        # A rank's own work per step, for straggler detection: wall time evens out across ranks in lock-step
-        # training (the fast ones wait in the collectives), but a gloo wait blocks without using the CPU, so on CPU
-        # the process's CPU time is its own work. On GPUs the work is on the device and the host waits either way:
-        # wall time there (kernel timing, as NVIDIA's detector does with CUPTI, is not built).
+        # A rank's own work per step, for straggler detection (resilience/busy.py): CPU time on CPU, CUDA events
+        # around the step's compute on a GPU; the step runner brackets its compute on `clock`.
+        self.clock: BusyClock = clock if clock is not None else clock_for(device_type)
+        # Host time for fault injection's slowdowns (a spin burns host time): CPU time on CPU, else wall time.
         self.busy_clock = time.process_time if device_type == "cpu" else time.perf_counter
         self._busy0 = 0.0
 
     def step_start(self, step: int) -> None:
         self._busy0 = self.busy_clock()
+        self.clock.step_start()
         if self.watchdog is not None:
             # The first step after a (re)start compiles and warms up: give it more time.
             self.watchdog.step_started(step, self.cfg.hang_timeout_s * (5 if self.first_step else 1))
@@ -115,8 +118,10 @@ class Guard:
     def step_end(self, step: int) -> None:
         if self.faults is not None:
             self.faults.at_step_end(step, self.busy_clock() - self._busy0, self.busy_clock)
+        busy = self.clock.step_end()  # after the faults' slowdown: a slowed CPU rank counts it
         if self.straggler is not None:
-            self.straggler.record(self.busy_clock() - self._busy0)
+            for seconds in busy:
+                self.straggler.record(seconds)
             for s in self.straggler.check(step, self.group):
                 self.event("straggler", step=step, **s)
                 log.warning(

@@ -14,8 +14,8 @@ class StragglerMonitor:
 
     What to record matters: in lock-step training every rank waits for the slowest at the gradient collectives, so
     wall-clock step times even out across ranks (the fast ones spend the difference waiting). Record time a rank
-    spends on its own work, not waiting on peers: e.g. GPU time of the compute kernels measured with CUDA events
-    (NVIDIA's straggler detector does this), or wall time minus time blocked in collectives. The median of the
+    spends on its own work, not waiting on peers: resilience/busy.py gives CPU time on CPU and the device time of
+    the step's compute (CUDA events) on a GPU. The median of the
     other ranks is the reference because it ignores the slow minority it is meant to find (a mean would be pulled
     toward them), and with two ranks it is simply the peer.
     """
@@ -42,7 +42,7 @@ class StragglerMonitor:
         """
         if step % self.interval != 0:
             return []
-        mean = self._sum / self._count if self._count else math.nan
+        mean = self.mean()
         self._sum, self._count = 0.0, 0
         import torch.distributed as dist
 
@@ -55,16 +55,28 @@ class StragglerMonitor:
         times = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(times, mine, group=group)
         per_rank = [t.item() for t in times]
-        # A rank with no steps since the last check (just restarted) has no time to compare: NaN, left out.
-        slow = []
-        for i, t in enumerate(per_rank):
-            # The median of the OTHER ranks: with many ranks it is the median, and with two it is the peer (the
-            # median of both could never be exceeded by a factor of 2 or more).
-            others = [x for j, x in enumerate(per_rank) if j != i and math.isfinite(x)]
-            if not others or not math.isfinite(t):
-                continue
-            median = statistics.median(others)
-            if median > 0 and t > self.factor * median:
-                rank = dist.get_global_rank(group, i) if group is not None else i
-                slow.append({"rank": rank, "busy_s": t, "median_s": median, "ratio": t / median})
-        return slow
+        return [
+            {**s, "rank": dist.get_global_rank(group, s["rank"]) if group is not None else s["rank"]}
+            for s in slow_ranks(per_rank, self.factor)
+        ]
+
+    def mean(self) -> float:
+        """This rank's mean busy seconds per step since the last check (NaN before any step)."""
+        return self._sum / self._count if self._count else math.nan
+
+
+def slow_ranks(per_rank: list[float], factor: float) -> list[dict[str, float]]:
+    """One `{"rank", "busy_s", "median_s", "ratio"}` per position of `per_rank` (mean busy seconds per step, one per
+    rank) slower than `factor` x the median of the others. A rank with no steps since the last check (just
+    restarted) has no time to compare: NaN, left out."""
+    slow = []
+    for i, t in enumerate(per_rank):
+        # The median of the OTHER ranks: with many ranks it is the median, and with two it is the peer (the
+        # median of both could never be exceeded by a factor of 2 or more).
+        others = [x for j, x in enumerate(per_rank) if j != i and math.isfinite(x)]
+        if not others or not math.isfinite(t):
+            continue
+        median = statistics.median(others)
+        if median > 0 and t > factor * median:
+            slow.append({"rank": i, "busy_s": t, "median_s": median, "ratio": t / median})
+    return slow

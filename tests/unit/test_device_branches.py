@@ -19,6 +19,7 @@ from scaletrain.config import OptimizerConfig, ResilienceConfig
 from scaletrain.metrics.memory import peak_memory_mib
 from scaletrain.optim import build_optimizer
 from scaletrain.parallel.mesh import DistEnv, ParallelDims, init_distributed, setup_process
+from scaletrain.resilience.busy import EventClock, ProcessClock
 from scaletrain.resilience.guard import Guard
 from scaletrain.step import autocast
 from tests.fixtures import kept_process_settings, tiny
@@ -144,10 +145,13 @@ def test_bf16_autocasts_on_the_runs_device_and_fp32_does_not():
     assert isinstance(autocast("fp32", CUDA), contextlib.nullcontext)
 
 
-@pytest.mark.parametrize("device, clock", [("cuda", time.perf_counter), ("cpu", time.process_time)])
-def test_straggler_busy_time_is_wall_time_on_cuda_and_cpu_time_on_cpu(tmp_path, device, clock):
-    """On CPU a gloo wait uses no CPU time, so CPU time is a rank's own work; on a GPU the host waits either way."""
+@pytest.mark.parametrize(
+    "device, kind, host", [("cuda", EventClock, time.perf_counter), ("cpu", ProcessClock, time.process_time)]
+)
+def test_straggler_busy_time_is_device_time_on_cuda_and_cpu_time_on_cpu(tmp_path, device, kind, host):
+    """On CPU a gloo wait uses no CPU time, so CPU time is a rank's own work; on a GPU the host waits either way, so
+    the busy time is CUDA events' device time (the host clock only times fault injection's slowdowns)."""
     env = _env(torch.device(device))
     guard = Guard(ResilienceConfig(), tmp_path, env, None, lambda *a, **k: None, lambda x: x)
-    assert guard.busy_clock is clock
+    assert isinstance(guard.clock, kind) and guard.busy_clock is host
     guard.close()
