@@ -23,8 +23,8 @@ from scaletrain.hardware import best_time, cpu_model_name, cuda_available, gpu_c
 from scaletrain.host import run_from_small_parent
 from scaletrain.parallel.layout import Layout
 from scaletrain.plan.calibrate_gpu import calibrate_gpu
-from scaletrain.plan.measure import fit_line, measure_adam_bandwidth, measure_matmul
-from scaletrain.planner.hardware import DEFAULT_CPU, DeviceProfile, gpu_kind, save_profile
+from scaletrain.plan.measure import fit_line, measure_adam_bandwidth, measure_cast, measure_matmul
+from scaletrain.planner.hardware import DEFAULT_CPU, REDO, DeviceProfile, gpu_kind, save_profile
 from scaletrain.planner.inputs import model_args, parse_unvalidated
 from scaletrain.planner.search import estimate
 from scaletrain.planner.time import ADAM_TRAFFIC
@@ -262,9 +262,42 @@ def _fit(cfg, n: int, profile: DeviceProfile, got: dict, **unit) -> float:
     return max(got["step_time_s"] - t0, 0.0) / max(weight, 1e-12)
 
 
+# A machine is busy when other work keeps more than half its CPUs running (1-minute load average): calibration's
+# matmul rates, bandwidths and tiny runs then measure a share of the cores, and a plan would carry that forever.
+BUSY_SHARE = 0.5
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def busy_reason(before: float, after: float, own: int, cpus: int) -> str | None:
+    """Why a calibration taken between load averages `before` and `after` measured a busy machine, or None. Before,
+    all the load is other work; after, up to `own` of it is the calibration's own processes (its last runs keep
+    that many busy, and the 1-minute average still counts them)."""
+    others = max(before, after - own)
+    if others > BUSY_SHARE * cpus:
+        return (
+            f"the machine was busy: a load average of {others:.1f} beyond the calibration's own on {cpus} CPU(s) "
+            f"(more than {BUSY_SHARE:g} x the CPUs), so the figures are a share of the cores"
+        )
+    return None
+
+
 def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Path]:
     """Measure this machine (five minutes or so: 8 tiny training layouts, 3 runs each) and save its profile in
-    `cache_dir`."""
+    `cache_dir`; flagged `busy` (and said so by every plan that uses it) when other work loaded the machine."""
+    before = _load()
+    profile = _measure(cache_dir, nproc, log)
+    busy = busy_reason(before, _load(), min(nproc, usable_cpus()), usable_cpus())
+    if busy:
+        log(f"{busy}; the profile is saved flagged busy: {REDO}")
+    profile = dataclasses.replace(profile, busy=busy or "")
+    return profile, save_profile(profile, cache_dir)
+
+
+def _measure(cache_dir: Path, nproc: int, log) -> DeviceProfile:
+    """Every measurement of `calibrate`, in order, into one profile."""
     torch.set_num_threads(1)
     fp32, bf16 = measure_matmul(torch.float32), measure_matmul(torch.bfloat16)
     log(
@@ -276,6 +309,10 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
         f"recompute {sel_fixed * 1e3:.2f} ms fixed + {sel_share:.2f} of the element-wise forward"
     )
     adam_bw = measure_adam_bandwidth(ADAM_TRAFFIC)
+    cast_t0, cast_bw = measure_cast()
+    log(
+        f"autocast casts: {cast_t0 * 1e6:.1f} us per cast, {cast_bw / 1e9:.2f} GB/s (0: the memory bandwidth's)"
+    )
     step_overhead = measure_step_overhead(op_overhead)
     collectives = {}
     for n in sorted({min(2**i, nproc) for i in range(1, 7) if 2 ** (i - 1) < nproc} or {1}):
@@ -295,6 +332,8 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
         memory_bw=mem_bw,
         overhead_bytes=rss,
         op_overhead_s=op_overhead,
+        cast_t0_s=cast_t0,
+        cast_bw=cast_bw,
         selective_block_s=sel_fixed,
         selective_share=sel_share,
         step_overhead_s=step_overhead,
@@ -305,8 +344,7 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
         intra_latency=collectives.get("all_reduce@2", (DEFAULT_CPU.intra_latency, 0))[0],
         source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} with {nproc} gloo ranks; {sys.platform}",
     )
-    profile = measure_framework(profile, cache_dir, log, nproc)
-    return profile, save_profile(profile, cache_dir)
+    return measure_framework(profile, cache_dir, log, nproc)
 
 
 def run_calibrate(config: str | None, overrides: list[str], device: str | None, nproc: int) -> int:

@@ -16,7 +16,14 @@ from scaletrain.data import resolve_cache_dir
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import gpu_count, uses_cuda
 from scaletrain.parallel.layout import Layout, layout_problems
-from scaletrain.planner.hardware import GPUS, KINDS, DeviceProfile, load_profile, local_gpu_profile
+from scaletrain.planner.hardware import (
+    GPUS,
+    KINDS,
+    DeviceProfile,
+    load_profile,
+    local_gpu_profile,
+    profile_caveat,
+)
 from scaletrain.planner.inputs import model_args, parse_unvalidated
 from scaletrain.planner.memory import PARTS, GiB
 from scaletrain.planner.search import (
@@ -44,6 +51,7 @@ def plan_json(plan: Plan, profile: DeviceProfile) -> dict:
         device=profile.name,
         profile_source=profile.source,
         fits=bool(plan.memory["total"] <= _have(plan, profile)),
+        caveat=profile_caveat(profile),
     )
     out["device_memory_bytes"] = _have(plan, profile)
     return out
@@ -71,12 +79,13 @@ def describe_estimate(plan: Plan, profile: DeviceProfile) -> str:
         if t.get(k)
     )
     fits = "fits" if m["total"] <= _have(plan, profile) else "DOES NOT FIT"
+    caveat = profile_caveat(profile)
     return (
         f"estimate on {profile.name} ({profile.source}):\n"
         f"  peak memory (fullest rank) {m['total'] / GiB:.3g} GiB of {_have(plan, profile) / GiB:.3g} GiB: {fits} "
         f"({parts})\n"
         f"  step time {t['step_time_s']:.4g} s (compute {t['compute_s']:.3g}{', ' + comm if comm else ''}); "
-        f"{t['tokens_per_s']:.4g} tokens/s; MFU {100 * t['mfu']:.1f}%"
+        f"{t['tokens_per_s']:.4g} tokens/s; MFU {100 * t['mfu']:.1f}%" + (f"\n  {caveat}" if caveat else "")
     )
 
 
@@ -133,6 +142,8 @@ def run_plan(
     else:
         print(f"{model} on {devices} x {profile.name}, seq {cfg.data.seq_len}, global batch {gb} sequences:")
         print(format_table(plans, rejected, example, top))
+        if profile_caveat(profile):
+            print(profile_caveat(profile))
     return 0
 
 
@@ -183,7 +194,8 @@ def auto_overrides(config: str | None, overrides: list[str], world: int) -> list
     if os.environ.get("RANK", "0") == "0":
         print(
             f"parallel.auto chose: {chosen.describe()} (predicted {chosen.memory['total'] / GiB:.3g} GiB, "
-            f"{chosen.time['step_time_s']:.3g} s per step, MFU {100 * chosen.time['mfu']:.1f}%)",
+            f"{chosen.time['step_time_s']:.3g} s per step, MFU {100 * chosen.time['mfu']:.1f}%)"
+            + (f"; {profile_caveat(profile)}" if profile_caveat(profile) else ""),
             file=sys.stderr,
             flush=True,
         )

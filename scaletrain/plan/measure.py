@@ -1,11 +1,12 @@
 """Measurements both calibrations share (a CPU's, plan/calibrate.py, and a GPU host's, plan/calibrate_gpu.py): a
-least-squares line, the matmul rate and AdamW's pass over memory."""
+least-squares line, the matmul rate and AdamW's pass over memory; a CPU's autocast casts."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from scaletrain.hardware import best_time
 
@@ -32,6 +33,32 @@ def measure_matmul(
         times.append(best_time(partial(torch.mm, a, b), device=device))
     t0, slope = fit_line(flops, times)
     return t0, 1.0 / max(slope, 1e-18)
+
+
+# Linear shapes (tokens, in, out) from the debug model's to a 30M-class model's: the autocast casts of each.
+CAST_SHAPES = ((256, 128, 128), (256, 128, 352), (512, 256, 256), (256, 512, 512))
+
+
+def measure_cast(shapes: tuple[tuple[int, int, int], ...] = CAST_SHAPES) -> tuple[float, float]:
+    """(seconds per cast call, bytes/s) of autocast's casts on this CPU: what an fp32 Linear under bf16 autocast
+    takes beyond the same Linear on bf16 tensors (its weight's and input's casts, and whatever per-call work
+    autocast adds), fitted to 2 t0 + bytes / bw with 6 bytes per element cast (read 4, write 2). Slope 0 (noise):
+    bandwidth 0, the profile's memory bandwidth in its place (planner/time.cast_rate)."""
+    xs, ys = [], []
+    for m, k, n in shapes:
+        linear, x = torch.nn.Linear(k, n, bias=False), torch.randn(m, k)
+        xb, wb = x.bfloat16(), linear.weight.detach().bfloat16()
+        xs.append(6.0 * (k * n + m * k))
+        ys.append(
+            max(best_time(partial(_autocast_linear, linear, x)) - best_time(partial(F.linear, xb, wb)), 0)
+        )
+    a, b = fit_line(xs, ys)
+    return a / 2, (1.0 / b if b > 0 else 0.0)
+
+
+def _autocast_linear(linear: torch.nn.Module, x: torch.Tensor) -> None:
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        linear(x)
 
 
 def measure_adam_bandwidth(traffic: int, device: torch.device | None = None, n: int = 2**22) -> float:

@@ -74,6 +74,13 @@ class DeviceProfile:
     selective_share: float = (
         0.0  # share of the element-wise forward selective recompute re-runs (0: the model's)
     )
+    # A cast of fp32 to 16 bits (autocast's, planner/time.py CAST_BYTES): seconds per call and bytes/s, measured by
+    # a CPU's calibration; 0 where not measured (a GPU, a CPU profile saved before it): the memory bandwidth's.
+    cast_t0_s: float = 0.0
+    cast_bw: float = 0.0
+    # Why the calibration's machine was busy ("" when it was not): its figures are then a share of the cores, and
+    # every plan that uses the profile says so (plan/calibrate.busy_reason).
+    busy: str = ""
     cores: int = 0  # CPU cores shared by the local processes (0: a GPU, one device per process)
     threads: int = (
         1  # the threads the CPU matmul rate was measured with (the rate scales with min(threads, cores))
@@ -135,6 +142,25 @@ def gpu_kind(name: str) -> str:
 
 
 UNCALIBRATED = "uncalibrated defaults: run `scaletrain plan --calibrate` for this machine's figures"
+REDO = "rerun `scaletrain plan --calibrate` on a quiet machine (about 5 minutes)"
+# The error an uncalibrated CPU plan carries (issue 24): a held-out 2-rank fsdp layout (6 layers, dim 512, seq 256)
+# predicted 0.69x its measured peak memory and 2.07x its measured step time on DEFAULT_CPU (docs/planner.md).
+UNCALIBRATED_BAND = (
+    "uncalibrated: step time may be off by ~2x and memory by ~30%; run `scaletrain plan --calibrate` "
+    "(about 5 minutes) for this machine's figures"
+)
+
+
+def profile_caveat(profile: DeviceProfile) -> str | None:
+    """The warning a plan on `profile` carries: the uncalibrated CPU default's error band, or a calibration taken
+    on a busy machine; None for a calibrated quiet CPU and for a GPU's datasheet profile (its own table says so)."""
+    if profile.kind == "cpu" and profile.source == UNCALIBRATED:
+        return UNCALIBRATED_BAND
+    if profile.busy:
+        return f"this profile was calibrated under load ({profile.busy}); {REDO}"
+    return None
+
+
 # A CPU until calibrated: a modest figure so that plans run (a calibrated profile replaces every one of these).
 DEFAULT_CPU = DeviceProfile(
     name="cpu",

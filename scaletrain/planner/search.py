@@ -137,6 +137,7 @@ def estimate(
         global_batch=layout.global_batch,
         gpus_per_node=gpus_per_node,
         precision=cfg.precision.compute,
+        mechanism=cfg.precision.mechanism,
     )
     return Plan(cfg, layout, worst, time, [r["total"] for r in ranks])
 

@@ -31,6 +31,15 @@ ELEMENTWISE_TRAFFIC = 10.0
 GPU_ATTENTION_SHARE = 0.5
 # AdamW per fp32 parameter: read p, g, m, v (16 bytes), write p, m, v (12 bytes).
 ADAM_TRAFFIC = 28
+# Autocast's casts (issue 24): each forward under bf16/fp16 autocast casts every Linear's fp32 weight to 16 bits
+# (read 4 bytes, write 2) and backward casts its 16-bit weight gradient back to fp32 (read 2, write 4): 12 bytes per
+# weight per micro-batch (the fp32 master copy is what makes them). The fp32 inputs of wq, wk, wv, w1 and w3 (the
+# norms' fp32 outputs; each Linear casts its own) are cast too, and their gradients back: 12 bytes per element.
+# wo and w2 take the 16-bit outputs of attention and SwiGLU, uncast. On the debug model these casts, not the
+# matmuls, set bf16's pace (bench: 0.92x fp32's speed on a CPU with AVX512-BF16).
+CAST_BYTES = 12
+CAST_INPUTS = 5  # the Linear inputs of a block that autocast casts (wq, wk, wv, w1, w3)
+CAST_CALLS = 2 * (7 + CAST_INPUTS)  # cast ops per block and micro-batch: forward and backward
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,10 @@ def _block_times(
     rates = [rate] * 4 + [mlp_rate] * 3 + [hp_rate * slow] * 2  # in _matmuls' order
     fwd = sum(t0 + f / r for f, r in zip(flops, rates))
     bwd = sum(2 * (t0 + f / r) for f, r in zip(flops, rates))  # two matmuls per forward one: dX and dW
-    saved = layer_activation_bytes(args, p, micro, seq_len, compute_bytes_of(precision))
+    # On a CPU element-wise work moves fp32's bytes in every precision: autocast leaves the residual stream and the
+    # norms in fp32, and a bf16 kernel converts each element (SiLU on 90k bf16 elements: 51 us, fp32 38 us here).
+    elt = 4 if profile.kind == "cpu" else compute_bytes_of(precision)
+    saved = layer_activation_bytes(args, p, micro, seq_len, elt)
     elementwise = ELEMENTWISE_TRAFFIC * saved / (profile.memory_bw * share)
     overhead = profile.op_overhead_s * _slowdown(profile, share) if profile.kind == "cpu" else 0.0
     return {
@@ -184,6 +196,37 @@ def _block_times(
         "elementwise": elementwise + overhead,
         "attention": 3 * (flops[-1] * 2) / rates[-1],
     }
+
+
+def cast_rate(profile: DeviceProfile) -> tuple[float, float]:
+    """(seconds per cast call, bytes/s) of a cast to 16 bits: calibrated on a CPU (plan/measure.measure_cast);
+    a profile without it (a GPU's, a CPU profile saved before the measurement) casts at its memory bandwidth with
+    no fixed cost."""
+    return profile.cast_t0_s, profile.cast_bw or profile.memory_bw
+
+
+def _cast_s(
+    args: ModelArgs,
+    p: ParallelConfig,
+    profile: DeviceProfile,
+    micro: int,
+    seq_len: int,
+    share: float,
+    inputs: bool,
+) -> tuple[float, float]:
+    """Seconds of the casts to and from 16 bits in (one block, the output head) for one micro-batch on one rank:
+    under autocast (`inputs`) CAST_BYTES per Linear weight and per element of the inputs it casts. Under FSDP2's
+    policy the parameters are gathered in 16 bits (the cast of the shard before each gather is left out, 1/N of
+    them) and activations are never fp32: only the weight gradient's cast to fp32 for the reduce, half of it."""
+    t0, bw = cast_rate(profile)
+    t0, bw = t0 * _slowdown(profile, share), bw * share
+    split, _ = block_parameters(args)
+    tokens = micro * seq_len / p.cp  # (split leaves out MoE's routed experts: no Linear, autocast skips them)
+    weights = 1.0 if inputs else 0.5
+    block_bytes = CAST_BYTES * (weights * split / p.tp + inputs * CAST_INPUTS * tokens * args.dim)
+    head_bytes = CAST_BYTES * (weights * args.vocab_size * args.dim / p.tp + inputs * tokens * args.dim)
+    calls = CAST_CALLS if inputs else 7
+    return calls * t0 + block_bytes / bw, (1 + 3 * inputs) * t0 + head_bytes / bw
 
 
 def _not_fp8(precision: str) -> str:
@@ -245,10 +288,11 @@ def step_time(
     global_batch: int,
     gpus_per_node: int | None = None,
     precision: str = "fp32",
+    mechanism: str = "auto",
 ) -> dict[str, float]:
-    """Seconds per optimizer step and its breakdown: compute (forward, backward, recompute, element-wise), each
+    """Seconds per optimizer step and its breakdown: compute (forward, backward, recompute, element-wise, casts), each
     communication's exposed share, the pipeline bubble, the optimizer and a fixed overhead; with tokens_per_s and
-    mfu. `global_batch` in sequences; `precision`: precision.compute. Raises ConfigError if the layout does not
+    mfu. `global_batch` in sequences; `precision`, `mechanism`: precision.compute and .mechanism. Raises ConfigError if the layout does not
     tile the world."""
     p, dims = parallel, Layout.resolve(parallel, training, seq_len, world_size).checked()
     node = gpus_per_node or profile.devices_per_node
@@ -266,6 +310,11 @@ def step_time(
         m = max(local // micro, 1)
     layers = args.n_layers / p.pp  # per rank (its v stages together)
     b = _block_times(args, p, profile, precision, micro, seq_len, share)
+    b["cast"], b["head_cast"], b["cast_again"] = 0.0, 0.0, 0.0
+    if precision != "fp32":  # autocast's casts, or FSDP2's policy's (precision/policy.resolve_precision)
+        inputs = mechanism == "autocast" or (mechanism == "auto" and not dims.fsdp)
+        b["cast"], b["head_cast"] = _cast_s(args, p, profile, micro, seq_len, share, inputs)
+        b["cast_again"] = b["cast"] / 2 if inputs else 0.0  # recompute re-runs autocast's forward casts
     links = _links(profile, dims, node)
     out = _compute_parts(args, p, precision, memory, profile, b, m, micro, seq_len, layers, share)
     slow = _slowdown(profile, share)
@@ -346,7 +395,7 @@ def _compute_parts(
     output head on the last stage (counted on every rank: the pipeline's slowest stage sets the pace)."""
     policy, extra = memory.recompute, recompute_share(memory)
     ew_fwd = b["elementwise"] / 3  # forward's share of the element-wise work
-    recompute = extra * (b["fwd"] + ew_fwd)
+    recompute = extra * (b["fwd"] + ew_fwd + b["cast_again"])
     if (
         policy == "selective"
     ):  # a CPU's calibration measures the share it re-runs and its dispatch mode's cost
@@ -355,13 +404,14 @@ def _compute_parts(
     t0, rate = _matmul_rate(profile, _not_fp8(precision))
     head_flops = 2 * micro * seq_len / p.cp * args.dim * args.vocab_size / p.tp
     head = 3 * (t0 * _slowdown(profile, share) + head_flops / (rate * share))  # forward, dX, dW
-    per_micro = layers * (b["fwd"] + b["bwd"] + b["elementwise"]) + head
+    per_micro = layers * (b["fwd"] + b["bwd"] + b["elementwise"] + b["cast"]) + head + b["head_cast"]
     return {
         "forward_s": m * layers * b["fwd"],
         "backward_s": m * layers * b["bwd"],
         "elementwise_s": m * layers * b["elementwise"],
         "recompute_s": m * layers * recompute,
         "head_s": m * head,
+        "cast_s": m * (layers * b["cast"] + b["head_cast"]),
         "compute_s": m * (per_micro + layers * recompute),
     }
 

@@ -1,0 +1,90 @@
+"""The planner's figures against what a CPU shows (issue 24): autocast's casts make a small bf16 model no faster
+than fp32 while a 30M-class one keeps the matmul speed-up; a calibration taken on a busy machine is flagged and
+every plan on it says so; a plan on the uncalibrated CPU default carries its error band."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scaletrain.parallel.layout import Layout
+from scaletrain.plan import calibrate, commands
+from scaletrain.planner.hardware import DEFAULT_CPU, UNCALIBRATED_BAND, load_profile, save_profile
+from scaletrain.planner.inputs import model_args, parse_unvalidated
+from scaletrain.planner.search import estimate
+from scaletrain.validate import load_config
+from tests.helpers import DEBUG
+
+# A calibrated 2-core CPU as this task's machine measured it: bf16 matmuls twice fp32's rate, 6.7 GB/s element-wise,
+# 4.1 ms per block of dispatch, and autocast's casts at 10 us per call and 42 GB/s (plan/measure.measure_cast).
+CPU = dataclasses.replace(
+    DEFAULT_CPU,
+    matmul={"fp32": (0.0, 80e9), "bf16": (1e-5, 160e9)},
+    peak_flops={"fp32": 80e9, "bf16": 160e9},
+    memory_bw=6.7e9,
+    op_overhead_s=4.1e-3,
+    step_overhead_s=5e-3,
+    cast_t0_s=1e-5,
+    cast_bw=42e9,
+    cores=2,
+    threads=1,
+    source="calibrated (test)",
+)
+MODEL_30M = ["--model.dim", "512", "--model.n_layers", "6", "--model.n_heads", "8", "--model.n_kv_heads", "4"]
+MODEL_30M += ["--data.seq_len", "256", "--training.global_batch", "8", "--training.micro_batch", "4"]
+
+
+def _bf16_over_fp32(config: str | None, overrides: list[str]) -> float:
+    steps = []
+    for precision in ("fp32", "bf16"):
+        cfg = parse_unvalidated(config, [*overrides, "--precision.compute", precision])
+        steps.append(estimate(cfg, model_args(cfg), Layout.of(cfg, 1), CPU).time["step_time_s"])
+    return steps[1] / steps[0]
+
+
+def test_autocast_casts_make_the_debug_model_no_faster_in_bf16_but_keep_a_30m_models_speed_up():
+    # bench measured the debug model at 0.92x fp32's speed in bf16 (a step 1.09x as long); the planner predicted
+    # 1.7x faster. Its tiny matmuls gain little from bf16 units; each Linear's casts (weight and input in forward,
+    # their gradients back) and fp32 element-wise work stay. A 30M-class model is matmul-bound: bf16 wins.
+    assert _bf16_over_fp32(DEBUG, []) > 0.9
+    assert _bf16_over_fp32(None, MODEL_30M) < 0.8
+    cfg = parse_unvalidated(DEBUG, ["--precision.compute", "bf16"])
+    t = estimate(cfg, model_args(cfg), Layout.of(cfg, 1), CPU).time
+    assert t["cast_s"] > 0.02 * t["step_time_s"]
+    fp32 = parse_unvalidated(DEBUG, [])
+    assert estimate(fp32, model_args(fp32), Layout.of(fp32, 1), CPU).time["cast_s"] == 0.0
+
+
+def test_a_calibration_under_load_is_flagged_and_plans_on_it_say_so(tmp_path, monkeypatch, capsys):
+    # Rule: other work above half the CPUs, before (all of the load is others') or after (less the calibration's
+    # own processes, still in the 1-minute average).
+    assert calibrate.busy_reason(0.4, 2.3, own=2, cpus=2) is None
+    assert calibrate.busy_reason(1.5, 0.2, own=2, cpus=2) is not None
+    assert calibrate.busy_reason(0.2, 3.5, own=2, cpus=2) is not None
+    loads = iter([1.8, 2.5])
+    monkeypatch.setattr(calibrate, "_load", lambda: next(loads))
+    monkeypatch.setattr(calibrate, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(calibrate, "_measure", lambda cache, nproc, log: CPU)
+    lines: list[str] = []
+    profile, path = calibrate.calibrate(tmp_path, 2, lines.append)
+    assert "busy" in lines[-1] and load_profile("cpu", tmp_path).busy == profile.busy != ""
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    assert commands.run_plan(**_plan_args()) == 0
+    assert "calibrated under load" in capsys.readouterr().out
+
+
+def _plan_args() -> dict:
+    return dict(config=DEBUG, overrides=[], model=None, devices=None, device="cpu", gpus_per_node=8, seq_len=0,
+                global_batch_tokens=0, top=1, as_json=False, nproc=1)  # fmt: skip
+
+
+def test_a_plan_on_the_uncalibrated_cpu_carries_its_error_band(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    assert commands.run_plan(**_plan_args()) == 0
+    assert UNCALIBRATED_BAND in capsys.readouterr().out
+    save_profile(CPU, tmp_path)  # calibrated, on a quiet machine: no band, no warning
+    assert commands.run_plan(**_plan_args()) == 0
+    out = capsys.readouterr().out
+    assert "uncalibrated" not in out and "under load" not in out
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "fresh"))  # train --dry-run on an uncalibrated CPU
+    cfg = load_config(DEBUG, ["--run.dir", str(tmp_path / "run")], check_run_dir=False)
+    assert UNCALIBRATED_BAND in commands.dry_run(cfg, 1)
