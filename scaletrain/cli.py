@@ -28,6 +28,7 @@ from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.data.sources import Skipped, embedded_corpus_files, list_files, read_documents
 from scaletrain.data.tokenizer import train_bpe
 from scaletrain.errors import CONFIG_EXIT_CODE, ConfigError, report_errors
+from scaletrain.hardware import gpu_count, uses_cuda
 from scaletrain.inference.evaluate import evaluate_text
 from scaletrain.inference.generate import check_sampling, generate_text, generation_report, sample_line
 from scaletrain.inference.loader import load_model
@@ -227,6 +228,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     first = os.environ.get("RANK", "0") == "0" and not restarted
     overrides = auto_overrides(args.config, overrides, world)  # parallel.auto: the planner's layout
     cfg = load_config(args.config, overrides, world_size=world, check_run_dir=first)
+    # Local CUDA workers take one GPU each (local rank -> cuda:local_rank): more workers than GPUs would fail in
+    # each worker's set_device, or share a GPU, which NCCL refuses; say so once, before anything starts.
+    if not under and uses_cuda(cfg.training.device) and args.nproc > (gpus := gpu_count()):
+        raise ConfigError(f"--nproc {args.nproc} asks for more CUDA workers than the {gpus} GPU(s) this machine "
+                          f"has: give --nproc {gpus} or fewer (one worker per GPU)")  # fmt: skip
     if args.dry_run:
         print(dry_run(cfg, world))
         return 0

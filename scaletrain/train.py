@@ -203,7 +203,7 @@ def build(cfg: Config) -> Job:
     dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: the loss averaged for spikes
 
     # -- What resumes: one dict of Stateful objects, saved and restored by the checkpoint tiers and rollbacks.
-    train_state = TrainState(dims.control)
+    train_state = TrainState(dims.control, env.device)  # on CUDA the device RNG is saved too
     moe = MoEMonitor.for_model(pm.parts, args.n_layers, args.n_experts, cfg.moe, dims, writer.event)
     # Besides the model, optimizer, data position and step: the runner's (fp16: the loss scaler), MoE's imbalance
     # streaks, and comm (PowerSGD's error feedback and Q factors with parallel.grad_compression; else empty).

@@ -500,7 +500,12 @@ class CheckpointManager:
         path = self.path(choice)
         train_state = self.state.get("train")
         if train_state is not None:
-            train_state.saved_ranks = read_metadata(path).state_dict_metadata["train.rng"].size[0]
+            saved = read_metadata(path).state_dict_metadata
+            train_state.saved_ranks = saved["train.rng"].size[0]
+            cuda_rng = saved.get(
+                "train.cuda_rng"
+            )  # absent: saved on CPU, or before CUDA RNG states were saved
+            train_state.saved_cuda_shape = tuple(cuda_rng.size) if cuda_rng is not None else None
         dcp.load(
             self.state, storage_reader=make_reader(path), process_group=self.group, no_dist=self.group is None
         )

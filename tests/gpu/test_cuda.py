@@ -621,3 +621,33 @@ def test_calibrate_measures_this_gpu(tmp_path):
     assert 0.2 < prof.memory_bw / (sheet.memory_bw / ACHIEVABLE_HBM) < 1.05, lines  # of the raw HBM figure
     assert prof.memory_bytes == torch.cuda.get_device_properties(CUDA).total_memory
     assert load_profile(kind, tmp_path) == prof
+
+
+def test_the_cuda_rng_state_round_trips_through_the_train_state():
+    """Issue 24 item 4: the CUDA generator is checkpointed per rank; restored, the next draws repeat."""
+    device = torch.device("cuda", 0)
+    torch.cuda.manual_seed(1234)
+    saved = TrainState(device=device).state_dict()
+    first = torch.rand(8, device=device)
+    TrainState(device=device).load_state_dict(saved)
+    assert torch.equal(torch.rand(8, device=device), first)
+
+
+def test_busy_time_from_cuda_events_is_positive_and_within_the_wall_time():
+    """Issue 24 item 4: straggler detection's busy time on a GPU is the device time of the bracketed compute."""
+    import time
+
+    from scaletrain.resilience.busy import EventClock
+
+    clock, x = EventClock(), torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    clock.step_start()
+    clock.compute_start()
+    for _ in range(10):
+        x = torch.tanh(x @ x)
+    clock.compute_end()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    (busy,) = clock.step_end()
+    assert 0 < busy <= wall
