@@ -207,6 +207,26 @@ def cpu_model_name() -> str:
     return cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown-cpu"
 
 
+# A machine whose 1-minute load average is above this share of the usable CPUs is too busy to time: a peak or a
+# calibration measured then is too low, and kept, it misstates every later run (issue 24: an MFU of 171%).
+BUSY_LOAD_PER_CPU = 0.5
+
+
+def busy_reason(cpus: int | None = None) -> str | None:
+    """Why a timing taken now would be disturbed: the 1-minute load average is above BUSY_LOAD_PER_CPU of the
+    `cpus` this process may use (usable_cpus() when None), else None. The load average counts the whole machine (in
+    a container too), so a quiet container on a busy host reads as busy: a timing is then kept for one run only,
+    never wrong. None where the load average is unknown (no os.getloadavg)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cpus = usable_cpus() if cpus is None else cpus
+    if load > BUSY_LOAD_PER_CPU * cpus:
+        return f"load average {load:.2f} > {BUSY_LOAD_PER_CPU:g} x {cpus} usable CPUs"
+    return None
+
+
 def cpu_features() -> str:
     """The CPU and the vector/matrix features that decide its fp32 and bf16 speed (AVX2, AVX-512, AVX512-BF16, AMX),
     as /proc/cpuinfo lists them: what every benchmark prints beside its figures."""

@@ -12,6 +12,7 @@ from scaletrain.metrics.mfu import (
     measure_cpu_peak,
     measure_matmul_flops,
     mfu,
+    over_peak_action,
 )
 from scaletrain.metrics.moe import MoEMonitor
 from scaletrain.metrics.profile import Profiler
@@ -40,6 +41,7 @@ __all__ = [
     "measure_cpu_peak",
     "measure_matmul_flops",
     "mfu",
+    "over_peak_action",
     "peak_memory_mib",
     "log_line",
     "print_summary",

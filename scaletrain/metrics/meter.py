@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -25,6 +26,7 @@ class StepMeter:
         peak_flops_total: float,
         device: torch.device,
         warmup_steps: int = 0,
+        on_over_peak: Callable[[float], None] | None = None,
     ) -> None:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
@@ -32,7 +34,9 @@ class StepMeter:
         self.device = device
         self.warmup_left = warmup_steps
         self.compile_s: float | None = None
-        self.peak_warned = False
+        self.on_over_peak = on_over_peak
+        # Once an MFU went above 100%, the peak every later MFU divides by is suspect.
+        self.peak_suspect = False
         self.reset()
 
     def reset(self) -> None:
@@ -56,15 +60,20 @@ class StepMeter:
             self.t0, self.steps, self.excluded = now, 0, 0.0
 
     def _check_peak(self, value: float) -> None:
-        """An MFU above 100% means the peak it divides by is too low: say so once, with what to do."""
-        if value > 1 and not self.peak_warned:
-            self.peak_warned = True
-            log.warning(
-                "MFU %.0f%% is above 100%%: the peak FLOP/s it divides by is too low. On a CPU the peak is "
-                "measured once and cached (cpu_peak.json in the data cache), perhaps while the machine was busy: "
-                "delete that file to measure again, or set metrics.peak_tflops",
-                100 * value,
-            )
+        """An MFU above 100% means the peak it divides by is too low: say so once, with what to do, and hand the
+        figure to on_over_peak (an `mfu_over_peak` event; the cached CPU peak dropped). From then on every record
+        carries `mfu_peak_suspect`, so no reader takes those MFUs for true."""
+        if value <= 1 or self.peak_suspect:
+            return
+        self.peak_suspect = True
+        log.warning(
+            "MFU %.0f%% is above 100%%: the peak FLOP/s it divides by is too low, and this run's MFU figures are "
+            "marked mfu_peak_suspect. On a CPU the peak is measured and cached (cpu_peak.json in the data cache), "
+            "perhaps while the machine was busy: the next run measures it again; or set metrics.peak_tflops",
+            100 * value,
+        )
+        if self.on_over_peak is not None:
+            self.on_over_peak(value)
 
     def read(self) -> dict[str, float]:
         if self.device.type == "cuda":
@@ -79,10 +88,13 @@ class StepMeter:
             # A window of the compile step alone: its own figures, marked by compile_s.
             elapsed, tps = self.compile_s, self.tokens_per_step / self.compile_s
         self.compile_s = None
-        self._check_peak(mfu(tps, self.flops_per_token, self.peak_flops_total))
+        utilisation = mfu(tps, self.flops_per_token, self.peak_flops_total)
+        self._check_peak(utilisation)
+        if self.peak_suspect:
+            extra["mfu_peak_suspect"] = True
         out = {
             "tokens_per_s": tps,
-            "mfu": mfu(tps, self.flops_per_token, self.peak_flops_total),
+            "mfu": utilisation,
             "mem_peak_mib": peak_memory_mib(self.device),
             "step_time_s": elapsed / steps,
             **extra,

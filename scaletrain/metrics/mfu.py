@@ -1,7 +1,7 @@
 """Model FLOPs utilisation: FLOPs per token, the device's peak FLOP/s, and their ratio.
 
 The peak comes from a config override, the GPU table of scaletrain/hardware.py (the planner's figures too), or a
-timed matmul (cached for CPUs).
+timed matmul (cached for CPUs while fresh and measured on a quiet machine; dropped when a run exceeds it).
 """
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from scaletrain.hardware import best_time, cpu_model_name, gpu_peak_flops
+from scaletrain.hardware import best_time, busy_reason, cpu_flags, cpu_model_name, gpu_peak_flops, usable_cpus
 
 Precision = Literal["bf16", "fp32"]  # the peak a precision.compute is measured against (mfu_precision)
 
@@ -23,15 +24,19 @@ _DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32
 
 
 def flops_per_token(n_params: int, n_layers: int, dim: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N + 12·L·d·s (Chowdhery et al. 2022, PaLM, appendix B).
+    """Training FLOPs per token of a causal decoder: 6·N + 6·L·d·s.
 
     N: parameters *excluding* the input embedding table (a lookup, not a matmul); the output projection is a
-    matmul and stays in N. 6·N is forward (2·N) plus backward (4·N) for every weight matmul. 12·L·d·s covers the
-    attention score and value matmuls (QKᵀ and AV) in forward and backward, written as in PaLM: it does not halve
-    the count for the causal mask, so MFU stays comparable with PaLM, torchtitan and nanoGPT, which use the same
-    formula. Activation recomputation is not counted: MFU counts model FLOPs, not hardware FLOPs.
+    matmul and stays in N. 6·N is forward (2·N) plus backward (4·N) for every weight matmul. Attention's score and
+    value matmuls (QKᵀ and AV) cost 2·s·d each per token and layer in forward, three times that with backward:
+    12·L·d·s (Chowdhery et al. 2022, PaLM, appendix B; torchtitan and nanoGPT use this too). Our attention is
+    causal (SDPA is_causal, FlexAttention's block mask): query i sees i+1 keys, s/2 on average, and the kernels
+    skip the masked half, so we count half, 6·L·d·s, as FlashAttention's benchmarks do for causal runs (issue 24:
+    the full count made a CPU run report more than its peak). Our MFU is therefore lower than torchtitan's for the
+    same run, by (6N + 6Lds) / (6N + 12Lds). Documents and sliding windows mask more; that is not subtracted.
+    Activation recomputation is not counted: MFU counts model FLOPs, not hardware FLOPs.
     """
-    return 6.0 * n_params + 12.0 * n_layers * dim * seq_len
+    return 6.0 * n_params + 6.0 * n_layers * dim * seq_len
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_total: float) -> float:
@@ -76,28 +81,86 @@ def _write_cache(path: Path, data: dict[str, dict]) -> None:
     os.replace(tmp, path)
 
 
+# A cached CPU peak is measured again after this long: nothing else would ever correct a figure measured while
+# something unnoticed ran (one re-measurement a month costs a second).
+CPU_PEAK_MAX_AGE_S = 30 * 86400
+
+
+def _cpu_peak_key(precision: Precision, threads: int) -> str:
+    """What a CPU peak depends on: the CPU and its matmul features, the CPUs this process may use (a cgroup quota
+    or affinity mask shares them), the threads, the precision and the torch version (its kernels)."""
+    features = ",".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
+    where = f"{cpu_model_name()}|{features}|cpus={usable_cpus()}"
+    return f"{where}|threads={threads}|{precision}|torch={torch.__version__}"
+
+
+def _fresh(entry: object) -> bool:
+    """A cache entry to trust: a positive figure, measured less than CPU_PEAK_MAX_AGE_S ago on a quiet machine."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("flops"), int | float) or entry["flops"] <= 0:
+        return False
+    measured_at = entry.get("measured_at")
+    return isinstance(measured_at, int | float) and 0 <= time.time() - measured_at < CPU_PEAK_MAX_AGE_S
+
+
 def cached_cpu_peak(precision: Precision, threads: int, cache_dir: Path) -> tuple[float, str]:
-    """CPU matmul peak for this process, measured once per (CPU model, threads, precision, torch version)."""
+    """CPU matmul peak for this process: read from the cache when fresh (_fresh, _cpu_peak_key), else measured.
+    A peak measured while the machine is busy (hardware.busy_reason) is used for this run and not cached."""
     path = cache_dir / "cpu_peak.json"
-    cpu = cpu_model_name()
-    key = f"{cpu}|threads={threads}|{precision}|torch={torch.__version__}"
+    key = _cpu_peak_key(precision, threads)
     cache = _read_cache(path)
     entry = cache.get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("flops"), int | float) and entry["flops"] > 0:
-        flops, how = float(entry["flops"]), "read from"
+    busy = None
+    if _fresh(entry):
+        flops, how = float(entry["flops"]), f"read from {path}"
     else:
-        flops, how = measure_cpu_peak(precision, threads), "cached in"
-        cache[key] = {
-            "flops": flops,
-            "cpu": cpu,
-            "threads": threads,
-            "precision": precision,
-            "torch": torch.__version__,
-            "measured_at": time.time(),
-        }
-        _write_cache(path, cache)
-    source = f"measured CPU matmul {precision} x{threads} threads: {flops / 1e12:.3g} TFLOP/s ({how} {path})"
+        busy = busy_reason()
+        flops = measure_cpu_peak(precision, threads)
+        if busy is None:
+            how = f"cached in {path}"
+            cache[key] = {
+                "flops": flops,
+                "cpu": cpu_model_name(),
+                "usable_cpus": usable_cpus(),
+                "threads": threads,
+                "precision": precision,
+                "torch": torch.__version__,
+                "measured_at": time.time(),
+            }
+            _write_cache(path, cache)
+        else:
+            how = f"measured under load, {busy}: this run only, not cached"
+    source = f"measured CPU matmul {precision} x{threads} threads: {flops / 1e12:.3g} TFLOP/s ({how})"
     return flops, source
+
+
+def forget_cpu_peak(precision: Precision, threads: int, cache_dir: Path) -> bool:
+    """Drop this process's cached CPU peak (a run exceeded it), so the next run measures again; whether one was."""
+    path = cache_dir / "cpu_peak.json"
+    cache = _read_cache(path)
+    if cache.pop(_cpu_peak_key(precision, threads), None) is None:
+        return False
+    _write_cache(path, cache)
+    return True
+
+
+def over_peak_action(
+    event: Callable[..., None],
+    device: torch.device,
+    precision: Precision,
+    override_tflops: float,
+    cache_dir: Path,
+) -> Callable[[float], None]:
+    """What a run does when its MFU goes above 100% (StepMeter's on_over_peak): an `mfu_over_peak` event, and a
+    measured CPU peak dropped from the cache so that the next run measures it again. The peak is not measured again
+    inside the run: every rank of a CPU run would time its matmuls at once, each under the others' load."""
+
+    def act(value: float) -> None:
+        forgotten = False
+        if device.type == "cpu" and override_tflops <= 0:
+            forgotten = forget_cpu_peak(precision, torch.get_num_threads(), cache_dir)
+        event("mfu_over_peak", mfu=value, cached_peak_dropped=forgotten)
+
+    return act
 
 
 def device_peak_flops(

@@ -108,9 +108,10 @@ def print_summary(rows: dict[str, object], console: Console | None = None) -> No
 def log_line(step: int, total: int, m: dict) -> str:
     """The one-line log of a metrics record."""
     val = f" | val {m['val_loss']:.4f}" if "val_loss" in m else ""
+    suspect = " (peak suspect)" if m.get("mfu_peak_suspect") else ""
     return (
         f"step {step}/{total} | loss {m['loss']:.4f}{val} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
-        f"{m['tokens_per_s']:.0f} tok/s | mfu {100 * m['mfu']:.2f}% | mem {m['mem_peak_mib']:.0f} MiB"
+        f"{m['tokens_per_s']:.0f} tok/s | mfu {100 * m['mfu']:.2f}%{suspect} | mem {m['mem_peak_mib']:.0f} MiB"
     )
 
 
