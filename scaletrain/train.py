@@ -228,8 +228,10 @@ def build(cfg: Config) -> Job:
                                                                 cfg.metrics.peak_tflops, cache))  # fmt: skip
     tokens_per_step = layout.tokens_per_step
     flops_tok = metrics.flops_per_token(n_params["active"], args.n_layers, args.dim, cfg.data.seq_len)
-    over_peak = metrics.over_peak_action(writer.event, env.device, precision.mfu_peak, cfg.metrics.peak_tflops, cache)
-    meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device, cfg.training.compile, over_peak)
+    over_peak = metrics.over_peak_action(writer.event, env.device, precision.mfu_peak, cfg.metrics.peak_tflops,
+                                         cache)  # fmt: skip
+    meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device, cfg.training.compile,
+                      over_peak)  # fmt: skip
     metrics.announce(cfg, env, n_params, described, global_batch, tokens_per_step, peak_source, precision)
     info = dict(world_size=env.world_size, precision=cfg.precision.compute, device=env.device.type, layout=described,
                 parameters=n_params["total"], peak_flops_source=peak_source)  # fmt: skip
