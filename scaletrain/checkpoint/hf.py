@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from scaletrain.checkpoint import hf_moe
 from scaletrain.errors import ConfigError, UserError
@@ -327,11 +327,17 @@ def export_hf(
     umask_permissions(out)
 
 
+INDEX_FILE = "model.safetensors.index.json"
+"""Hugging Face's map of a multi-file checkpoint: {"metadata": {...}, "weight_map": {tensor name: file name}}."""
+
+
 def _weight_files(path: Path) -> list[Path]:
-    """The safetensors files of an HF directory; UserError when config.json or the weights are missing (pickle
-    files are never loaded)."""
+    """The safetensors files of an HF directory (those its index names, when it has one); UserError when
+    config.json or the weights are missing (pickle files are never loaded)."""
     if not (path / "config.json").is_file():
         raise UserError(f"{path} has no config.json; give a Hugging Face Llama model directory")
+    if (path / INDEX_FILE).is_file():
+        return sorted({path / f for f in _index_map(path).values()})
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
@@ -344,12 +350,47 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _tensor_names(path: Path) -> list[str]:
-    names: list[str] = []
+def _index_map(path: Path) -> dict[str, str]:
+    """The weight_map of `path`'s index, each file checked to be a plain name of a file in `path`."""
+    index = path / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"{index} is not a safetensors index (no weight_map: {e})") from None
+    for name, file in weight_map.items():
+        if Path(file).name != file or not file.endswith(".safetensors"):
+            raise UserError(f"{index} maps {name!r} to {file!r}, not a .safetensors file beside the index")
+        if not (path / file).is_file():
+            raise UserError(f"{index} maps {name!r} to {file}, which is not in {path}")
+    return weight_map
+
+
+def hf_tensor_files(path: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor of an HF directory: the index's weight_map for a multi-file
+    checkpoint, each file's header otherwise (no tensor data is read). Every tensor is checked to be in the
+    file that names it; UserError when the index and the files disagree or two files hold the same tensor.
+    One reader of the layout for every import (whole, per-rank slices) and for `hf_dir_problems`."""
+    indexed = _index_map(path) if (path / INDEX_FILE).is_file() else None
+    where: dict[str, Path] = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as st:  # reads the header only
-            names += list(st.keys())
-    return names
+            for name in st.keys():  # noqa: SIM118  # safe_open has keys(), not __iter__
+                if indexed is not None and indexed.get(name, f.name) != f.name:
+                    continue  # the index says another file holds it (a stale duplicate here is not read)
+                if name in where:
+                    raise UserError(
+                        f"{path}: tensor {name!r} is in both {where[name].name} and {f.name}; "
+                        f"keep one (or write a {INDEX_FILE} saying which)"
+                    )
+                where[name] = f
+    missing = sorted(set(indexed or {}) - set(where))
+    if missing:
+        raise UserError(f"{path / INDEX_FILE} names tensor(s) its files lack: {_few(missing)}")
+    return where
+
+
+def _tensor_names(path: Path) -> list[str]:
+    return list(hf_tensor_files(path))
 
 
 def read_hf_config(path: Path) -> dict:
@@ -361,8 +402,12 @@ def read_hf_config(path: Path) -> dict:
 def read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """config.json and the safetensors weights of an HF Llama directory. Pickle files are refused."""
     weights: dict[str, torch.Tensor] = {}
-    for f in _weight_files(path):
-        weights.update(load_file(str(f)))
+    by_file: dict[Path, list[str]] = {}
+    for name, f in hf_tensor_files(path).items():
+        by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as st:
+            weights |= {name: st.get_tensor(name) for name in names}
     return json.loads((path / "config.json").read_text()), weights
 
 
@@ -386,16 +431,22 @@ def _args_problems(args: ModelArgs, hf: dict) -> list[str]:
     ]
 
 
+def import_problems(args: ModelArgs, cfg: dict, names: list[str]) -> list[str]:
+    """Why an HF checkpoint (its config.json and tensor names) would not load into a model of `args` as saved:
+    config.json's own problems, model.* fields that differ from it, tensors the model has no place for."""
+    fields, problems = _read_hf_config(cfg)
+    problems += _args_problems(args, fields)
+    return problems + tensor_problems(names, args.n_layers, "model.n_layers", args.n_experts)
+
+
 def load_hf_weights(model: Transformer, path: Path) -> None:
     """Copy HF weights into an (already materialised) model, checking config.json, names and shapes: ConfigError
     naming every field and tensor that would not load as saved."""
     cfg, weights = read_hf_dir(path)
-    fields, problems = _read_hf_config(cfg)
-    problems += _args_problems(model.args, fields)
-    n_layers, n_experts = model.args.n_layers, model.args.n_experts
-    problems += tensor_problems(list(weights), n_layers, "model.n_layers", n_experts)
+    problems = import_problems(model.args, cfg, list(weights))
     if problems:
         raise ConfigError([f"{path}: {p}" for p in problems])
+    n_layers, n_experts = model.args.n_layers, model.args.n_experts
     moe = hf_moe.from_hf_tensors(weights, n_layers, n_experts) if n_experts else {}
     ours = moe | {from_hf_name(k): v for k, v in weights.items() if "rotary_emb" not in k}
     if model.args.tie_embeddings:
