@@ -212,6 +212,30 @@ def from_hf_tensors(
     return ours
 
 
+def import_source(name: str, names: set[str] | dict, n_experts: int) -> tuple[list[str], int] | None:
+    """How our MoE entry `name` is read from a checkpoint holding the HF tensors `names`, without loading any:
+    (HF names, chunk). One name per expert: the Hub layout, stacked on a new dim 0. One name and chunk 0 or 1:
+    that half, on dim 1, of the fused gate_up_proj (w1 then w3, as from_hf_tensors splits it). One name and
+    chunk -1: read whole. No names: zeros (the routing bias, which Mixtral has not). None for a name outside the
+    MoE feed-forward."""
+    m = _OURS.fullmatch(name)
+    if m is None:
+        return None
+    i, leaf = m["i"], m["leaf"]
+    fused = is_fused(names, int(i))
+    prefix = f"model.layers.{i}.mlp" if fused else f"model.layers.{i}.{_HUB}"
+    if leaf == "router.expert_bias":
+        return [], -1
+    if leaf == "router.gate.weight":
+        return [f"{prefix}.gate.weight"], -1
+    w = leaf.split(".")[1]
+    if not fused:
+        return [f"{prefix}.experts.{e}.{w}.weight" for e in range(n_experts)], -1
+    if w == "w2":
+        return [f"{prefix}.experts.down_proj"], -1
+    return [f"{prefix}.experts.gate_up_proj"], 0 if w == "w1" else 1
+
+
 def experts_beyond(names: list[str], n_experts: int) -> list[str]:
     """The expert tensors among `names` numbered at or beyond n_experts (num_local_experts)."""
     return [n for n in names if (m := _EXPERT.fullmatch(n)) and int(m["e"]) >= n_experts]
