@@ -22,7 +22,7 @@ from scaletrain.config import Config, MemoryConfig, OptimizerConfig, ParallelCon
 from scaletrain.config_io import to_dict
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
 from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
-from scaletrain.models import Transformer, build_model, count_parameters, resolve_model_args
+from scaletrain.models import Transformer, build_meta_model, build_model, count_parameters, resolve_model_args
 from scaletrain.optim import Optimizers, RoutingBias, optimizer_builder
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.layout import Layout
@@ -155,12 +155,14 @@ def build_core(
     precision: Precision | None = None,
     eod: int | None = None,
     routing_bias_rate: float = 0.0,
+    init_seed: int | None = None,
 ) -> tuple[ParallelModel, Optimizers, StepRunner]:
     """The model (consumed) parallelised, its optimizers and the step runner, as every run assembles them: train.build
-    and the tests that train a layout call this, so that what they check is what runs. `precision` None: fp32."""
+    and the tests that train a layout call this, so that what they check is what runs. `precision` None: fp32.
+    `init_seed`: `model` is on meta and each rank materialises only its share (parallelize); None: materialised."""
     n_experts = model.args.n_experts
     pm = parallelize(model, dims, parallel, device=device, n_microbatches=n_microbatches, memory=memory,
-                     compile=training.compile, precision=precision)  # fmt: skip
+                     compile=training.compile, precision=precision, init_seed=init_seed)  # fmt: skip
     dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, MoE load summed
     make_optimizer = optimizer_builder(optimizer, parallel.data_parallel, dp_cp, device)
     bias = RoutingBias.for_model(pm.parts, n_experts, routing_bias_rate, dp_cp)  # MoE balancing
@@ -188,17 +190,21 @@ def build(cfg: Config) -> Job:
     loader = first(lambda: build_loader(cfg.data, tokenizer, global_batch, dims.dp_rank, layout.dp_size,
                                         cfg.training.seed, log.info))  # fmt: skip
 
-    # -- Model: built on meta, materialised with a fixed seed, then parallelised (and wrapped) from outside.
+    # -- Model: built on meta and parallelised there; each rank then materialises only its share, with the
+    # single-process values for the seed (parallel/materialize.py). An HF import still loads the whole model first.
     args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
-    model = build_model(args, cfg.training.seed, env.device)
+    init_seed: int | None = cfg.training.seed
+    model = build_meta_model(args)
     if cfg.model.init_from.startswith("hf:"):
+        model, init_seed = build_model(args, cfg.training.seed, env.device), None
         load_hf_weights(model, Path(cfg.model.init_from[3:]))
     n_params = count_parameters(model)
     precision = resolve_precision(cfg.precision, layout.fsdp, env.device)
     eod = tokenizer.eod_id if cfg.data.document_mask else None  # masks attention at document ends
     pm, optimizers, runner = build_core(model, dims, cfg.parallel, cfg.training, cfg.optimizer, device=env.device,
                                         n_microbatches=layout.microbatches, memory=cfg.memory, precision=precision,
-                                        eod=eod, routing_bias_rate=cfg.moe.bias_update_rate)  # fmt: skip
+                                        eod=eod, routing_bias_rate=cfg.moe.bias_update_rate,
+                                        init_seed=init_seed)  # fmt: skip
     del model
     dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: the loss averaged for spikes
 

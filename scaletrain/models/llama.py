@@ -8,7 +8,9 @@ final norm and the output (they are then `None`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.models.attention import AttentionKernel, attention_masks, document_positions
-from scaletrain.models.moe import MoE, is_moe_layer
+from scaletrain.models.moe import MoE, is_moe_layer, moe_init_plan
 
 if TYPE_CHECKING:
     from scaletrain.models.kv_cache import KVCache, LayerCache
@@ -245,40 +247,61 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Set every parameter (after `to_empty`) and the RoPE buffer. Residual-branch outputs are scaled by
-        1/sqrt(2·layers) (GPT-2, Radford et al. 2019) so the residual stream's variance does not grow with depth."""
-        args = self.args
-        self.rope = rope_cache(args, buffer_device or self.rope.device)
-        if args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+        """Set every parameter (after `to_empty`) and the buffers, drawing from the global RNG in `init_plan`'s
+        order. A sharded model is materialised by parallel/materialize.py from the same plan."""
+        self.init_buffers(buffer_device or self.rope.device)
+        if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             # to_empty() allocates each parameter anew, which unties them: tie again.
             self.output.weight = self.tok_embeddings.weight
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=args.init_std)
-        depth_std = args.init_std / math.sqrt(2 * args.n_layers)
+        params = dict(self.named_parameters())
+        for name, init in self.init_plan():
+            if name in params:
+                init(params[name])
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device) -> None:
+        """The RoPE table and the MoE blocks' routing bias and load statistics: no RNG draws."""
+        self.rope = rope_cache(self.args, device)
         for layer in self.layers.values():
-            ff = layer.feed_forward
-            moe = isinstance(ff, MoE)
+            if isinstance(layer.feed_forward, MoE):
+                layer.feed_forward.init_buffers()
+
+    def init_plan(self) -> list[tuple[str, Callable[[torch.Tensor], None]]]:
+        """(parameter name, what sets it in place) for every parameter of the whole model (all `args.n_layers`
+        layers, also on a pipeline stage), in the order they draw from the global RNG: the one definition of the
+        initial weights for the single-process and the sharded paths. Each init works on the whole tensor.
+        Residual-branch outputs are scaled by 1/sqrt(2·layers) (GPT-2, Radford et al. 2019) so the residual
+        stream's variance does not grow with depth. A tied output is the embedding: not listed."""
+        args, std = self.args, self.args.init_std
+        depth_std = std / math.sqrt(2 * args.n_layers)
+        plan = [("tok_embeddings.weight", partial(nn.init.normal_, std=std))]
+        for i in range(args.n_layers):
+            p = f"layers.{i}."
+            moe = is_moe_layer(args, i)
             # Dense blocks draw from the RNG in the same order as before MoE existed (golden losses stay equal).
-            for lin in (
-                layer.attention.wq,
-                layer.attention.wk,
-                layer.attention.wv,
-                *(() if moe else (ff.w1, ff.w3)),
-            ):
-                nn.init.trunc_normal_(
-                    lin.weight, std=args.init_std, a=-3 * args.init_std, b=3 * args.init_std
-                )
-            for lin in (layer.attention.wo, *(() if moe else (ff.w2,))):
-                nn.init.trunc_normal_(lin.weight, std=depth_std, a=-3 * depth_std, b=3 * depth_std)
+            names = [
+                "attention.wq",
+                "attention.wk",
+                "attention.wv",
+                *(() if moe else ("feed_forward.w1", "feed_forward.w3")),
+            ]
+            plan += [(f"{p}{n}.weight", _trunc_normal(std)) for n in names]
+            names = ["attention.wo", *(() if moe else ("feed_forward.w2",))]
+            plan += [(f"{p}{n}.weight", _trunc_normal(depth_std)) for n in names]
             if moe:
-                ff.init_weights(args.init_std, depth_std)
-            layer.attention_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not args.tie_embeddings:
-            std = args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+                hidden = (args.moe_hidden or args.ffn_hidden) * args.shared_experts
+                plan += [
+                    (p + "feed_forward." + n, init) for n, init in moe_init_plan(std, depth_std, hidden > 0)
+                ]
+            plan += [(f"{p}attention_norm.weight", nn.init.ones_), (f"{p}ffn_norm.weight", nn.init.ones_)]
+        plan.append(("norm.weight", nn.init.ones_))
+        if not args.tie_embeddings:
+            plan.append(("output.weight", _trunc_normal(args.dim**-0.5)))
+        return plan
+
+
+def _trunc_normal(std: float) -> Callable[[torch.Tensor], None]:
+    return partial(nn.init.trunc_normal_, std=std, a=-3 * std, b=3 * std)
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -196,9 +198,24 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
-        for w in (self.w1, self.w3):
-            nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
-        nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
+        for name, init in moe_init_plan(std, out_std, False)[:3]:
+            init(getattr(self, name.split(".")[-1]))
+
+
+def moe_init_plan(
+    std: float, out_std: float, shared: bool
+) -> list[tuple[str, Callable[[torch.Tensor], None]]]:
+    """(name under the MoE block, in-place init on the whole tensor) in RNG order: the experts like the dense SwiGLU
+    (w2 depth-scaled), the shared experts alike, then the router gate N(0, std). Part of Transformer.init_plan."""
+
+    def trunc(s: float) -> Callable[[torch.Tensor], None]:
+        return partial(nn.init.trunc_normal_, std=s, a=-3 * s, b=3 * s)
+
+    plan = [("experts.w1", trunc(std)), ("experts.w3", trunc(std)), ("experts.w2", trunc(out_std))]
+    if shared:
+        plan += [("shared.w1.weight", trunc(std)), ("shared.w3.weight", trunc(std))]
+        plan += [("shared.w2.weight", trunc(out_std))]
+    return plan + [("router.gate.weight", partial(nn.init.normal_, std=std))]
 
 
 def histogram(index: torch.Tensor, n: int) -> torch.Tensor:
@@ -319,12 +336,13 @@ class MoE(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
         """Router gate N(0, std); experts like the dense SwiGLU (w2 depth-scaled); zero bias and statistics."""
-        self.experts.init_weights(std, out_std)
-        if self.shared is not None:
-            for lin in (self.shared.w1, self.shared.w3):
-                nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
-            nn.init.trunc_normal_(self.shared.w2.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-        nn.init.normal_(self.router.gate.weight, std=std)
+        params = dict(self.named_parameters())
+        for name, init in moe_init_plan(std, out_std, self.shared is not None):
+            init(params[name])
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
         self.router.expert_bias.zero_()
         self.reset_stats()
 

@@ -33,6 +33,7 @@ from scaletrain.models.loss import cross_entropy
 from scaletrain.parallel.comm import CommMeter, apply_comm_hook, count_fsdp
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.layout import fsdp_applies
+from scaletrain.parallel.materialize import is_meta, materialize
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.offload import apply_activation_offload, fsdp_offload_policy
 from scaletrain.parallel.recompute import apply_recompute
@@ -109,10 +110,18 @@ def parallelize(
     memory: MemoryConfig | None = None,
     compile: bool = False,
     precision: Precision | None = None,
+    init_seed: int | None = None,
 ) -> ParallelModel:
     """`memory` (recompute, offload) and `compile` (training.compile) default to off; `precision` (the resolved
     [precision] section: QAT and fp8 layers, the FSDP2 mixed-precision policy, fp16's scaled pipeline loss)
-    defaults to fp32."""
+    defaults to fp32. `init_seed` None: `model` is materialised already (build_model's whole model); an int: it is
+    on the meta device, and each stage gets storage for this rank's share only, set to the single-process values
+    for that seed (parallel/materialize.py), after sharding and before DDP (which needs real parameters)."""
+    if init_seed is not None:
+        assert is_meta(model), "init_seed is for a model built on the meta device (build_meta_model)"
+    shards = fsdp_applies(dims, pcfg.data_parallel)
+    offload = fsdp_offload_policy(memory) is not None and shards
+    storage = torch.device("cpu") if offload else device  # FSDP's CPU offload keeps the shards on the host
     loss_parallel = dims.tp_enabled and not dims.pp_enabled  # a pipeline's loss runs inside the schedule
     # Only data-parallel traffic is counted: with tp, pp, cp or ep (its all-to-alls) sending too, comm_bytes is not
     # reported.
@@ -140,7 +149,12 @@ def parallelize(
 
             m = apply_cp(m, dims.submesh("cp"), load_balance=pcfg.cp_load_balance)
         m = apply_memory(m, memory, compile=compile, device=device)
-        return apply_data_parallel(m, dims, pcfg, memory, mp_policy, comm, device=device)
+        if init_seed is not None and not shards:  # DDP, zero1, or no data parallel: the share is the stage
+            materialize(m, init_seed, device, storage_device=storage)
+        m = apply_data_parallel(m, dims, pcfg, memory, mp_policy, comm, device=device)
+        if init_seed is not None and shards:  # FSDP's DTensor shards
+            materialize(m, init_seed, device, storage_device=storage)
+        return m
 
     if dims.pp_enabled:
         from scaletrain.parallel.pipeline import apply_pp
