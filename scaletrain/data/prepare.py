@@ -1,8 +1,9 @@
-"""Tokenise each data source once into memory-mapped token shards under the cache directory.
+"""Tokenise each data source once into memory-mapped token shards under the cache directory; pre-tokenised
+(.bin/.npy) sources are only indexed there and read in place.
 
 A prepared directory is keyed by its files (paths, sizes, mtimes), format, field and tokenizer, so a later run with
-the same inputs reuses it; it appears atomically (written aside, then renamed), so a crash never leaves a
-half-written directory that looks complete.
+the same inputs reuses it and a changed file is prepared again; it appears atomically (written aside, then renamed),
+so a crash never leaves a half-written directory that looks complete.
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ READER_REVISION = 2
 SHARD_TOKENS = 1 << 26
 # HF documents are encoded in batches of this many: one Rust call per batch instead of one per document.
 _ENCODE_BATCH = 256
-TOKEN_CHUNK = 1 << 24  # ids of a pre-tokenised file checked and copied at a time (64 MiB as int32)
+# Bytes of a pre-tokenised file checked at a time while it is indexed: what the scan holds in memory, whatever the
+# file's size (the file itself stays in the page cache, not in the process).
+SCAN_BYTES = 1 << 25
+# Part of the cache key of a pre-tokenised source: revision 1 copied its ids into shards, "inplace" indexes them.
+_TOKENS_LAYOUT = "inplace"
 PROGRESS_INTERVAL_S = 5.0  # at most one progress line per source this often (a 65 MB jsonl takes ~20 s)
 
 
@@ -118,20 +123,51 @@ def tokenize_file(path: Path, job: _Job) -> tuple[np.ndarray, int, Skipped]:
 _Chunk = tuple[np.ndarray, int, Skipped, Path | None]
 
 
-def _token_files(files: list[Path], job: _Job) -> Iterator[_Chunk]:
-    """Pre-tokenised files, each one stream as it is: no eod is added (their documents already end in the
-    tokenizer's eod id, as nanoGPT's and Megatron's --append-eod files do). Read (I/O: no pool), checked against
-    the vocabulary and converted to the shards' dtype TOKEN_CHUNK ids at a time, so memory stays bounded whatever
-    a file's size. The document count is the number of eod ids."""
+def _index_token_files(files: list[Path], job: _Job, meter: _PrepareProgress) -> tuple[list[dict], int]:
+    """Pre-tokenised files as index entries that TokenShards memory-maps where they lie, never copied (a
+    pre-training corpus is terabytes), and their document count. Each file is one stream as it is: no eod is added
+    (their documents already end in the tokenizer's eod id, as nanoGPT's and Megatron's --append-eod files do).
+    An entry records the file's size and mtime, so that a file changed since is refused, not read as indexed."""
+    entries: list[dict] = []
+    n_docs = 0
     for path in files:
-        ids = read_tokens(path, job.src_dtype, job.index)
-        for start in range(0, len(ids), TOKEN_CHUNK):
-            chunk = np.asarray(ids[start : start + TOKEN_CHUNK])
-            check_token_ids(chunk, start, path, job.tokenizer.vocab_size)
-            docs = int(np.count_nonzero(chunk == job.tokenizer.eod_id))
-            yield chunk.astype(job.dtype), docs, Skipped(), path if start + TOKEN_CHUNK >= len(ids) else None
-        if len(ids) == 0:
-            yield np.zeros(0, dtype=job.dtype), 0, Skipped(), path
+        st = path.stat()  # before the scan: a file changed during it no longer matches its entry
+        ids = read_tokens(
+            path, job.src_dtype, job.index
+        )  # checks the dtype and the shape; maps, reads nothing
+        n, dtype, offset = len(ids), ids.dtype, int(getattr(ids, "offset", 0))  # .npy: after the header
+        del ids
+        n_docs += _scan_token_file(path, dtype, offset, n, job, meter)
+        if n:  # np.memmap cannot map zero tokens
+            entries.append(
+                {"path": str(path.resolve()), "dtype": dtype.str, "offset": offset, "num_tokens": n,
+                 "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+            )  # fmt: skip
+        meter.update(0, path)
+    return entries, n_docs
+
+
+def _scan_token_file(
+    path: Path, dtype: np.dtype, offset: int, n: int, job: _Job, meter: _PrepareProgress
+) -> int:
+    """Refuse ids outside the vocabulary (another tokenizer made them) before training, and count the eod ids:
+    one pass through a SCAN_BYTES buffer, read with plain reads (not the map) so that the file does not become
+    the process's resident memory."""
+    step = max(1, SCAN_BYTES // dtype.itemsize)
+    vocab, eod = job.tokenizer.vocab_size, job.tokenizer.eod_id
+    docs = done = 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while done < n:
+            chunk = np.fromfile(f, dtype=dtype, count=min(step, n - done))
+            if chunk.size == 0:
+                raise UserError(f"{path} ended after {done} of its {n} tokens: it changed while it was read")
+            if int(chunk.max()) >= vocab or (dtype.kind == "i" and int(chunk.min()) < 0):
+                check_token_ids(chunk, done, path, vocab)
+            docs += int(np.count_nonzero(chunk == eod))
+            done += chunk.size
+            meter.update(chunk.size, None)
+    return docs
 
 
 def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
@@ -313,37 +349,51 @@ def _make_temp_dir(target: Path) -> Path:
         ) from None
 
 
+def _write_shards(
+    tmp: Path, files: list[Path], job: _Job, workers: int, meter: _PrepareProgress
+) -> tuple[list[dict], int, Skipped]:
+    """Tokenise documents into tokens-NNNNN.bin shards in `tmp`: (shard entries, document count, left out)."""
+    writer = _ShardWriter(tmp, job.dtype, SHARD_TOKENS)
+    n_docs, skipped = 0, Skipped()
+    parts = tmp / ".parts"  # the pool workers' output, each file deleted once it is in a shard
+    parts.mkdir()
+    chunks = _tokenized(files, job, workers, parts)
+    # closing(): the pool stops here, not whenever the generator is collected, when the loop ends early
+    # (Ctrl-C, an error in this loop).
+    with contextlib.closing(chunks):
+        for tokens, docs, left_out, done in chunks:
+            writer.write(tokens)
+            n_docs += docs
+            skipped.update(left_out)
+            meter.update(tokens.size, done)
+    writer.close()
+    parts.rmdir()
+    _check_skipped(skipped, n_docs, len(files), job.index)
+    return writer.shards, n_docs, skipped
+
+
 def _write_prepared(
     target: Path, files: list[Path], job: _Job, workers: int, tok_fp: str, progress: Callable[[str], None]
 ) -> dict:
-    """Tokenise into a temporary sibling of `target`, then rename it into place; return the index."""
+    """Tokenise (or, for token files, index) into a temporary sibling of `target`, then rename it into place;
+    return the index."""
     tmp = _make_temp_dir(target)
     try:
-        writer = _ShardWriter(tmp, job.dtype, SHARD_TOKENS)
-        n_docs, skipped = 0, Skipped()
-        parts = tmp / ".parts"  # the pool workers' output, each file deleted once it is in a shard
-        parts.mkdir()
-        chunks = _token_files(files, job) if job.fmt == "tokens" else _tokenized(files, job, workers, parts)
         meter = _PrepareProgress(_source_name(job.index), files, progress)
-        # closing(): the pool stops here, not whenever the generator is collected, when the loop ends early
-        # (Ctrl-C, an error in this loop).
-        with contextlib.closing(chunks):
-            for tokens, docs, left_out, done in chunks:
-                writer.write(tokens)
-                n_docs += docs
-                skipped.update(left_out)
-                meter.update(tokens.size, done)
-        writer.close()
-        parts.rmdir()
-        _check_skipped(skipped, n_docs, len(files), job.index)
+        in_place = job.fmt == "tokens"
+        if in_place:
+            (shards, n_docs), skipped = _index_token_files(files, job, meter), Skipped()
+        else:
+            shards, n_docs, skipped = _write_shards(tmp, files, job, workers, meter)
         index = {
             "version": INDEX_VERSION,
             "dtype": job.dtype,
             "vocab_size": job.tokenizer.vocab_size,
             "eod_id": job.tokenizer.eod_id,
-            "num_tokens": sum(s["num_tokens"] for s in writer.shards),
+            "num_tokens": sum(s["num_tokens"] for s in shards),
             "num_documents": n_docs,
-            "shards": writer.shards,
+            "shards": shards,
+            "in_place": in_place,
             "files": [str(p) for p in files],
             "tokenizer": tok_fp,
             "skipped": dataclasses.asdict(skipped),
@@ -377,6 +427,8 @@ def prepare_source(
         fmt = "tokens"  # .npy files: ids, not documents
     tok_fp = fingerprint(tokenizer)
     key_field = f"{field}\0dtype={src_dtype}" if src_dtype else field  # raw ids read as another dtype differ
+    if fmt == "tokens":
+        key_field += f"\0{_TOKENS_LAYOUT}"
     target = cache_dir / "shards" / cache_key(files, fmt, key_field, tok_fp)
     index_path = target / "index.json"
     if index_path.is_file():
@@ -412,6 +464,11 @@ def prepare_data(
             left_out = Skipped(**index.get("skipped", {}))
             note = f" ({left_out.counts()} that are not UTF-8 text were left out)" if left_out else ""
             log(f"data: {name}: cache hit, {index['num_tokens']:,} tokens in {target}{note}")
+        elif index.get("in_place"):
+            log(
+                f"data: {name}: indexed {index['num_tokens']:,} tokens in {len(files)} token file(s), read in "
+                f"place, {index['num_documents']:,} documents, in {time.perf_counter() - t0:.1f}s ({target})"
+            )
         else:
             log(
                 f"data: {name}: wrote {index['num_tokens']:,} tokens from {len(files)} file(s), "
