@@ -10,6 +10,7 @@ from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.errors import ConfigError
 from scaletrain.models.llama import ModelArgs
 from scaletrain.parallel.layout import Layout, resolve_microbatches
+from scaletrain.parallel.materialize import WHOLE_PARAM_COPIES
 from scaletrain.parallel.pipeline import (
     layers_per_stage,
     placement_style,
@@ -63,6 +64,28 @@ def block_parameters(args: ModelArgs) -> tuple[int, int]:
     kv = args.n_kv_heads * args.head_dim
     attention = 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * kv
     return attention + ffn_shape(args).dense, 2 * args.dim
+
+
+def init_draw_bytes(args: ModelArgs) -> float:
+    """The most memory drawing one parameter whole takes: sharded initialisation draws every parameter whole, one
+    at a time, on every rank whatever its share (parallel/materialize.py). trunc_normal_ (the matrices, an untied
+    output, under MoE one block's stacked routed experts, all E of them even under ep) holds WHOLE_PARAM_COPIES of
+    it; normal_ (the embedding) one."""
+    trunc = [args.dim * args.ffn_hidden, args.dim * args.n_heads * args.head_dim]
+    trunc += [] if args.tie_embeddings else [args.vocab_size * args.dim]
+    if args.n_experts:
+        hidden = args.moe_hidden or args.ffn_hidden
+        trunc += [args.n_experts * hidden * args.dim, hidden * args.shared_experts * args.dim]
+    return PARAM_BYTES * max(args.vocab_size * args.dim, WHOLE_PARAM_COPIES * max(trunc))
+
+
+def init_peak_bytes(part: dict[str, float], draw: float, ddp_like: bool) -> float:
+    """A rank's peak while it materialises its model (parallel/materialize.py), before step 1: its share of the
+    parameters on the device, DDP's gradient buckets (allocated when it wraps), one parameter drawn whole
+    (init_draw_bytes) and the constant overhead. Under optimizer offload the share lives on the host and only the
+    drawn parameter on the device."""
+    buckets = part["gradients"] if ddp_like else 0.0
+    return part["parameters"] + buckets + draw + part["overhead"]
 
 
 def _zero_shards(p: ParallelConfig, dims: Layout) -> int:
@@ -222,7 +245,9 @@ def pp_rank_bytes(
             # keeps the gathered blocks (copied in per block) and the activations.
             part["host"] = part["parameters"] + part["gradients"] + part["optimizer"]
             part["parameters"] = part["gradients"] = part["optimizer"] = 0.0
-        part["total"] = sum(part[k] for k in PARTS)
+        # The step's peak, or initialisation's where that is higher (a large vocabulary over many shards).
+        part["init"] = init_peak_bytes(part, init_draw_bytes(args), ddp_like)
+        part["total"] = max(sum(part[k] for k in PARTS), part["init"])
         out.append(part)
     return out
 
@@ -245,8 +270,12 @@ def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int
 
 
 def describe(estimate: dict[str, float]) -> str:
-    """e.g. "43.1 GiB per process (parameters 3.7, gradients 3.7, ..., overhead 2.0)"; zero parts left out."""
+    """e.g. "43.1 GiB per process (parameters 3.7, gradients 3.7, ..., overhead 2.0)"; zero parts left out; the
+    initialisation peak named when it is the total."""
     parts = ", ".join(f"{k} {estimate[k] / GiB:.1f}" for k in PARTS if estimate[k])
+    init = estimate.get("init", 0.0)
+    if init >= estimate["total"] > sum(estimate[k] for k in PARTS):
+        parts += f"; at initialisation {init / GiB:.1f}: its share and the largest parameter drawn whole"
     return f"{estimate['total'] / GiB:.1f} GiB per process ({parts})"
 
 
