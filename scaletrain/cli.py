@@ -21,9 +21,10 @@ import torch
 
 from scaletrain import __version__
 from scaletrain.bench import results_json, run_bench
+from scaletrain.checkpoint.hf import EXPORT_DTYPES
 from scaletrain.config import Config
 from scaletrain.config_io import all_keys, help_text, to_dict
-from scaletrain.convert import from_hf, to_hf, to_quantized
+from scaletrain.convert import from_hf, parse_size, to_hf, to_quantized
 from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.data.sources import Skipped, embedded_corpus_files, list_files, read_documents
 from scaletrain.data.tokenizer import train_bpe
@@ -44,7 +45,7 @@ from scaletrain.validate import load_config
 USAGE = """\
 scaletrain train        --config FILE [--nproc N] [--max-restarts R] [--dry-run] [--section.key VALUE ...]
 scaletrain prepare-data --config FILE [--train-tokenizer --vocab-size N [--tokenizer-out PATH]] [--section.key VALUE ...]
-scaletrain convert      --to hf RUN_OR_CHECKPOINT OUT_DIR  |  --from hf HF_DIR [--out config.toml]  |  --quantize int8_int4|int8_int8 RUN_OR_CHECKPOINT OUT_DIR
+scaletrain convert      --to hf RUN_OR_CHECKPOINT OUT_DIR [--dtype fp32|bf16] [--max-shard-size 5GB]  |  --from hf HF_DIR [--out config.toml]  |  --quantize int8_int4|int8_int8 RUN_OR_CHECKPOINT OUT_DIR
 scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" ... [--steps 10] [--rtol 1e-5] [--atol 2e-5] [--section.key VALUE ...]
 scaletrain generate     RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S] [--tokenizer T] [--device D] [--json]
 scaletrain eval         RUN_DIR|HF_DIR --data FILE_OR_GLOB [--field F] [--seq-len S] [--tokenizer T] [--batch B] [--max-windows N] [--device D] [--json]
@@ -130,6 +131,12 @@ def build_parser() -> _Parser:
         "--quantize", choices=list(WEIGHT_DTYPES), help="--quantize SCHEME RUN_OR_CHECKPOINT OUT_DIR"
     )
     convert.add_argument("--out", default="hf_init.toml", help="--from hf: the config file to write")
+    convert.add_argument(
+        "--dtype", choices=list(EXPORT_DTYPES), default="fp32", help="--to hf: the weights' dtype"
+    )
+    convert.add_argument(
+        "--max-shard-size", default="5GB", help="--to hf: the largest safetensors file (e.g. 5GB, 500MB)"
+    )
     convert.add_argument("paths", nargs="*", metavar="PATH")
     convert.set_defaults(run=_convert)
     root.commands = {"train": train, "prepare-data": prep, "parity": parity, "convert": convert}
@@ -367,7 +374,7 @@ def _parity(args: argparse.Namespace, overrides: list[str]) -> int:
 def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
     paths = [_entered(p) for p in args.paths]
     if args.to == "hf" and len(paths) == 2:
-        print(to_hf(*paths))
+        print(to_hf(*paths, args.dtype, parse_size(args.max_shard_size)))
         return 0
     if args.from_ == "hf" and len(paths) == 1:
         print(from_hf(paths[0], _entered(args.out)))

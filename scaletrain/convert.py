@@ -6,32 +6,38 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
+import math
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import tomli_w
+import torch
 
 from scaletrain.checkpoint.hf import (
+    EXPORT_DTYPES,
+    SHARD_BYTES,
     architecture,
     args_from_hf_config,
-    export_hf,
     hf_dir_problems,
     quiet_torchao,
     read_hf_config,
     umask_permissions,
     verify_with_transformers,
+    write_hf,
 )
 from scaletrain.checkpoint.hf_moe import config_sections
-from scaletrain.checkpoint.run_model import load_run_model, run_config
+from scaletrain.checkpoint.run_model import load_run_model, open_run_checkpoint, run_config
 from scaletrain.config_io import to_dict
 from scaletrain.data import build_loader, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.host import unwritable
-from scaletrain.models import Transformer, build_meta_model, resolve_model_args
+from scaletrain.models import ModelArgs, Transformer, build_meta_model, resolve_model_args
 from scaletrain.precision.qat import (
     WEIGHTS_FILE,
     apply_qat,
@@ -79,24 +85,68 @@ def _into(out: Path, created: bool) -> Iterator[None]:
     umask_permissions(out)
 
 
-def to_hf(src: Path, out: Path) -> str:
+def to_hf(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: int = SHARD_BYTES) -> str:
     """A run's newest intact checkpoint (or the checkpoint directory `src`) as a Hugging Face directory `out`:
-    config.json, model.safetensors and, for a run with a tokenizer.json, that file and a tokenizer_config.json;
-    checked against transformers' own forward when it is installed."""
+    config.json, the weights in `dtype` (fp32 or bf16) as model.safetensors or, above `max_shard_bytes`, several
+    files and their index, and, for a run with a tokenizer.json, that file and a tokenizer_config.json. The
+    checkpoint is read a tensor at a time (the host holds about the largest tensor, not the model). Checked
+    against transformers' own forward when it is installed and the model fits this host twice in fp32."""
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose {' or '.join(EXPORT_DTYPES)}")
     out = out.expanduser().absolute()
     created = claim_out_dir(out)
     with _into(out, created):
-        model, cfg, tokenizer, ckpt = load_run_model(src)
+        ckpt = open_run_checkpoint(src)
+        cfg, tokenizer = ckpt.cfg, ckpt.tokenizer
         tok_file = Path(cfg.data.tokenizer) if cfg.data.tokenizer != "byte" else None
         eod_token = getattr(tokenizer, "eod_token", None)
-        export_hf(model.eval(), out, tok_file, tokenizer.eod_id, eod_token)
+        shapes = ckpt.shapes()
+        write_hf(
+            out, ckpt.args, shapes, ckpt.read, tok_file, tokenizer.eod_id, eod_token, dtype, max_shard_bytes
+        )
+    files = len(list(out.glob("*.safetensors")))
+    checked = _check_export(src, out, ckpt.args, sum(math.prod(s) for s in shapes.values()), dtype)
+    return f"exported {ckpt.path} to {out} ({files} safetensors file(s), {dtype}); {checked}"
+
+
+def _check_export(src: Path, out: Path, args: ModelArgs, n_params: int, dtype: str) -> str:
+    """transformers' logits against ours, or why they were not compared. Both models are held in fp32."""
+    if importlib.util.find_spec("transformers") is None:
+        return "not checked against transformers (not installed)"
+    need, available = 2 * 4 * n_params, available_memory()
+    if need > available:
+        return (
+            f"not checked against transformers: the check holds the model twice in fp32 ({need / 2**30:.1f} GiB), "
+            f"more than the {available / 2**30:.1f} GiB available here"
+        )
+    model = load_run_model(src)[0].eval()
+    if dtype != "fp32":
+        with torch.no_grad():  # what the export holds: our weights rounded to its dtype
+            for p in model.parameters():
+                p.copy_(p.to(EXPORT_DTYPES[dtype]))
     diff = verify_with_transformers(model, out)
-    checked = (
-        f"transformers.{architecture(model.args)} logits match (max abs diff {diff:.1e})"
-        if diff is not None
-        else "not checked against transformers (not installed)"
-    )
-    return f"exported {ckpt} to {out}; {checked}"
+    return f"transformers.{architecture(args)} logits match (max abs diff {diff:.1e})"
+
+
+def available_memory() -> int:
+    """Bytes this host can give without swapping (MemAvailable; free pages where there is no /proc/meminfo)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        with open("/proc/meminfo") as f:
+            line = next(x for x in f if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """--max-shard-size: '5GB' (as transformers' max_shard_size), '500MB', '2GiB' or a byte count."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m[2].upper() if m else ""
+    if m is None or unit not in _SIZE_UNITS or float(m[1]) <= 0:
+        raise UserError(f"--max-shard-size {text!r}: give a positive size such as 5GB, 500MB or 2GiB")
+    return int(float(m[1]) * _SIZE_UNITS[unit])
 
 
 def from_hf(hf_dir: Path, out_toml: Path) -> str:

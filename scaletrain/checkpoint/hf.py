@@ -9,15 +9,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from scaletrain.checkpoint import hf_moe
 from scaletrain.errors import ConfigError, UserError
@@ -289,42 +290,161 @@ def tokenizer_config(eod_token: str, max_len: int) -> dict:
     }
 
 
+# HF's save_pretrained default (max_shard_size "5GB"): safetensors files of at most this many bytes each.
+SHARD_BYTES = 5 * 10**9
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16"}
+
+
 def export_hf(
     model: Transformer,
     out: Path,
     tokenizer_file: Path | None = None,
     eod_id: int | None = None,
     eod_token: str | None = None,
+    dtype: str = "fp32",
+    max_shard_bytes: int = SHARD_BYTES,
 ) -> None:
-    """config.json and model.safetensors in `out` (created; if it exists it must be an empty directory), with the
-    tokenizer.json copied and a tokenizer_config.json naming `eod_token` when given; files get the umask's
-    permissions."""
+    """A model in memory exported as `write_hf` does (see there)."""
+    state = model.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    write_hf(
+        out, model.args, shapes, lambda k: state[k].detach().cpu(), tokenizer_file, eod_id, eod_token, dtype,
+        max_shard_bytes,
+    )  # fmt: skip
+
+
+def write_hf(
+    out: Path,
+    args: ModelArgs,
+    shapes: dict[str, tuple[int, ...]],
+    read: Callable[[str], torch.Tensor],
+    tokenizer_file: Path | None = None,
+    eod_id: int | None = None,
+    eod_token: str | None = None,
+    dtype: str = "fp32",
+    max_shard_bytes: int = SHARD_BYTES,
+) -> None:
+    """config.json and the weights in `out` (created; if it exists it must be an empty directory): one
+    model.safetensors, or, above `max_shard_bytes`, model-0000i-of-0000n.safetensors files and
+    model.safetensors.index.json, as transformers' save_pretrained writes them. `shapes` are our tensors (names in
+    state-dict order) and `read(name)` gives one on CPU: tensors are read, cast to `dtype` (fp32 or bf16) and
+    written one at a time, so the host holds about the largest tensor, never the model. With `tokenizer_file`, it
+    is copied and a tokenizer_config.json names `eod_token`; files get the umask's permissions."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file, not a directory; choose a new output directory")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty; choose a new output directory")
-    state = model.state_dict()
-    if model.args.n_experts > 0:
-        problems = hf_moe.export_problems(model.args, state)
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose {' or '.join(EXPORT_DTYPES)}")
+    if args.n_experts > 0:
+        biases = {k: read(k) for k in shapes if k.endswith("router.expert_bias")}  # small: one per layer
+        problems = hf_moe.export_problems(args, biases)
         if problems:
             raise ConfigError([f"cannot export as {hf_moe.ARCHITECTURE}: {p}" for p in problems])
     out.mkdir(parents=True, exist_ok=True)
-    sd: dict[str, torch.Tensor] = {}
-    for k, v in state.items():
-        v = v.detach().to("cpu", torch.float32).contiguous()
-        moe = hf_moe.to_hf_tensors(k, v)
-        sd |= moe if moe is not None else {to_hf_name(k): v}
-    if model.args.tie_embeddings:
-        sd.pop("lm_head.weight", None)  # HF re-ties it from the embedding
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(model.args, eod_id), indent=2))
+    torch_dtype = EXPORT_DTYPES[dtype]
+    files = _plan_shards(_hf_tensors(args, shapes, torch_dtype), torch_dtype.itemsize, max_shard_bytes)
+    writers = (_SafetensorsWriter(out / name, entries, torch_dtype) for name, entries in files.items())
+    writer = next(writers)
+    for k in shapes:
+        for name, value in _to_hf(args, k, read(k).to(torch_dtype)).items():
+            while writer.done():
+                writer.close()
+                writer = next(writers)
+            writer.write(name, value)
+    writer.close()
+    if len(files) > 1:
+        weight_map = {name: file for file, entries in files.items() for name, _ in entries}
+        total = sum(
+            math.prod(shape) * torch_dtype.itemsize for entries in files.values() for _, shape in entries
+        )
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    cfg = hf_config(args, eod_id) | {"torch_dtype": str(torch_dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if tokenizer_file is not None:
         # The contents only (copyfile): not the mode of a source that may be read-only or private.
         shutil.copyfile(tokenizer_file, out / "tokenizer.json")
         if eod_token is not None:
-            tok_cfg = tokenizer_config(eod_token, model.args.max_seq_len)
+            tok_cfg = tokenizer_config(eod_token, args.max_seq_len)
             (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     umask_permissions(out)
+
+
+def _to_hf(args: ModelArgs, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The HF tensors of one of ours (an MoE's stacked experts are one per expert); none for a tied output."""
+    if args.tie_embeddings and name == "output.weight":
+        return {}  # HF re-ties lm_head to the embedding
+    moe = hf_moe.to_hf_tensors(name, value)
+    return moe if moe is not None else {to_hf_name(name): value}
+
+
+def _hf_tensors(
+    args: ModelArgs, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every tensor an export writes, in the order it writes them (mapped on the meta device:
+    nothing is read)."""
+    return [
+        (name, tuple(v.shape))
+        for k, shape in shapes.items()
+        for name, v in _to_hf(args, k, torch.empty(shape, dtype=dtype, device="meta")).items()
+    ]
+
+
+def _plan_shards(
+    tensors: list[tuple[str, tuple[int, ...]]], itemsize: int, max_bytes: int
+) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """File name -> the tensors it holds, in order; a file is closed before it would pass `max_bytes` (a tensor
+    larger than that gets a file of its own, as in transformers)."""
+    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in tensors:
+        nbytes = math.prod(shape) * itemsize
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += nbytes
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+class _SafetensorsWriter:
+    """One safetensors file written a tensor at a time: the header (every name, dtype, shape and offset) is known
+    from the plan, so each tensor's bytes go straight to the file after it and nothing is held
+    (https://github.com/huggingface/safetensors#format: a u64 header length, the JSON header padded to 8 bytes,
+    then the data, C order, little-endian)."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype):
+        self.entries, self.dtype, self.written = entries, dtype, 0
+        header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape in entries:
+            end = offset + math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            offset = end
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.f = open(path, "wb")  # noqa: SIM115  # closed by close(), after the last of its tensors
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+
+    def done(self) -> bool:
+        return self.written == len(self.entries)
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        expected, shape = self.entries[self.written]
+        assert (name, tuple(value.shape), value.dtype) == (expected, shape, self.dtype), (name, expected)
+        if value.numel():
+            # Bytes in place (a uint8 view through numpy), little-endian as torch stores them on every host we run.
+            self.f.write(value.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+        self.written += 1
+
+    def close(self) -> None:
+        assert self.done(), f"{self.f.name}: {self.written} of {len(self.entries)} tensors written"
+        self.f.close()
 
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -7,10 +7,14 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from scaletrain.checkpoint.integrity import COMMIT, newest_intact, step_path, verify
 from scaletrain.checkpoint.safe_load import make_reader
@@ -19,7 +23,7 @@ from scaletrain.config import Config, translate_renamed
 from scaletrain.config_io import read_toml, to_dataclass
 from scaletrain.data import Tokenizer, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.models import Transformer, build_meta_model, resolve_model_args
+from scaletrain.models import ModelArgs, Transformer, build_meta_model, resolve_model_args
 from scaletrain.rundir import CONFIG, RunDir, absolute
 
 log = logging.getLogger("scaletrain")
@@ -53,10 +57,52 @@ def run_config(run_dir: Path) -> Config:
     return cfg
 
 
-def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, str]:
-    """The model of a run directory (or one of its checkpoint directories), on CPU in fp32, with the weights of
-    the newest intact checkpoint; also the run's config, its tokenizer and the checkpoint read. A checkpoint
-    directory given by itself is verified as the newest is (every file against its checksum)."""
+@dataclass
+class RunCheckpoint:
+    """A run's checkpoint, opened but not loaded: its config, tokenizer and model shape, and each model tensor on
+    request (DCP reads only the chunks of that tensor), so a model larger than this host is read piece by piece."""
+
+    cfg: Config
+    tokenizer: Tokenizer
+    path: str
+    args: ModelArgs
+    reader: FileSystemReader
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Our model's tensors in its state-dict order, with their shapes (from the checkpoint's metadata); a
+        UserError when the checkpoint and the config's model disagree."""
+        saved = {
+            k.removeprefix("model."): tuple(m.size)
+            for k, m in self.reader.read_metadata().state_dict_metadata.items()
+            if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+        }
+        ours = {k: tuple(v.shape) for k, v in build_meta_model(self.args).state_dict().items()}
+        if saved.keys() != ours.keys() or any(saved[k] != ours[k] for k in ours):
+            differ = sorted(k for k in ours.keys() | saved.keys() if saved.get(k) != ours.get(k))
+            raise UserError(
+                f"{self.path} does not hold the model its run's config describes ({len(differ)} tensor(s) differ, "
+                f"e.g. {differ[0]}: {saved.get(differ[0])} saved, {ours.get(differ[0])} configured)"
+            )
+        return ours
+
+    def read(self, name: str) -> torch.Tensor:
+        """One model tensor, whole, on CPU in the dtype it was saved in, whatever layout saved it."""
+        meta = self.reader.read_metadata().state_dict_metadata[f"model.{name}"]
+        value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        _dcp_load({"model": {name: value}}, self.reader)
+        return value
+
+
+def _dcp_load(state: dict, reader: FileSystemReader) -> None:
+    with warnings.catch_warnings():
+        # DCP's note that it loads on one process ("torch.distributed is disabled ..."): what is meant here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+
+
+def open_run_checkpoint(src: Path) -> RunCheckpoint:
+    """The newest intact checkpoint of a run directory (or the checkpoint directory `src`, verified as the newest
+    is: every file against its checksum), with the run's config and tokenizer; no tensor is read."""
     src = absolute(src)
     given = is_checkpoint_dir(src)
     run_dir = src.parent.parent if given else src
@@ -72,13 +118,19 @@ def load_run_model(src: Path) -> tuple[Transformer, Config, Tokenizer, str]:
     cfg = run_config(run_dir)
     ckpt = str(src) if given else newest_intact_path(RunDir(run_dir).checkpoint_root(cfg.checkpoint))
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    model = build_meta_model(
-        resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
-    )
-    model.to_empty(device="cpu")
-    model.init_weights()
-    with warnings.catch_warnings():
-        # DCP's note that it loads on one process ("torch.distributed is disabled ..."): what is meant here.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load({"model": ModelState([model])}, storage_reader=make_reader(str(ckpt)), no_dist=True)
-    return model, cfg, tokenizer, ckpt
+    args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
+    return RunCheckpoint(cfg, tokenizer, ckpt, args, make_reader(ckpt))
+
+
+def load_run_model(
+    src: Path, device: torch.device | str = "cpu"
+) -> tuple[Transformer, Config, Tokenizer, str]:
+    """The model of a run directory (or one of its checkpoint directories) in fp32 on `device`, with the weights
+    of the newest intact checkpoint; also the run's config, its tokenizer and the checkpoint read. The model is
+    materialised on `device` and DCP reads into it there, chunk by chunk: no full copy on the host first."""
+    ckpt = open_run_checkpoint(src)
+    model = build_meta_model(ckpt.args)
+    model.to_empty(device=device)
+    model.init_weights()  # the RoPE buffers (not saved); every saved tensor is read over its values
+    _dcp_load({"model": ModelState([model])}, ckpt.reader)
+    return model, ckpt.cfg, ckpt.tokenizer, ckpt.path

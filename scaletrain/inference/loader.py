@@ -60,8 +60,10 @@ def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cp
         raise UserError(
             f"{path} does not exist; give a run directory or a Hugging Face Llama or Mixtral directory"
         )
+    target = resolve_device(device)  # checked before anything is read
     if is_checkpoint_dir(path) or (path / CONFIG).is_file():
-        model, cfg, tok, ckpt = load_run_model(path)
+        # Materialised on the device and read into there: no full copy on the host first.
+        model, cfg, tok, ckpt = load_run_model(path, target)
         loaded = LoadedModel(model, tok, model.args, str(ckpt), cfg.data.document_mask)
     elif (path / "config.json").is_file():
         loaded = _load_hf(path)
@@ -83,7 +85,7 @@ def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cp
             "pass the --tokenizer the model was trained with"
         )
     _plain_attention(loaded.model)
-    loaded.model.to(resolve_device(device)).eval()
+    loaded.model.to(target).eval()  # an HF directory's model, loaded on the host
     return loaded
 
 

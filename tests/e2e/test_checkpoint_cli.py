@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from scaletrain.checkpoint.hf import INDEX_FILE, hf_tensor_files
 from scaletrain.checkpoint.run_model import load_run_model
 from tests.helpers import ROOT, per_step, read_jsonl, run_cli, train_args, train_cli
 
@@ -81,19 +82,47 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert start["resumed"] and start["step"] == pre[0]["step"]
 
 
-def test_hugging_face_export_and_import_give_the_same_logits(tmp_path):
+@pytest.mark.parametrize(
+    ("dtype", "max_shard_size"),
+    [("fp32", None), ("bf16", "100KB")],
+    ids=["fp32-one-file", "bf16-sharded"],
+)
+def test_hugging_face_export_and_import_give_the_same_logits(tmp_path, dtype, max_shard_size):
     transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
     run = tmp_path / "run"
     train_cli(run, steps=3, training__eval_interval=0)
     out = tmp_path / "hf"
-    proc = run_cli("convert", "--to", "hf", str(run), str(out))
+    flags = ["--dtype", dtype] + (["--max-shard-size", max_shard_size] if max_shard_size else [])
+    proc = run_cli("convert", "--to", "hf", str(run), str(out), *flags)
     assert "logits match" in proc.stdout
+    files = sorted(out.glob("*.safetensors"))
+    if (
+        max_shard_size is None
+    ):  # the default 5 GB: one file, no index, as save_pretrained writes a small model
+        assert [f.name for f in files] == ["model.safetensors"] and not (out / INDEX_FILE).exists()
+    else:
+        # Files of at most 100 KB (a tensor larger than the cap would have one of its own; none is here) and the
+        # index naming, for every tensor, the file that holds it.
+        assert len(files) > 5 and all(f.stat().st_size <= 100_000 + 4096 for f in files)
+        assert {n: f.name for n, f in hf_tensor_files(out).items()} == json.loads(
+            (out / INDEX_FILE).read_text()
+        )["weight_map"]
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            assert {st.get_slice(n).get_dtype() for n in st.keys()} == {"F32" if dtype == "fp32" else "BF16"}  # noqa: SIM118
     model = load_run_model(run)[0].eval()
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    if dtype == "bf16":  # what the export holds: our weights rounded to bf16
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     x = torch.randint(0, model.args.vocab_size, (2, 32))
     with torch.no_grad():
         assert (hf(x).logits - model(x)).abs().max() <= 1e-5
-    # Import: a config that starts training from those weights; step-0 weights equal the export.
+    # Import: a config that starts training from those weights (read through the index); step-0 weights equal
+    # the export.
     cfg = tmp_path / "from_hf.toml"
     run_cli("convert", "--from", "hf", str(out), "--out", str(cfg))
     run2 = tmp_path / "run2"
