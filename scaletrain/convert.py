@@ -106,7 +106,7 @@ def to_hf(src: Path, out: Path, dtype: str = "fp32", max_shard_bytes: int = SHAR
         )
     files = len(list(out.glob("*.safetensors")))
     checked = _check_export(src, out, ckpt.args, sum(math.prod(s) for s in shapes.values()), dtype)
-    return f"exported {ckpt.path} to {out} ({files} safetensors file(s), {dtype}); {checked}"
+    return f"exported {ckpt.path} to {out}; {files} safetensors file(s) in {dtype}; {checked}"
 
 
 def _check_export(src: Path, out: Path, args: ModelArgs, n_params: int, dtype: str) -> str:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.checkpoint.hf import args_from_hf_config, hf_dir_problems, load_hf_weights
+from scaletrain.checkpoint.hf import args_from_hf_config, hf_dir_problems
+from scaletrain.checkpoint.hf_sharded import load_hf_sharded
 from scaletrain.checkpoint.run_model import is_checkpoint_dir, load_run_model
 from scaletrain.data import Tokenizer, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
@@ -66,7 +67,7 @@ def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cp
         model, cfg, tok, ckpt = load_run_model(path, target)
         loaded = LoadedModel(model, tok, model.args, str(ckpt), cfg.data.document_mask)
     elif (path / "config.json").is_file():
-        loaded = _load_hf(path)
+        loaded = _load_hf(path, target)
     else:
         raise UserError(
             f"{path} is neither a run directory (it has no config.toml) nor a Hugging Face Llama or Mixtral directory (no "
@@ -85,11 +86,13 @@ def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cp
             "pass the --tokenizer the model was trained with"
         )
     _plain_attention(loaded.model)
-    loaded.model.to(target).eval()  # an HF directory's model, loaded on the host
+    loaded.model.eval()
     return loaded
 
 
-def _load_hf(path: Path) -> LoadedModel:
+def _load_hf(path: Path, device: torch.device) -> LoadedModel:
+    """The model materialised on `device`, each tensor read from the safetensors files into its parameter one at a
+    time (load_hf_sharded on a whole model): no full copy of the weights beside the model."""
     problems = hf_dir_problems(path)
     if problems:
         raise ConfigError(problems)
@@ -97,9 +100,9 @@ def _load_hf(path: Path) -> LoadedModel:
     context = int(cfg.get("max_position_embeddings") or _HF_DEFAULT_CONTEXT)
     args = ModelArgs(**args_from_hf_config(cfg), max_seq_len=context)
     model = build_meta_model(args)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    load_hf_weights(model, path)
+    model.to_empty(device=device)
+    model.init_weights()  # the RoPE buffers; every weight is read over
+    load_hf_sharded([model], path, args)
     tok_file = path / "tokenizer.json"
     tok = load_tokenizer(str(tok_file)) if tok_file.is_file() else None
     return LoadedModel(model, tok, args, str(path))  # type: ignore[arg-type]  # None: load_model asks for one
