@@ -4,6 +4,7 @@ reshards whatever parallel layout saved it) with the run's config and tokenizer:
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import warnings
@@ -14,7 +15,7 @@ import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from scaletrain.checkpoint.integrity import COMMIT, newest_intact, step_path, verify
 from scaletrain.checkpoint.safe_load import make_reader
@@ -68,12 +69,16 @@ class RunCheckpoint:
     args: ModelArgs
     reader: FileSystemReader
 
+    @functools.cached_property
+    def metadata(self) -> Metadata:
+        return self.reader.read_metadata()
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Our model's tensors in its state-dict order, with their shapes (from the checkpoint's metadata); a
         UserError when the checkpoint and the config's model disagree."""
         saved = {
             k.removeprefix("model."): tuple(m.size)
-            for k, m in self.reader.read_metadata().state_dict_metadata.items()
+            for k, m in self.metadata.state_dict_metadata.items()
             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
         }
         ours = {k: tuple(v.shape) for k, v in build_meta_model(self.args).state_dict().items()}
@@ -87,7 +92,7 @@ class RunCheckpoint:
 
     def read(self, name: str) -> torch.Tensor:
         """One model tensor, whole, on CPU in the dtype it was saved in, whatever layout saved it."""
-        meta = self.reader.read_metadata().state_dict_metadata[f"model.{name}"]
+        meta = self.metadata.state_dict_metadata[f"model.{name}"]
         value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         _dcp_load({"model": {name: value}}, self.reader)
         return value
