@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from scaletrain.models.llama import ModelArgs
 from scaletrain.models.presets import build_meta_model
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,9 @@ def is_meta(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
-def init_walk(args, seed: int, device: torch.device, keep: Callable[[str, torch.Tensor], None]) -> int:
+def init_walk(
+    args: ModelArgs, seed: int, device: torch.device, keep: Callable[[str, torch.Tensor], None]
+) -> int:
     """Generate every parameter of the whole model whole on `device`, in init order from `seed`, hand each to
     `keep(name, whole)` and free it before the next; returns the largest parameter's bytes. The RNG is left where
     the single-process init leaves it."""
@@ -82,8 +85,7 @@ def materialize(
     def keep(name: str, whole: torch.Tensor) -> None:
         param = own.get(name)
         if param is not None:
-            target = param.to_local() if isinstance(param, DTensor) else param
-            target.copy_(local_piece(param, whole))
+            _local(param).copy_(local_piece(param, whole))
             seen.add(name)
 
     largest = init_walk(args, seed, device, keep)
