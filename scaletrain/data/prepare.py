@@ -463,7 +463,8 @@ def prepare_data(
         if hit:
             left_out = Skipped(**index.get("skipped", {}))
             note = f" ({left_out.counts()} that are not UTF-8 text were left out)" if left_out else ""
-            log(f"data: {name}: cache hit, {index['num_tokens']:,} tokens in {target}{note}")
+            where = f"indexed in {target}, read in place" if index.get("in_place") else f"in {target}"
+            log(f"data: {name}: cache hit, {index['num_tokens']:,} tokens {where}{note}")
         elif index.get("in_place"):
             log(
                 f"data: {name}: indexed {index['num_tokens']:,} tokens in {len(files)} token file(s), read in "
