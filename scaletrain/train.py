@@ -17,12 +17,12 @@ import torch
 
 from scaletrain import metrics
 from scaletrain.checkpoint import CheckpointManager, LoaderState, ModelState, TrainState, build_checkpointing
-from scaletrain.checkpoint.hf import load_hf_weights
+from scaletrain.checkpoint.hf_sharded import load_hf_sharded
 from scaletrain.config import Config, MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.config_io import to_dict
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
 from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
-from scaletrain.models import Transformer, build_meta_model, build_model, count_parameters, resolve_model_args
+from scaletrain.models import Transformer, build_meta_model, count_parameters, resolve_model_args
 from scaletrain.optim import Optimizers, RoutingBias, optimizer_builder
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.layout import Layout
@@ -191,13 +191,11 @@ def build(cfg: Config) -> Job:
                                         cfg.training.seed, log.info))  # fmt: skip
 
     # -- Model: built on meta and parallelised there; each rank then materialises only its share, with the
-    # single-process values for the seed (parallel/materialize.py). An HF import still loads the whole model first.
+    # single-process values for the seed (parallel/materialize.py). An HF import then overwrites each rank's share
+    # with the rows it holds, read from the safetensors files (checkpoint/hf_sharded.py): no rank loads the whole.
     args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
     init_seed: int | None = cfg.training.seed
     model = build_meta_model(args)
-    if cfg.model.init_from.startswith("hf:"):
-        model, init_seed = build_model(args, cfg.training.seed, env.device), None
-        load_hf_weights(model, Path(cfg.model.init_from[3:]))
     n_params = count_parameters(model)
     precision = resolve_precision(cfg.precision, layout.fsdp, env.device)
     eod = tokenizer.eod_id if cfg.data.document_mask else None  # masks attention at document ends
@@ -206,6 +204,8 @@ def build(cfg: Config) -> Job:
                                         eod=eod, routing_bias_rate=cfg.moe.bias_update_rate,
                                         init_seed=init_seed)  # fmt: skip
     del model
+    if cfg.model.init_from.startswith("hf:"):
+        load_hf_sharded(pm.parts, Path(cfg.model.init_from[3:]), args)
     dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: the loss averaged for spikes
 
     # -- What resumes: one dict of Stateful objects, saved and restored by the checkpoint tiers and rollbacks.
