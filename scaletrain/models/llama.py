@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.models.attention import AttentionKernel, attention_masks, document_positions
+from scaletrain.models.init import trunc_normal
 from scaletrain.models.moe import MoE, is_moe_layer, moe_init_plan
 
 if TYPE_CHECKING:
@@ -285,9 +286,9 @@ class Transformer(nn.Module):
                 "attention.wv",
                 *(() if moe else ("feed_forward.w1", "feed_forward.w3")),
             ]
-            plan += [(f"{p}{n}.weight", _trunc_normal(std)) for n in names]
+            plan += [(f"{p}{n}.weight", trunc_normal(std)) for n in names]
             names = ["attention.wo", *(() if moe else ("feed_forward.w2",))]
-            plan += [(f"{p}{n}.weight", _trunc_normal(depth_std)) for n in names]
+            plan += [(f"{p}{n}.weight", trunc_normal(depth_std)) for n in names]
             if moe:
                 hidden = (args.moe_hidden or args.ffn_hidden) * args.shared_experts
                 plan += [
@@ -296,12 +297,8 @@ class Transformer(nn.Module):
             plan += [(f"{p}attention_norm.weight", nn.init.ones_), (f"{p}ffn_norm.weight", nn.init.ones_)]
         plan.append(("norm.weight", nn.init.ones_))
         if not args.tie_embeddings:
-            plan.append(("output.weight", _trunc_normal(args.dim**-0.5)))
+            plan.append(("output.weight", trunc_normal(args.dim**-0.5)))
         return plan
-
-
-def _trunc_normal(std: float) -> Callable[[torch.Tensor], None]:
-    return partial(nn.init.trunc_normal_, std=std, a=-3 * std, b=3 * std)
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.init import trunc_normal
+
 log = logging.getLogger(__name__)
 
 
@@ -208,13 +210,14 @@ def moe_init_plan(
     """(name under the MoE block, in-place init on the whole tensor) in RNG order: the experts like the dense SwiGLU
     (w2 depth-scaled), the shared experts alike, then the router gate N(0, std). Part of Transformer.init_plan."""
 
-    def trunc(s: float) -> Callable[[torch.Tensor], None]:
-        return partial(nn.init.trunc_normal_, std=s, a=-3 * s, b=3 * s)
-
-    plan = [("experts.w1", trunc(std)), ("experts.w3", trunc(std)), ("experts.w2", trunc(out_std))]
+    plan = [
+        ("experts.w1", trunc_normal(std)),
+        ("experts.w3", trunc_normal(std)),
+        ("experts.w2", trunc_normal(out_std)),
+    ]
     if shared:
-        plan += [("shared.w1.weight", trunc(std)), ("shared.w3.weight", trunc(std))]
-        plan += [("shared.w2.weight", trunc(out_std))]
+        plan += [("shared.w1.weight", trunc_normal(std)), ("shared.w3.weight", trunc_normal(std))]
+        plan += [("shared.w2.weight", trunc_normal(out_std))]
     return plan + [("router.gate.weight", partial(nn.init.normal_, std=std))]
 
 

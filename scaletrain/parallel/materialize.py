@@ -6,7 +6,8 @@ How (docs/parallelism.md, "How a run starts"): the whole model's `init_plan` is 
 on the run's device, one at a time, this rank keeps its piece (a DTensor's local chunk for its placements; a
 pipeline stage only its own layers, still drawing the others' numbers so the sequence stays the single process's)
 and the whole tensor is freed. The values are bit-identical by construction; the peak is the rank's share plus the
-largest single parameter (times WHOLE_PARAM_COPIES: the sampler's temporaries). The cost: every rank draws every parameter's numbers (time O(model), not O(share)).
+largest single parameter (times models.init.WHOLE_PARAM_COPIES: the truncated normal's candidate). The cost:
+every rank draws every parameter's numbers (time O(model), not O(share)).
 """
 
 from __future__ import annotations
@@ -22,11 +23,6 @@ from scaletrain.models.llama import ModelArgs
 from scaletrain.models.presets import build_meta_model
 
 log = logging.getLogger(__name__)
-
-# Drawing one parameter whole holds up to this many copies of it at once: torch 2.13's `nn.init.trunc_normal_` is a
-# rejection sampler (the tensor, a candidate tensor, torch.where's result and three boolean masks), measured at
-# 4.4x on CPU (tests/distributed/test_init_peak.py). The single-process init pays the same on top of the whole model.
-WHOLE_PARAM_COPIES = 4.5
 
 
 def is_meta(module: nn.Module) -> bool:

@@ -8,9 +8,9 @@ import math
 
 from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.errors import ConfigError
+from scaletrain.models.init import WHOLE_PARAM_COPIES
 from scaletrain.models.llama import ModelArgs
 from scaletrain.parallel.layout import Layout, resolve_microbatches
-from scaletrain.parallel.materialize import WHOLE_PARAM_COPIES
 from scaletrain.parallel.pipeline import (
     layers_per_stage,
     placement_style,

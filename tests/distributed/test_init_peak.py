@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.config import ParallelConfig
 from scaletrain.models import ModelArgs, build_meta_model, build_model
-from scaletrain.parallel.materialize import WHOLE_PARAM_COPIES
+from scaletrain.models.init import WHOLE_PARAM_COPIES
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from tests.distributed.reference import unwrap

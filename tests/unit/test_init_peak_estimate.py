@@ -6,12 +6,11 @@ from __future__ import annotations
 import functools
 
 import pytest
-from torch import nn
 
 from scaletrain.config import MemoryConfig, ModelConfig, ParallelConfig, TrainingConfig
+from scaletrain.models.init import WHOLE_PARAM_COPIES, trunc_normal_
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.presets import build_meta_model, resolve_model_args
-from scaletrain.parallel.materialize import WHOLE_PARAM_COPIES
 from scaletrain.planner.memory import PARTS, GiB, init_draw_bytes, memory_problem, per_rank_bytes
 
 T = TrainingConfig(micro_batch=1)
@@ -26,7 +25,7 @@ def drawn_from_the_plan(args: ModelArgs) -> float:
     for name, init in model.init_plan():
         copies = (
             WHOLE_PARAM_COPIES
-            if isinstance(init, functools.partial) and init.func is nn.init.trunc_normal_
+            if isinstance(init, functools.partial) and init.func is trunc_normal_
             else 1
         )
         out = max(out, copies * params[name].nbytes)
