@@ -178,6 +178,22 @@ class OptimizerConfig:
     """wsd only: fraction of steps spent in the final decay."""
     implementation: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
     """AdamW kernel; auto picks fused on CUDA and foreach elsewhere."""
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW for every parameter. muon: Muon (momentum orthogonalised by Newton-Schulz) for the hidden
+    matrices and MoE experts (per expert), AdamW with lr and weight_decay for embeddings, output, norms, biases."""
+    muon_lr: float | None = None
+    """muon only: peak lr of the Muon matrices (scheduled like lr); unset: lr (the update RMS matches AdamW's)."""
+    muon_weight_decay: float | None = None
+    """muon only: decoupled weight decay of the Muon matrices; unset: weight_decay."""
+    muon_momentum: float = 0.95
+    """muon only: momentum of the gradient buffer that is orthogonalised."""
+    muon_nesterov: bool = True
+    """muon only: orthogonalise the Nesterov look-ahead (gradient + momentum x buffer) instead of the buffer."""
+    muon_ns_steps: int = 5
+    """muon only: Newton-Schulz iterations (quintic, Jordan's coefficients); 5 gives singular values in ~[0.7, 1.2]."""
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """muon only: update scale; match_rms_adamw multiplies by 0.2 sqrt(max(A, B)) (Moonlight, so AdamW's lr
+    transfers), original by sqrt(max(1, A/B)) (Jordan)."""
 
 
 @dataclass

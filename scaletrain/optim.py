@@ -24,14 +24,19 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletrain.config import OptimizerConfig
 from scaletrain.models.moe import MoE
+from scaletrain.muon import MUON_KEYS, Muon, hidden_matrices
 
 log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
-    """Norm weights and biases (1-D tensors) get no weight decay: shrinking them only fights the normalisation."""
+    """Norm weights and biases (1-D tensors) get no weight decay: shrinking them only fights the normalisation.
+    optimizer.name muon: the hidden matrices (muon.hidden_matrices) form a Muon group with their own lr and decay,
+    the rest stays on AdamW as above, in one `Muon` optimizer (an AdamW that also steps its Muon group)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
+    hidden = hidden_matrices(model) if cfg.name == "muon" else []
+    on_muon = {id(p) for p in hidden}
+    decay = [p for p in params if p.ndim >= 2 and id(p) not in on_muon]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [
         {"params": part, "weight_decay": wd}
@@ -42,7 +47,22 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"}
+    if cfg.name == "muon":
+        return _build_muon(groups, hidden, cfg, kwargs)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def _build_muon(groups: list[dict], hidden: list[nn.Parameter], cfg: OptimizerConfig, kwargs: dict) -> Muon:
+    """AdamW's groups first (Optimizers.lr reports the first group's lr: optimizer.lr's schedule), then one Muon
+    group (no foreach kernel: each matrix is orthogonalised on its own)."""
+    groups = [g for g in groups if g["params"]]
+    muon_wd = cfg.weight_decay if cfg.muon_weight_decay is None else cfg.muon_weight_decay
+    if hidden:
+        muon_lr = cfg.lr if cfg.muon_lr is None else cfg.muon_lr
+        groups.append({"params": hidden, "muon": True, "lr": muon_lr, "weight_decay": muon_wd})
+    return Muon(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, momentum=cfg.muon_momentum,
+                nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps, adjust_lr=cfg.muon_adjust_lr,
+                **kwargs)  # fmt: skip
 
 
 def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -65,12 +85,20 @@ def build_zero1_optimizer(
     tensors), so ZeRO-1 trains exactly what the unsharded optimizer trains. ZeroRedundancyOptimizer accepts param
     groups: it partitions each group's parameters greedily by size (the running per-rank total carries across
     groups) and gives every rank's local AdamW the same groups, some possibly empty. Not supported with groups:
-    `overlap_with_ddp` and a hand-made `params_per_rank`, neither used here."""
+    `overlap_with_ddp` and a hand-made `params_per_rank`, neither used here. Muon (optimizer.name) is sharded the
+    same way: its parameters are whole on every rank, so each rank's share is orthogonalised locally and the
+    Newton-Schulz work is spread over the ranks by ZeRO's partition."""
     reference = build_optimizer(model, opt_cfg, device)  # allocates no state until its first step
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in reference.param_groups]
-    accepted = inspect.signature(torch.optim.AdamW).parameters
+    # A Muon group keeps its own keys (lr among them); each rank orthogonalises the whole matrices of its share.
+    groups = [
+        {"params": g["params"], "weight_decay": g["weight_decay"]}
+        | ({k: g[k] for k in MUON_KEYS} if g.get("muon") else {})
+        for g in reference.param_groups
+    ]
+    cls = type(reference)
+    accepted = inspect.signature(cls).parameters
     defaults = {k: v for k, v in reference.defaults.items() if k in accepted and k != "weight_decay"}
-    opt = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=dp_mesh.get_group(), **defaults)
+    opt = ZeroRedundancyOptimizer(groups, cls, process_group=dp_mesh.get_group(), **defaults)
     local = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
     total = sum(p.numel() for g in groups for p in g["params"])
     log.info(

@@ -452,6 +452,14 @@ def _optimizer(o: OptimizerConfig) -> list[str]:
         problems.append(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     if not 0 < o.decay_fraction <= 1:
         problems.append(f"optimizer.decay_fraction must be in (0, 1], got {o.decay_fraction}")
+    if o.muon_lr is not None and o.muon_lr <= 0:
+        problems.append(f"optimizer.muon_lr must be > 0 (or unset: optimizer.lr), got {o.muon_lr}")
+    if o.muon_weight_decay is not None and o.muon_weight_decay < 0:
+        problems.append(f"optimizer.muon_weight_decay must be >= 0, got {o.muon_weight_decay}")
+    if not 0 <= o.muon_momentum < 1:
+        problems.append(f"optimizer.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    if not 1 <= o.muon_ns_steps < 100:
+        problems.append(f"optimizer.muon_ns_steps must be in [1, 99], got {o.muon_ns_steps}")
     return problems
 
 
