@@ -156,6 +156,9 @@ class TrainingConfig:
     compile: bool = False
     """torch.compile each transformer block (in place: parameter names unchanged); the first step's compile time is
     reported apart from throughput."""
+    batch_ramp: str = ""
+    """"start:steps": grow the global batch from start sequences to global_batch over the first steps steps
+    (linear, in multiples of start); the learning-rate schedule counts tokens. Empty: off."""
 
 
 @dataclass
@@ -454,6 +457,27 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+
+def parse_batch_ramp(spec: str) -> tuple[int, int]:
+    """(start sequences, ramp steps) of a `training.batch_ramp` string "start:steps"; ValueError saying what is
+    wrong otherwise. (The checks against the batch and the layout are in data/ramp.py's ramp_problems.)"""
+    parts = spec.split(":")
+    try:
+        start, steps = (int(p) for p in parts) if len(parts) == 2 else (None, None)
+    except ValueError:
+        start = steps = None
+    if start is None or steps is None:
+        raise ValueError(
+            f"training.batch_ramp '{spec}' is not of the form 'start:steps' (two whole numbers, e.g. '8:100': "
+            "8 sequences at the first step, the full training.global_batch after 100 steps); leave it empty for none"
+        )
+    if start < 1 or steps < 1:
+        raise ValueError(
+            f"training.batch_ramp '{spec}': start and steps must both be >= 1 (start: the first step's global "
+            "batch in sequences; steps: the ramp's length); leave it empty for no ramp"
+        )
+    return start, steps
 
 
 # Keys that moved, old dotted name -> new: a run saved before the move resumes with its values under the new names

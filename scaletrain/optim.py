@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletrain.config import OptimizerConfig
+from scaletrain.data.ramp import BatchRamp
 from scaletrain.models.moe import MoE
 from scaletrain.muon import MUON_KEYS, Muon, hidden_matrices
 
@@ -119,10 +120,13 @@ def optimizer_builder(
     return lambda part: build_optimizer(part, opt_cfg, device)
 
 
-def lr_factor(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
-    """Multiplier of the peak lr for the update with index `step` (0-based)."""
+def lr_factor(step: float, cfg: OptimizerConfig, total_steps: float) -> float:
+    """Multiplier of the peak lr for the update with index `step` (0-based; under a batch ramp a fractional
+    position in full global batches, and `total_steps` the schedule's length in them)."""
     if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+        # min: a ramp's fractional position just below warmup_steps would otherwise overshoot the peak (an integer
+        # step never does, and min leaves its value as it was).
+        return min(1.0, (step + 1) / cfg.warmup_steps)
     floor = cfg.min_lr_ratio
     if cfg.schedule == "constant":
         return 1.0
@@ -139,9 +143,20 @@ def lr_factor(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int):
-    """A LambdaLR: Stateful (its step count is saved), the shape itself comes from the config."""
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg, total_steps))
+def build_lr_scheduler(
+    opt: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int, ramp: BatchRamp | None = None
+):
+    """A LambdaLR: Stateful (its step count is saved), the shape itself comes from the config.
+
+    Under a batch ramp the schedule counts tokens: its position is the sequences consumed before the update, in
+    full global batches (ramp.schedule_position), and its length what the run's steps consume. The ramp is a
+    function of the step, so the saved step count still places a resumed (or rolled back) schedule exactly."""
+    if ramp is None or not ramp.on:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg, total_steps))
+    length = ramp.schedule_length(total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: lr_factor(ramp.schedule_position(step), cfg, length)
+    )
 
 
 class RoutingBias:
@@ -202,10 +217,11 @@ class Optimizers(Stateful):
         cfg: OptimizerConfig,
         total_steps: int,
         routing_bias: RoutingBias | None = None,
+        ramp: BatchRamp | None = None,
     ) -> None:
         self.parts = parts
         self.optimizers = [build(part) for part in parts]
-        self.schedulers = [build_lr_scheduler(o, cfg, total_steps) for o in self.optimizers]
+        self.schedulers = [build_lr_scheduler(o, cfg, total_steps, ramp) for o in self.optimizers]
         self.routing_bias = routing_bias
 
     @property

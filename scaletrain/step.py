@@ -56,7 +56,8 @@ class StepRunner:
         """Mean loss over this rank's share of the global batch, gradients accumulated into .grad.
 
         Each micro-batch loss is divided by the number of micro-batches, so the summed gradient is the mean over
-        the rank's sequences; data parallelism then averages over ranks: the mean over the global batch."""
+        the rank's sequences; data parallelism then averages over ranks: the mean over the global batch. The count
+        is this step's (a batch ramp's early steps have fewer), so a smaller step is the mean over its own tokens."""
         self.comm.step_started()
         inputs, targets, positions = self._shard(inputs, targets)
         if self.pipeline is not None:

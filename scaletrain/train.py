@@ -21,6 +21,7 @@ from scaletrain.checkpoint.hf_sharded import load_hf_sharded
 from scaletrain.config import Config, MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.config_io import to_dict
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
+from scaletrain.data.ramp import BatchRamp
 from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
 from scaletrain.models import Transformer, build_meta_model, count_parameters, resolve_model_args
 from scaletrain.optim import Optimizers, RoutingBias, optimizer_builder
@@ -57,7 +58,8 @@ def train(cfg: Config) -> dict:
                 step += 1
                 job.guard.step_start(step)
                 profiler.step_start(step)
-                inputs, targets = job.loader.next_batch()
+                sequences = job.batches.sequences(step)  # the global batch; smaller early under a batch ramp
+                inputs, targets = job.loader.next_batch(sequences)
                 lr = job.optimizers.lr
                 loss = job.runner.forward_backward(inputs.to(device), targets.to(device))
                 grad_norm = job.runner.clip()
@@ -73,8 +75,8 @@ def train(cfg: Config) -> dict:
                     step = back
                     job.meter.reset()
                     continue
-                job.train_state.step, job.train_state.tokens = step, step * job.tokens_per_step
-                job.meter.step_done()
+                job.train_state.step, job.train_state.tokens = step, job.tokens(step)
+                job.meter.step_done(sequences * cfg.data.seq_len)
                 if step % cfg.metrics.log_interval == 0 or step == end or _is_eval_step(step, t):
                     last = _log(job, step, loss, grad_norm, lr)
                 progress.update(step, last.get("loss", math.nan), last.get("tokens_per_s", 0.0), lr,
@@ -119,10 +121,14 @@ class Job:
     preemption: Preemption
     limits: JobLimits
     meter: StepMeter
-    tokens_per_step: int
+    batches: BatchRamp  # the global batch of each step: training.global_batch, or the batch ramp's
     info: dict  # what the start event says of the setup
     moe: MoEMonitor  # MoE: expert load, moe_* metrics (inert for a dense model); the bias update is in optimizers
     evals: dict[int, float] = field(default_factory=dict)
+
+    def tokens(self, step: int) -> int:
+        """Tokens trained by steps 1..step."""
+        return self.batches.consumed(step) * self.cfg.data.seq_len
 
     def resume(self) -> int:
         """Load the newest complete copy across both tiers (if any) and say where the run starts."""
@@ -156,17 +162,19 @@ def build_core(
     eod: int | None = None,
     routing_bias_rate: float = 0.0,
     init_seed: int | None = None,
+    ramp: BatchRamp | None = None,
 ) -> tuple[ParallelModel, Optimizers, StepRunner]:
     """The model (consumed) parallelised, its optimizers and the step runner, as every run assembles them: train.build
     and the tests that train a layout call this, so that what they check is what runs. `precision` None: fp32.
-    `init_seed`: `model` is on meta and each rank materialises only its share (parallelize); None: materialised."""
+    `init_seed`: `model` is on meta and each rank materialises only its share (parallelize); None: materialised.
+    `ramp`: training.batch_ramp's batches, which the LR schedule then counts in tokens; None: no ramp."""
     n_experts = model.args.n_experts
     pm = parallelize(model, dims, parallel, device=device, n_microbatches=n_microbatches, memory=memory,
                      compile=training.compile, precision=precision, init_seed=init_seed)  # fmt: skip
     dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, MoE load summed
     make_optimizer = optimizer_builder(optimizer, parallel.data_parallel, dp_cp, device)
     bias = RoutingBias.for_model(pm.parts, n_experts, routing_bias_rate, dp_cp)  # MoE balancing
-    optimizers = Optimizers(pm.parts, make_optimizer, optimizer, training.steps, bias)
+    optimizers = Optimizers(pm.parts, make_optimizer, optimizer, training.steps, bias, ramp)
     runner = build_step_runner(pm, dims, parallel, training, device, eod, precision)
     return pm, optimizers, runner
 
@@ -187,6 +195,7 @@ def build(cfg: Config) -> Job:
     # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     global_batch = layout.global_batch
+    batches = BatchRamp.of(cfg.training.batch_ramp, global_batch)  # each step's global batch (validated)
     loader = first(lambda: build_loader(cfg.data, tokenizer, global_batch, dims.dp_rank, layout.dp_size,
                                         cfg.training.seed, log.info))  # fmt: skip
 
@@ -202,7 +211,7 @@ def build(cfg: Config) -> Job:
     pm, optimizers, runner = build_core(model, dims, cfg.parallel, cfg.training, cfg.optimizer, device=env.device,
                                         n_microbatches=layout.microbatches, memory=cfg.memory, precision=precision,
                                         eod=eod, routing_bias_rate=cfg.moe.bias_update_rate,
-                                        init_seed=init_seed)  # fmt: skip
+                                        init_seed=init_seed, ramp=batches)  # fmt: skip
     del model
     if cfg.model.init_from.startswith("hf:"):
         load_hf_sharded(pm.parts, Path(cfg.model.init_from[3:]), args)
@@ -243,7 +252,11 @@ def build(cfg: Config) -> Job:
                 parameters=n_params["total"], peak_flops_source=peak_source)  # fmt: skip
     parts = (cfg, env, dims, run, writer, loader, runner, optimizers, train_state, ckpt, guard)
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)
-    return Job(*parts, Preemption(dims.control), limits, meter, tokens_per_step, info, moe)
+    if batches.on:
+        info["batch_ramp"] = cfg.training.batch_ramp
+        log.info("batch ramp: %d sequences at step 1, growing in steps of %d to %d from step %d; the learning-rate "
+                 "schedule counts tokens", batches.start, batches.start, global_batch, batches.steps + 1)  # fmt: skip
+    return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe)
 
 
 def _is_eval_step(step: int, t: TrainingConfig) -> bool:
@@ -256,7 +269,7 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
         "loss": all_reduce_mean(loss, job.dims.submesh("dp_cp")).item(),
         "lr": lr,
         "grad_norm": grad_norm.item(),
-        "tokens": step * job.tokens_per_step,
+        "tokens": job.tokens(step),
         **job.meter.read(),
         **job.runner.comm.read(),  # comm_bytes: what this rank's data-parallel collectives sent per step
         **job.runner.scale_metrics(),  # fp16: loss_scale, overflow_skipped
@@ -278,7 +291,7 @@ def _finish(job: Job, step: int, last: dict, wall: float, stopped: str | None) -
         evals = {**metrics.recorded_evals(job.run.read_events()), **job.evals}
         last = last or metrics.record_at(job.run.read_metrics(), step)
         goodput = final_goodput(job.run.path)
-    summary = metrics.run_summary(step, step * job.tokens_per_step, last, evals, goodput=goodput, wall_s=wall,
+    summary = metrics.run_summary(step, job.tokens(step), last, evals, goodput=goodput, wall_s=wall,
                                   world_size=job.env.world_size)  # fmt: skip
     job.writer.event("end", step=step, stopped=stopped, **summary)
     job.writer.close()

@@ -228,11 +228,17 @@ class DataLoader:
         self.local_batch = global_batch // dp_size
         self.next_sample = 0
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each int64 [global_batch // dp_size, seq_len]; advances by one global batch."""
-        first = self.next_sample + self.dp_rank * self.local_batch
-        batch = _to_batch([self.mixture.sample(g) for g in range(first, first + self.local_batch)])
-        self.next_sample += self.global_batch
+    def next_batch(self, sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each int64 [sequences // dp_size, seq_len]; advances by `sequences` (default: one
+        global batch). A batch ramp's smaller steps take the next samples of the same global stream, so the stream
+        is read in order, once, whatever the batch of each step and the number of ranks."""
+        n = self.global_batch if sequences is None else sequences
+        if n <= 0 or n % self.dp_size:
+            raise ValueError(f"a step's batch of {n} sequences does not split over {self.dp_size} ranks")
+        local = n // self.dp_size
+        first = self.next_sample + self.dp_rank * local
+        batch = _to_batch([self.mixture.sample(g) for g in range(first, first + local)])
+        self.next_sample += n
         return batch
 
     def val_batches(self, n_sequences: int, micro_batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -16,8 +16,10 @@ log = logging.getLogger("scaletrain")
 
 
 class StepMeter:
-    """Counts steps since the last `read()`; `read()` turns the window into tokens/s, MFU, step time and peak memory,
-    then starts the next window. Logging itself costs in the next window: tokens/s stays wall-clock honest."""
+    """Counts steps and their tokens since the last `read()`; `read()` turns the window into tokens/s, MFU, step
+    time and peak memory, then starts the next window. Logging itself costs in the next window: tokens/s stays
+    wall-clock honest. A step's tokens are its own (`step_done(tokens)`: a batch ramp's early steps are smaller),
+    `tokens_per_step` otherwise."""
 
     def __init__(
         self,
@@ -42,22 +44,24 @@ class StepMeter:
     def reset(self) -> None:
         """Start a new window now (also after a rollback: the steps replayed are not throughput)."""
         self.t0 = time.perf_counter()
-        self.steps = 0
+        self.steps = self.tokens = 0
         self.excluded = 0.0
 
     def exclude(self, seconds: float) -> None:
         """Time inside the window that is not training (a checkpoint stall, an evaluation)."""
         self.excluded += seconds
 
-    def step_done(self) -> None:
+    def step_done(self, tokens: int | None = None) -> None:
         self.steps += 1
+        self.tokens += self.tokens_per_step if tokens is None else tokens
         if self.warmup_left:
             # torch.compile compiles during the first step: its time is reported as compile_s, not throughput.
             self.warmup_left -= 1
             now = time.perf_counter()
             self.compile_s = now - self.t0 - self.excluded
             log.info("torch.compile: the first step took %.1f s, not counted in tokens/s", self.compile_s)
-            self.t0, self.steps, self.excluded = now, 0, 0.0
+            self.compile_tokens = self.tokens
+            self.t0, self.steps, self.tokens, self.excluded = now, 0, 0, 0.0
 
     def _check_peak(self, value: float) -> None:
         """An MFU above 100% means the peak it divides by is too low: say so once, with what to do, and hand the
@@ -82,11 +86,11 @@ class StepMeter:
         now = time.perf_counter()
         elapsed = max(now - self.t0 - self.excluded, 1e-9)
         steps = max(self.steps, 1)
-        tps = self.steps * self.tokens_per_step / elapsed
+        tps = self.tokens / elapsed
         extra = {} if self.compile_s is None else {"compile_s": self.compile_s}
         if self.steps == 0 and self.compile_s is not None:
             # A window of the compile step alone: its own figures, marked by compile_s.
-            elapsed, tps = self.compile_s, self.tokens_per_step / self.compile_s
+            elapsed, tps = self.compile_s, self.compile_tokens / self.compile_s
         self.compile_s = None
         utilisation = mfu(tps, self.flops_per_token, self.peak_flops_total)
         self._check_peak(utilisation)
@@ -99,5 +103,5 @@ class StepMeter:
             "step_time_s": elapsed / steps,
             **extra,
         }
-        self.t0, self.steps, self.excluded = now, 0, 0.0
+        self.t0, self.steps, self.tokens, self.excluded = now, 0, 0, 0.0
         return out

@@ -312,8 +312,8 @@ class _SpikeLoader:
     def __init__(self, loader: Any, injector: FaultInjector) -> None:
         self._loader, self._injector = loader, injector
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._injector.corrupt_batch(*self._loader.next_batch())
+    def next_batch(self, sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._injector.corrupt_batch(*self._loader.next_batch(sequences))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)

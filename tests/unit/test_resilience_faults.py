@@ -171,7 +171,7 @@ class _Loader:
     def __init__(self, x, y):
         self.batch = (x, y)
 
-    def next_batch(self):
+    def next_batch(self, sequences=None):
         return self.batch
 
     def state_dict(self):
