@@ -2,7 +2,10 @@
 meta -> parallelize -> materialise this rank's share) against the old path (build_model: the whole model on every
 rank, then parallelize), beside the memory check's estimate of the initialisation peak (issue 23).
 
-    python benchmarks/init_peak.py --nproc 4 --layers 28 --dim 1024 [--old]
+    python benchmarks/init_peak.py --nproc 4 --layers 28 --dim 1024 [--old] [--steps 2]
+
+With --steps N the ranks then train N AdamW steps on random tokens (one sequence of --seq per rank) and report each
+step's peak too, beside the memory check's estimate of a step (per_rank_bytes' total).
 
 Measured by the kernel: /proc/self/clear_refs resets VmHWM before the build, VmHWM is read after; glibc's mmap
 threshold is pinned so that freed tensors go back to the system. CPU, gloo, fsdp over all ranks."""
@@ -50,17 +53,32 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, q) -> Non
     before, t0 = _kib("VmRSS"), time.perf_counter()
     cpu = torch.device("cpu")
     if a.old:
-        parallelize(build_model(args, 0, cpu), dims, pcfg, device=cpu, n_microbatches=1)
+        model = parallelize(build_model(args, 0, cpu), dims, pcfg, device=cpu, n_microbatches=1).parts[0]
     else:
-        parallelize(build_meta_model(args), dims, pcfg, device=cpu, n_microbatches=1, init_seed=0)
-    q.put((rank, (_kib("VmHWM") - before) * 1024, _kib("VmHWM") * 1024, time.perf_counter() - t0))
+        model = parallelize(
+            build_meta_model(args), dims, pcfg, device=cpu, n_microbatches=1, init_seed=0
+        ).parts[0]
+    row = [rank, (_kib("VmHWM") - before) * 1024, _kib("VmHWM") * 1024, time.perf_counter() - t0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, args.vocab_size, (1, a.seq + 1), generator=torch.Generator().manual_seed(rank))
+    for _ in range(a.steps):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        row += [_kib("VmHWM") * 1024, time.perf_counter() - t0, loss.item()]
+    q.put(tuple(row))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def shape(a: argparse.Namespace) -> dict:
     return dict(dim=a.dim, n_layers=a.layers, n_heads=a.dim // 64, n_kv_heads=a.dim // 128,
-                ffn_hidden=a.ffn or int(2.75 * a.dim), vocab_size=a.vocab, max_seq_len=256)  # fmt: skip
+                ffn_hidden=a.ffn or int(2.75 * a.dim), vocab_size=a.vocab, max_seq_len=a.seq)  # fmt: skip
 
 
 def main() -> None:
@@ -70,13 +88,15 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--ffn", type=int, default=0)
     p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--steps", type=int, default=0, help="AdamW steps to train after the build")
+    p.add_argument("--seq", type=int, default=256)
     p.add_argument(
         "--old", action="store_true", help="today's path before issue 23: the whole model per rank"
     )
     a = p.parse_args()
     args = ModelArgs(**shape(a))
     full = sum(t.nbytes for t in build_meta_model(args).parameters())
-    est = per_rank_bytes(args, ParallelConfig(data_parallel="fsdp"), TrainingConfig(micro_batch=1), 256, a.nproc,
+    est = per_rank_bytes(args, ParallelConfig(data_parallel="fsdp"), TrainingConfig(micro_batch=1), a.seq, a.nproc,
                          overhead_bytes=CPU_OVERHEAD_BYTES)  # fmt: skip
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
@@ -90,8 +110,12 @@ def main() -> None:
     print(f"model {full / 4 / 1e9:.2f}B parameters, {full / GiB:.2f} GiB fp32; fsdp over {a.nproc} ranks; "
           f"{'old path (whole model per rank)' if a.old else 'sharded init'}")  # fmt: skip
     print(f"estimate: init {(est['init'] - CPU_OVERHEAD_BYTES) / GiB:.3f} GiB + overhead; step total {est['total'] / GiB:.3f} GiB")  # fmt: skip
-    for rank, grew, hwm, secs in rows:
-        print(f"rank {rank}: init grew {grew / GiB:.3f} GiB (peak RSS {hwm / GiB:.3f} GiB) in {secs:.1f} s")
+    for rank, grew, hwm, secs, *steps in rows:
+        line = f"rank {rank}: init grew {grew / GiB:.3f} GiB (peak RSS {hwm / GiB:.3f} GiB) in {secs:.1f} s"
+        for i in range(0, len(steps), 3):
+            peak, took, loss = steps[i : i + 3]
+            line += f"; step {i // 3 + 1}: peak RSS {peak / GiB:.3f} GiB, {took:.1f} s, loss {loss:.4f}"
+        print(line)
 
 
 if __name__ == "__main__":
