@@ -170,7 +170,7 @@ class Muon(torch.optim.AdamW):
         owner = _coordinate(turn % mesh.size(), tuple(mesh.shape))
         ortho = (
             newton_schulz(full, steps)
-            if mesh.get_coordinate() == owner
+            if list(mesh.get_coordinate()) == owner
             else torch.empty_like(full, dtype=torch.float32)
         )
         _broadcast(ortho, mesh, owner)

@@ -26,6 +26,7 @@ from scaletrain.config import OptimizerConfig
 from scaletrain.data.ramp import BatchRamp
 from scaletrain.models.moe import MoE
 from scaletrain.muon import MUON_KEYS, Muon, hidden_matrices
+from scaletrain.muon import MUON_KEYS, Muon, hidden_matrices
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def _set_state(part: nn.Module, opt: torch.optim.Optimizer, sd: dict) -> None:
+    """set_optimizer_state_dict around the param groups that hold no parameter: DCP (torch 2.13) names a flattened
+    group by its first parameter and fails on an empty one, and ZeRO-1 gives a rank an empty group when the group
+    has fewer parameters than there are ranks (Muon's AdamW matrices: only the embedding and the head). They keep
+    their place, so ZeRO-1 still pairs its groups with the local optimizer's by position."""
+    groups = opt.param_groups
+    opt.param_groups = [g for g in groups if g["params"]]
+    try:
+        set_optimizer_state_dict(part, opt, sd, options=_FLAT)
+        loaded = iter(opt.param_groups)
+        groups = [next(loaded) if g["params"] else g for g in groups]
+    finally:
+        opt.param_groups = groups
+
+
 class Optimizers(Stateful):
     """Every part's optimizer (one per pipeline stage on this rank) and its LR schedule, stepped together, and the
     MoE routing-bias update (`routing_bias`, None when off).
@@ -253,7 +269,7 @@ class Optimizers(Stateful):
         # changed): only the moments and the step come from the checkpoint.
         for part, opt in zip(self.parts, self._inner(), strict=True):
             initial = [g.get("initial_lr") for g in opt.param_groups]
-            set_optimizer_state_dict(part, opt, sd, options=_FLAT)
+            _set_state(part, opt, sd)
             for group, value in zip(opt.param_groups, initial, strict=True):
                 if value is not None:
                     group["initial_lr"] = value
