@@ -252,11 +252,17 @@ def build(cfg: Config) -> Job:
                 parameters=n_params["total"], peak_flops_source=peak_source)  # fmt: skip
     parts = (cfg, env, dims, run, writer, loader, runner, optimizers, train_state, ckpt, guard)
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)
-    if batches.on:
-        info["batch_ramp"] = cfg.training.batch_ramp
-        log.info("batch ramp: %d sequences at step 1, growing in steps of %d to %d from step %d; the learning-rate "
-                 "schedule counts tokens", batches.start, batches.start, global_batch, batches.steps + 1)  # fmt: skip
+    info.update(_announce_ramp(batches, cfg.training.batch_ramp))
     return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe)
+
+
+def _announce_ramp(batches: BatchRamp, spec: str) -> dict:
+    """training.batch_ramp: one log line, and what the start event records of it ({} without a ramp)."""
+    if not batches.on:
+        return {}
+    log.info("batch ramp: %d sequences at step 1, growing in steps of %d to %d from step %d; the learning-rate "
+             "schedule counts tokens", batches.start, batches.start, batches.full, batches.steps + 1)  # fmt: skip
+    return {"batch_ramp": spec}
 
 
 def _is_eval_step(step: int, t: TrainingConfig) -> bool:
