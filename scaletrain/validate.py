@@ -30,7 +30,6 @@ from scaletrain.config import (
     TrainingConfig,
 )
 from scaletrain.config_io import fields_typed, parse_config, resolve_paths, saved_config, to_dict
-from scaletrain.data.ramp import ramp_problems
 from scaletrain.data.sources import list_files
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
@@ -427,10 +426,7 @@ def _training(t: TrainingConfig, layout: Layout) -> list[str]:
     problems = []
     if t.steps < 1:
         problems.append(f"training.steps must be >= 1, got {t.steps}")
-    problems += batch_problems(t, layout)
-    problems += ramp_problems(
-        t.batch_ramp, layout.global_batch, t.steps, t.micro_batch, layout.dp_size, layout.pp
-    )
+    problems += batch_problems(t, layout)  # with training.batch_ramp's (data/ramp.py)
     if t.grad_clip < 0:
         problems.append("training.grad_clip must be >= 0 (0 disables clipping)")
     if t.eval_interval < 0 or t.eval_sequences < 1:

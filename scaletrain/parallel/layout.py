@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from scaletrain.config import Config, ParallelConfig, TrainingConfig
+from scaletrain.data.ramp import ramp_problems
 from scaletrain.errors import ConfigError
 from scaletrain.models.llama import ModelArgs
 from scaletrain.parallel.mesh import FLAT_DIMS, ParallelDims, resolve_dp_shard, tiling_problems
@@ -117,7 +118,8 @@ def layout_problems(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
 
 
 def batch_problems(t: TrainingConfig, layout: Layout) -> list[str]:
-    """The global batch splits into whole sequences and into micro_batch x data-parallel ranks."""
+    """The global batch splits into whole sequences and into micro_batch x data-parallel ranks, and so does the batch
+    ramp's first step (training.batch_ramp; the planner's candidates are held to it too)."""
     if t.micro_batch < 1:
         return [f"training.micro_batch must be >= 1, got {t.micro_batch}"]
     problems, seq_len = [], layout.seq_len
@@ -135,7 +137,7 @@ def batch_problems(t: TrainingConfig, layout: Layout) -> list[str]:
             f"{t.micro_batch} x {dp_size} data-parallel ranks; use training.global_batch {fix}, "
             f"or change training.micro_batch"
         )
-    return problems
+    return problems + ramp_problems(t.batch_ramp, gb, t.steps, t.micro_batch, dp_size, layout.pp)
 
 
 def attention_problems(cfg: Config) -> list[str]:

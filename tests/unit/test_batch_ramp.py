@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import scaletrain.metrics.meter as meter_module
-from scaletrain.config import DataConfig, OptimizerConfig, SourceConfig
+from scaletrain.config import Config, DataConfig, OptimizerConfig, SourceConfig
 from scaletrain.data.loader import DataLoader, Mixture, TokenShards
 from scaletrain.data.prepare import prepare_data
 from scaletrain.data.ramp import BatchRamp
@@ -21,6 +21,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.metrics.meter import StepMeter
 from scaletrain.models.loss import cross_entropy
 from scaletrain.optim import Optimizers, build_optimizer
+from scaletrain.parallel.layout import Layout, batch_problems
 from scaletrain.step import StepRunner
 from scaletrain.validate import load_config
 from tests.fixtures import tiny
@@ -165,3 +166,13 @@ def test_a_ramp_each_rank_can_split_is_accepted():
         check_run_dir=False,
     )
     assert cfg.training.batch_ramp == "2:3"
+
+
+def test_the_planner_holds_its_candidates_to_the_ramp():
+    """batch_problems is what validate and the planner's search (layout_problems) both ask: a candidate layout whose
+    data-parallel ranks cannot split the ramp's first step is not proposed."""
+    cfg = Config()
+    cfg.training.global_batch, cfg.training.micro_batch, cfg.training.batch_ramp = 8, 1, "2:3"
+    assert batch_problems(cfg.training, Layout.of(cfg, 2)) == []
+    (problem,) = batch_problems(cfg.training, Layout.of(cfg, 4))
+    assert "use a start of 4" in problem
