@@ -387,6 +387,24 @@ class ResilienceConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Replica groups that keep training when one of them fails (torchft; docs/resilience.md)."""
+
+    enabled: bool = False
+    """Split the --nproc workers into `replica_groups` data-parallel replicas coordinated by torchft: a group that
+    loses a rank leaves the quorum, the others go on without it, and the group restarts, takes the weights and
+    optimizer state from a live peer and rejoins at a step boundary. Needs the ft extra (pip install
+    'scaletrain[ft]')."""
+    replica_groups: int = 2
+    """G: the number of replica groups; each is --nproc / G ranks (fsdp or ddp inside a group)."""
+    min_replicas: int = 1
+    """The fewest replica groups a step may commit with (the lighthouse's quorum size too)."""
+    lighthouse: str = ""
+    """The torchft lighthouse's address (http://host:port); empty: `scaletrain train --nproc N` starts one on
+    loopback."""
+
+
+@dataclass
 class MetricsConfig:
     log_interval: int = 10
     """Write metrics every N steps (and on the last)."""
@@ -454,6 +472,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -37,6 +37,7 @@ from scaletrain.config import Config
 from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.errors import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE, UserError, report_errors
 from scaletrain.metrics.writer import append_event
+from scaletrain.resilience import fault_tolerance
 from scaletrain.resilience.diagnose import (
     Diagnosis,
     RestartPolicy,
@@ -123,6 +124,8 @@ def worker_main(lifelines: tuple[Connection, ...], config_path: str, *overrides:
     install_stack_dump()
     sys.stdout.reconfigure(line_buffering=True)  # its stdout is a log file: keep lines up to a SIGKILL
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if fault_tolerance.this_group() is not None:  # validated as the whole job: G groups of this size
+        world *= int(os.environ[fault_tolerance.GROUPS_ENV])
 
     def work() -> int:
         run_training(load_config(config_path or None, list(overrides), world_size=world, check_run_dir=False))
@@ -139,6 +142,8 @@ def launch_local(
     """Run the job, and when a worker fails: diagnose why, write it to events.jsonl, and restart the group (which
     resumes from the newest complete checkpoint) unless the cause is one a restart cannot cure. SIGTERM ends it
     after a committed save with status 0, Ctrl-C with 130, neither with a traceback (_Stop)."""
+    if cfg.fault_tolerance.enabled and fault_tolerance.this_group() is None:
+        return launch_groups(cfg, config_path, overrides, nproc, max_restarts)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
@@ -179,6 +184,9 @@ def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: 
         append_event(
             run_dir, "failure", diag.step, rank=rank, cause=diag.kind, detail=diag.detail, attempt=attempt
         )
+        if (group := fault_tolerance.this_group()) is not None:  # the other groups go on without this one
+            main = Path(os.environ[fault_tolerance.MAIN_RUN_ENV])
+            append_event(main, "replica_lost", diag.step, group=group, group_rank=rank, cause=diag.kind)
         if stop.requested:
             # SIGTERM ends a worker whose Preemption handler is not in place yet: it had trained nothing to save.
             if killed:
@@ -205,6 +213,67 @@ def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: 
         )
     log.warning("the stop came before the workers started: nothing to save")
     return stop.stopped_code()
+
+
+def launch_groups(
+    cfg: Config, config_path: str | None, overrides: list[str], nproc: int, max_restarts: int
+) -> int:
+    """fault_tolerance: G replica groups of nproc/G workers, each a launch_local of its own (its own agent, restarts
+    and logs) in a process of its own, and a torchft lighthouse on loopback unless fault_tolerance.lighthouse names
+    one. SIGTERM and Ctrl-C go on to every group's launcher. Returns the first non-zero status, else 0."""
+    ft, run_dir = cfg.fault_tolerance, Path(cfg.run.dir)
+    lighthouse, address = (None, ft.lighthouse) if ft.lighthouse else fault_tolerance.start_lighthouse(ft)
+    barrier = loopback_store()  # the first quorum waits until every group is up (ReplicaGroup.begin)
+    barrier.set("ft/groups", str(ft.replica_groups))
+    env = {
+        fault_tolerance.MAIN_RUN_ENV: str(run_dir),
+        fault_tolerance.LIGHTHOUSE_ENV: address,
+        fault_tolerance.BARRIER_ENV: f"127.0.0.1:{barrier.port}",
+        fault_tolerance.GROUPS_ENV: str(ft.replica_groups),
+    }
+    log.info("fault tolerance: %d replica groups of %d worker(s); lighthouse %s", ft.replica_groups,
+             nproc // ft.replica_groups, address)  # fmt: skip
+    ctx = multiprocessing.get_context("spawn")
+    groups = []
+    for g in range(ft.replica_groups):
+        args = (
+            g,
+            env,
+            config_path,
+            overrides,
+            str(fault_tolerance.group_run_dir(run_dir, g)),
+            nproc,
+            max_restarts,
+        )
+        groups.append(ctx.Process(target=_group_main, args=args, name=f"replica-group-{g}"))
+        groups[-1].start()
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for p in groups:
+            if p.pid is not None and p.exitcode is None:
+                os.kill(p.pid, signum)
+
+    saved = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for p in groups:
+            p.join()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    return next((p.exitcode for p in groups if p.exitcode), 0)
+
+
+def _group_main(group: int, env: dict[str, str], config_path: str | None, overrides: list[str], run_dir: str,
+                nproc: int, max_restarts: int) -> None:  # fmt: skip
+    """One replica group's launcher: launch_local for its nproc/G workers, writing into its own run directory."""
+    os.environ.update(env)
+    os.environ[fault_tolerance.GROUP_ENV] = str(group)
+    args = [*overrides, "--run.dir", run_dir]
+    cfg = load_config(config_path, args, world_size=nproc, check_run_dir=False)
+    code = launch_local(cfg, config_path, args, nproc // cfg.fault_tolerance.replica_groups, max_restarts)
+    sys.exit(code)
 
 
 def stop_grace(run_dir: Path) -> float:

@@ -30,6 +30,8 @@ from scaletrain.parallel.layout import Layout
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
 from scaletrain.parallel.parallelize import ParallelModel, parallelize
 from scaletrain.precision import Precision, resolve_precision
+from scaletrain.resilience import fault_tolerance
+from scaletrain.resilience.fault_tolerance import ReplicaGroup
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.goodput import final_goodput
 from scaletrain.resilience.guard import Guard
@@ -56,12 +58,22 @@ def train(cfg: Config) -> dict:
         with metrics.Progress(t.steps, start, enabled=job.env.is_main and cfg.metrics.progress) as progress:
             while step < end:
                 step += 1
+                # fault_tolerance: the quorum; a healed group goes on at its peers' step
+                if job.ft is not None:
+                    step = job.ft.step_start(step)
                 job.guard.step_start(step)
                 profiler.step_start(step)
                 sequences = job.batches.sequences(step)  # the global batch; smaller early under a batch ramp
                 inputs, targets = job.loader.next_batch(sequences)
                 lr = job.optimizers.lr
                 loss = job.runner.forward_backward(inputs.to(device), targets.to(device))
+                # fault_tolerance: averaged over the replica groups present; a group lost: run the step again
+                if job.ft is not None:
+                    loss, committed = job.ft.sync(loss)
+                    if not committed:
+                        job.ft.retry()
+                        step -= 1
+                        continue
                 grad_norm = job.runner.clip()
                 # A save in flight must have copied the weights before the optimizer changes them.
                 job.meter.exclude(job.ckpt.before_update())
@@ -93,6 +105,8 @@ def train(cfg: Config) -> dict:
         # Ended early, to be continued: time_limit, stop_at_step (exit 75), Ctrl-C (130).
         stopped = job.limits.stopped(step) or job.preemption.stop_reason()
         job.ckpt.close(step, finished=step == t.steps)  # the final save, protected by the memory tier
+        if job.ft is not None:  # fault_tolerance: this rank's parameters' digest, then leave the quorum
+            job.ft.close()
     except KeyboardInterrupt:
         job.writer.event("interrupted", step=step)
         job.writer.close()
@@ -125,6 +139,7 @@ class Job:
     info: dict  # what the start event says of the setup
     moe: MoEMonitor  # MoE: expert load, moe_* metrics (inert for a dense model); the bias update is in optimizers
     evals: dict[int, float] = field(default_factory=dict)
+    ft: ReplicaGroup | None = None  # fault_tolerance: this rank's replica group (resilience/fault_tolerance)
 
     def tokens(self, step: int) -> int:
         """Tokens trained by steps 1..step."""
@@ -134,6 +149,8 @@ class Job:
         """Load the newest complete copy across both tiers (if any) and say where the run starts."""
         self.ckpt.load_latest()
         start, restart = self.train_state.step, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if self.ft is not None:
+            self.ft.begin(start)
         self.writer.event("start", step=start, resumed=start > 0, restart=restart, **self.info)
         return start
 
@@ -196,8 +213,8 @@ def build(cfg: Config) -> Job:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     global_batch = layout.global_batch
     batches = BatchRamp.of(cfg.training.batch_ramp, global_batch)  # each step's global batch (validated)
-    loader = first(lambda: build_loader(cfg.data, tokenizer, global_batch, dims.dp_rank, layout.dp_size,
-                                        cfg.training.seed, log.info))  # fmt: skip
+    dp = fault_tolerance.data_slice(dims.dp_rank, layout.dp_size, cfg.fault_tolerance)  # (rank, size)
+    loader = first(lambda: build_loader(cfg.data, tokenizer, global_batch, *dp, cfg.training.seed, log.info))
 
     # -- Model: built on meta and parallelised there; each rank then materialises only its share, with the
     # single-process values for the seed (parallel/materialize.py). An HF import then overwrites each rank's share
@@ -225,13 +242,14 @@ def build(cfg: Config) -> Job:
     state = dict(model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state,
                  **runner.resumable(), **moe.resumable(), comm=pm.comm)  # fmt: skip
     described = dims.describe(cfg.parallel)
-    ckpt = build_checkpointing(cfg.checkpoint, run, run_id, state, env, dims.control, described, writer.event,
-                               start_over=cfg.run.start_over)  # fmt: skip
+    ckpt = build_checkpointing(fault_tolerance.group_checkpoint(cfg.checkpoint), run, run_id, state, env,
+                               dims.control, described, writer.event, start_over=cfg.run.start_over)  # fmt: skip
 
     # -- Resilience: faults attach where each failure happens (loader, output layer, storage writer, commit).
     faults = None
     if cfg.resilience.inject:
-        faults = FaultInjector(cfg.resilience.inject, env.rank, run.path, writer.event if env.is_main else None)  # fmt: skip
+        rank = fault_tolerance.global_rank(env.rank, env.world_size)  # over all replica groups
+        faults = FaultInjector(cfg.resilience.inject, rank, run.path, writer.event if env.is_main else None)  # fmt: skip
         loader = faults.attach(loader, pm.parts, ckpt, vocab_size=args.vocab_size)
     guard = Guard(cfg.resilience, run.path, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
                   faults)  # fmt: skip
@@ -253,7 +271,24 @@ def build(cfg: Config) -> Job:
     parts = (cfg, env, dims, run, writer, loader, runner, optimizers, train_state, ckpt, guard)
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)
     info.update(_announce_ramp(batches, cfg.training.batch_ramp))
-    return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe)
+    ft = _replica_group(cfg, env, dict(pm=pm, optimizers=optimizers, **state), writer, info)
+    return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe, ft=ft)
+
+
+def _replica_group(
+    cfg: Config, env: DistEnv, held: dict, writer: MetricsWriter, info: dict
+) -> ReplicaGroup | None:
+    """fault_tolerance: this rank's side of its replica group (None without); `held`: what a healing group gets."""
+    group = fault_tolerance.this_group()
+    if group is None:
+        return None
+    info.update(replica_group=group, replica_groups=cfg.fault_tolerance.replica_groups)
+    held = dict(
+        parts=held["pm"].parts, optimizers=held["optimizers"], loader=held["data"].loader, train=held["train"]
+    )
+    return ReplicaGroup(
+        cfg.fault_tolerance, group, env.rank, env.world_size, held, writer.event, cfg.training.steps
+    )
 
 
 def _announce_ramp(batches: BatchRamp, spec: str) -> dict:
@@ -279,6 +314,7 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
         **job.meter.read(),
         **job.runner.comm.read(),  # comm_bytes: what this rank's data-parallel collectives sent per step
         **job.runner.scale_metrics(),  # fp16: loss_scale, overflow_skipped
+        **(job.ft.metrics() if job.ft is not None else {}),  # fault_tolerance: replicas in this step's quorum
         **job.moe.metrics(),  # MoE: max/mean expert load per layer, dropped fraction, aux and z losses
     }
     if _is_eval_step(step, job.cfg.training):

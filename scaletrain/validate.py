@@ -50,6 +50,7 @@ from scaletrain.parallel.offload import offload_problems
 from scaletrain.planner.memory import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, memory_problem
 from scaletrain.precision.policy import precision_problems
 from scaletrain.precision.qat import qat_problems
+from scaletrain.resilience import fault_tolerance
 from scaletrain.resilience.faults import validate_specs
 from scaletrain.resilience.timelimit import limit_problems
 from scaletrain.resume import resume_problems
@@ -94,7 +95,9 @@ def check_configs(config: str | None, runs: list[tuple[str, list[str], int]]) ->
 
 def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[str]:
     """Every problem of the config for a job of `world_size` ranks; its Layout is resolved once, here."""
-    layout = Layout.of(cfg, world_size)
+    # fault_tolerance: each replica group is a job of world_size / G ranks; the rest is checked per group.
+    groups = cfg.fault_tolerance.replica_groups if cfg.fault_tolerance.enabled else 1
+    layout = Layout.of(cfg, world_size // groups if groups >= 1 and world_size % groups == 0 else world_size)
     problems = _model(cfg.model)
     vocab = _tokenizer_vocab(cfg.data.tokenizer)
     # The shape checks need a known preset and sizes >= 1; _model reported what is wrong otherwise.
@@ -134,6 +137,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += _run(cfg.run, cfg.checkpoint) if check_run_dir else []
     problems += limit_problems(cfg.run, cfg.training.steps, cfg.checkpoint.enabled)
     problems += _resilience(cfg.resilience, world_size)
+    problems += fault_tolerance.problems(cfg, world_size)
     problems += _memory(cfg, layout)
     problems += _precision(cfg, layout)
     problems += _attention(cfg)
