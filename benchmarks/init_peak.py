@@ -104,7 +104,15 @@ def main() -> None:
     procs = [ctx.Process(target=rank_main, args=(r, a.nproc, port, a, q)) for r in range(a.nproc)]
     for pr in procs:
         pr.start()
-    rows = sorted(q.get() for _ in procs)
+    rows = []
+    while len(rows) < len(procs):  # a rank the kernel kills (exit -9: out of memory) must not hang the others
+        if not q.empty():
+            rows.append(q.get())
+        elif dead := [(i, pr.exitcode) for i, pr in enumerate(procs) if pr.exitcode not in (None, 0)]:
+            sys.exit(f"ranks died (rank, exit code; -9 is the kernel's OOM killer): {dead}")
+        else:
+            time.sleep(1)
+    rows.sort()
     for pr in procs:
         pr.join()
     print(f"model {full / 4 / 1e9:.2f}B parameters, {full / GiB:.2f} GiB fp32; fsdp over {a.nproc} ranks; "

@@ -22,10 +22,11 @@ from scaletrain.planner.moe import ffn_shape
 
 GiB = 2**30
 # CUDA context (~0.5 GiB), NCCL buffers and caching-allocator fragmentation: what a GPU rank loses before the
-# model's first byte. A CPU process pays much less, and the host share it is compared with is already rough.
-# (The planner takes this constant from the device profile; calibration measures it on a CPU.)
+# model's first byte. A CPU process pays much less: the interpreter with torch and gloo's connections, 297 MiB
+# resident per rank at 16 ranks (benchmarks/init_peak.py), and the host share it is compared with is already
+# rough. (The planner takes this constant from the device profile; calibration measures it on a CPU.)
 GPU_OVERHEAD_BYTES = 2 * GiB
-CPU_OVERHEAD_BYTES = 256 * 2**20
+CPU_OVERHEAD_BYTES = 320 * 2**20
 # fp32 AdamW (Rajbhandari et al. 2020, ZeRO): parameters 4 bytes, gradients 4, the moments m and v 8. Our bf16 and
 # fp16 keep exactly these (fp32 master weights, fp32 gradients after the reduce, fp32 moments): the 16-bit copies
 # are transients (autocast's weight cache, FSDP2's gathered parameters), counted in "gathered".
