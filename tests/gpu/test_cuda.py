@@ -651,3 +651,27 @@ def test_busy_time_from_cuda_events_is_positive_and_within_the_wall_time():
     wall = time.perf_counter() - t0
     (busy,) = clock.step_end()
     assert 0 < busy <= wall
+
+
+@pytest.mark.parametrize("storage", ["cuda", "cpu"])
+def test_sharded_initialisation_on_cuda_draws_the_single_process_weights(storage):
+    """Issue 23: materialise draws every parameter whole on the GPU (the same CUDA generator as build_model there)
+    and keeps it where the shards live: on the GPU, or on the host under FSDP's CPU offload (storage "cpu"); bit
+    for bit the single-process CUDA weights, with the truncated normal of models/init (torch's sampler where this
+    torch's differs). CPU twin: tests/distributed/test_sharded_init.py (20 layouts on 4 gloo ranks)."""
+    from scaletrain.models import ModelArgs, build_meta_model, build_model
+    from scaletrain.parallel.materialize import materialize
+
+    args = ModelArgs(
+        dim=48, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=90, vocab_size=131, max_seq_len=16
+    )
+    want = {k: v.cpu() for k, v in build_model(args, 7, CUDA).state_dict().items()}
+    cuda_rng = torch.cuda.get_rng_state()
+    model = build_meta_model(args)
+    materialize(model, 7, CUDA, storage_device=torch.device(storage))
+    got = model.state_dict()
+    assert {t.device.type for t in got.values()} == {storage}
+    assert got.keys() == want.keys()
+    for k, v in got.items():
+        assert torch.equal(v.cpu(), want[k]), k
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
