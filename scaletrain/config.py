@@ -197,6 +197,9 @@ class OptimizerConfig:
     muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """muon only: update scale; match_rms_adamw multiplies by 0.2 sqrt(max(A, B)) (Moonlight, so AdamW's lr
     transfers), original by sqrt(max(1, A/B)) (Jordan)."""
+    qk_clip: float = 0.0
+    """QK-clip threshold τ (MuonClip, Kimi K2), with any optimizer: after each step, the W_q/W_k rows of every
+    attention head whose largest logit in the step exceeded τ are scaled so that it would peak at τ; 0: off."""
 
 
 @dataclass

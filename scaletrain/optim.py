@@ -26,7 +26,7 @@ from scaletrain.config import OptimizerConfig
 from scaletrain.data.ramp import BatchRamp
 from scaletrain.models.moe import MoE
 from scaletrain.muon import MUON_KEYS, Muon, hidden_matrices
-from scaletrain.muon import MUON_KEYS, Muon, hidden_matrices
+from scaletrain.qk_clip import QKClip
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +218,8 @@ def _set_state(part: nn.Module, opt: torch.optim.Optimizer, sd: dict) -> None:
 
 
 class Optimizers(Stateful):
-    """Every part's optimizer (one per pipeline stage on this rank) and its LR schedule, stepped together, and the
-    MoE routing-bias update (`routing_bias`, None when off).
+    """Every part's optimizer (one per pipeline stage on this rank) and its LR schedule, stepped together, the
+    MoE routing-bias update (`routing_bias`, None when off) and QK-clip (`qk_clip`, None when off).
 
     `step(skip=...)` is the one place that decides what a step advances. A skipped step (non-finite gradients)
     drops its gradients and leaves the weights, moments and routing biases as they were, but it still consumed its
@@ -234,8 +234,10 @@ class Optimizers(Stateful):
         total_steps: int,
         routing_bias: RoutingBias | None = None,
         ramp: BatchRamp | None = None,
+        qk_clip: QKClip | None = None,
     ) -> None:
         self.parts = parts
+        self.qk_clip = qk_clip
         self.optimizers = [build(part) for part in parts]
         self.schedulers = [build_lr_scheduler(o, cfg, total_steps, ramp) for o in self.optimizers]
         self.routing_bias = routing_bias
@@ -253,6 +255,8 @@ class Optimizers(Stateful):
             sched.step()
         if self.routing_bias is not None and not skip:
             self.routing_bias.step()  # the biases are buffers: no optimizer touches them, so order does not matter
+        if self.qk_clip is not None:
+            self.qk_clip.step(applied=not skip)  # rescales the updated W_q/W_k (a skipped step: resets the maxima)
 
     def _inner(self) -> list[torch.optim.Optimizer]:
         # ZeRO-1 keeps its rank's AdamW over its share of the parameters; checkpoints save that share by name.

@@ -30,6 +30,7 @@ from scaletrain.parallel.layout import Layout
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
 from scaletrain.parallel.parallelize import ParallelModel, parallelize
 from scaletrain.precision import Precision, resolve_precision
+from scaletrain.qk_clip import QKClip
 from scaletrain.resilience import fault_tolerance
 from scaletrain.resilience.fault_tolerance import ReplicaGroup
 from scaletrain.resilience.faults import FaultInjector
@@ -191,7 +192,8 @@ def build_core(
     dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, MoE load summed
     make_optimizer = optimizer_builder(optimizer, parallel.data_parallel, dp_cp, device)
     bias = RoutingBias.for_model(pm.parts, n_experts, routing_bias_rate, dp_cp)  # MoE balancing
-    optimizers = Optimizers(pm.parts, make_optimizer, optimizer, training.steps, bias, ramp)
+    clip = QKClip.for_model(pm.parts, model.args, optimizer.qk_clip, dims, device)  # optimizer.qk_clip
+    optimizers = Optimizers(pm.parts, make_optimizer, optimizer, training.steps, bias, ramp, clip)
     runner = build_step_runner(pm, dims, parallel, training, device, eod, precision)
     return pm, optimizers, runner
 
@@ -316,6 +318,8 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
         **job.runner.scale_metrics(),  # fp16: loss_scale, overflow_skipped
         **(job.ft.metrics() if job.ft is not None else {}),  # fault_tolerance: replicas in this step's quorum
         **job.moe.metrics(),  # MoE: max/mean expert load per layer, dropped fraction, aux and z losses
+        # QK-clip (optimizer.qk_clip): the step's max_attn_logit and qk_clipped_heads
+        **(job.optimizers.qk_clip.metrics() if job.optimizers.qk_clip else {}),
     }
     if _is_eval_step(step, job.cfg.training):
         val = job.evaluate(step)

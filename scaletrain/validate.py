@@ -50,6 +50,7 @@ from scaletrain.parallel.offload import offload_problems
 from scaletrain.planner.memory import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, memory_problem
 from scaletrain.precision.policy import precision_problems
 from scaletrain.precision.qat import qat_problems
+from scaletrain.qk_clip import qk_clip_problems
 from scaletrain.resilience import fault_tolerance
 from scaletrain.resilience.faults import validate_specs
 from scaletrain.resilience.timelimit import limit_problems
@@ -119,6 +120,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += _data(cfg.data)
     problems += _training(cfg.training, layout)
     problems += _optimizer(cfg.optimizer)
+    problems += qk_clip_problems(cfg)
     if cfg.training.eval_interval > 0 and cfg.data.val_fraction == 0:
         problems.append(
             "training.eval_interval > 0 needs held-out data: set data.val_fraction > 0, or "

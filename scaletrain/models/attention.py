@@ -4,11 +4,13 @@ Attention modules hold such a callable as a plain attribute, so that a paralleli
 context parallel) can swap the kernel without the model knowing about it. `AttentionKernel` is the one place that
 calls `scaled_dot_product_attention` or FlexAttention; `attention_masks` builds the document and sliding-window
 masks once per forward, and `document_ids` / `document_positions` derive documents from packed token ids.
+`max_logits` measures each head's largest logit under the same masks, for QK-clip.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Literal
 
 import torch
@@ -104,6 +106,42 @@ def _block_mask(doc: torch.Tensor | None, window: int, seq_len: int, device: tor
 
     batch = doc.shape[0] if doc is not None else None
     return create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=device)
+
+
+# Logits held at once by `max_logits` (fp32 elements, 16 MiB): the queries are taken in chunks of this many scores.
+_MAX_LOGIT_CHUNK = 2**22
+
+
+@torch.no_grad()
+def max_logits(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+) -> torch.Tensor:
+    """The largest attention logit q_i·k_j / sqrt(head_dim) (SDPA's default scale) of each query head, over the
+    batch and every pair the layer lets attend: causal for mask None, else the boolean mask or the block mask's
+    rule. q: [batch, heads, seq, head_dim], k: [batch, kv_heads, seq, head_dim] (grouped-query: query head h
+    reads kv head h // (heads / kv_heads), as SDPA's enable_gqa); returns [heads] in fp32. For QK-clip
+    (scaletrain/qk_clip.py). Computed in fp32, chunked over the queries so that at most _MAX_LOGIT_CHUNK scores
+    exist at once, never the whole [batch, heads, seq, seq] matrix."""
+    b, hq, s, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    qf = q.float().reshape(b, hkv, hq // hkv, s, d)
+    kf = k.float()
+    out = torch.full((hkv, hq // hkv), -math.inf, device=q.device)
+    rows = max(1, _MAX_LOGIT_CHUNK // (b * hq * t))
+    j = torch.arange(t, device=q.device)
+    for i0 in range(0, s, rows):
+        i = torch.arange(i0, min(s, i0 + rows), device=q.device)
+        logits = torch.einsum("bkgid,bkjd->bkgij", qf[:, :, :, i0 : i0 + rows], kf) * d**-0.5
+        if mask is None:
+            keep = (j[None, :] <= i[:, None])[None]
+        elif isinstance(mask, BlockMask):
+            bi = torch.arange(b, device=q.device)[:, None, None]
+            keep = mask.mask_mod(bi, torch.zeros_like(bi), i[None, :, None], j[None, None, :])
+        else:
+            keep = mask[:, 0, i0 : i0 + rows]
+        logits = logits.masked_fill(~keep.expand(b, -1, -1)[:, None, None], -math.inf)
+        out = torch.maximum(out, logits.amax(dim=(0, 3, 4)))
+    return out.reshape(hq)
 
 
 class AttentionKernel:

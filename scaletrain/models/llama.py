@@ -8,7 +8,8 @@ final norm and the output (they are then `None`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.attention import AttentionKernel, attention_masks, document_positions
+from scaletrain.models.attention import AttentionKernel, attention_masks, document_positions, max_logits
 from scaletrain.models.init import trunc_normal
 from scaletrain.models.moe import MoE, is_moe_layer, moe_init_plan
 
@@ -130,6 +131,9 @@ class Attention(nn.Module):
         # The attention kernel, a plain callable (not a module): context parallel swaps in ring attention, which
         # takes no mask (validate refuses document masking and the window under cp).
         self.sdpa = AttentionKernel(args.attention)
+        # QK-clip (optimizer.qk_clip, scaletrain/qk_clip.py) sets this to a [local heads] tensor: training forwards
+        # then raise it to each head's largest attention logit; None (the default) measures nothing.
+        self.max_logits: torch.Tensor | None = None
 
     def forward(
         self,
@@ -151,8 +155,32 @@ class Attention(nn.Module):
         if kv is not None:
             k, v = kv.update(k, v)
         mask = masks[self.window] if masks is not None else None
+        if self.max_logits is not None and self.training and kv is None:
+            self._record_max_logits(q, k, mask)
         out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    @torch.compiler.disable
+    def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor, mask: object) -> None:
+        """Raise `max_logits` to this forward's per-head maxima (after RoPE: the logits the kernel computes). Run
+        again by a recomputed forward, it finds the same maxima; a max over micro-batches needs no count."""
+        torch.maximum(self.max_logits, max_logits(q, k, mask), out=self.max_logits)
+
+
+@contextmanager
+def logits_unmeasured(module: nn.Module) -> Iterator[None]:
+    """Within, the attention layers of `module` measure no logit maxima (QK-clip): for a forward on placeholder
+    inputs, such as the one torch's pipelining runs on uninitialised tensors to learn a stage's shapes."""
+    held = [
+        (m, m.max_logits) for m in module.modules() if isinstance(m, Attention) and m.max_logits is not None
+    ]
+    for m, _ in held:
+        m.max_logits = None
+    try:
+        yield
+    finally:
+        for m, t in held:
+            m.max_logits = t
 
 
 class FeedForward(nn.Module):

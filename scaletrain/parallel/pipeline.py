@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from scaletrain.models.llama import Transformer
+from scaletrain.models.llama import Transformer, logits_unmeasured
 from scaletrain.models.loss import cross_entropy
 
 log = logging.getLogger(__name__)
@@ -241,9 +241,7 @@ def build_schedule(
         raise ValueError("; ".join(problems))
     num_stages = pp * len(stages)
     group = pp_mesh.get_group()
-    pipeline_stages = [
-        PipelineStage(module, index, num_stages, device, group=group) for index, module in stages
-    ]
+    pipeline_stages = [_Stage(module, index, num_stages, device, group=group) for index, module in stages]
     cls = SCHEDULES[schedule_name]
     target = pipeline_stages[0] if schedule_name in SINGLE_STAGE else pipeline_stages
     schedule = cls(
@@ -253,6 +251,16 @@ def build_schedule(
         scale_grads=False,
     )
     return pipeline_stages, schedule
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage whose shape inference measures nothing: torch runs each stage's forward once on
+    uninitialised inputs (torch.empty) to learn the activations' shapes, whose logits QK-clip must not take for the
+    step's maxima (torch 2.13 names it _forward_metadata_inference; torchtitan overrides it likewise)."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with logits_unmeasured(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
 
 
 class _MicrobatchMean:

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, str, tuple[str | tuple[str, ...], ...], bool]] = [
     (
         "components",
         "each mechanism with the object that owns its data",
-        ("data", "optim", "muon", "precision", "parallel", "memory", "checkpoint", "metrics", "resilience"),
+        ("data", "optim", "muon", "qk_clip", "precision", "parallel", "memory", "checkpoint", "metrics", "resilience"),
         False,
     ),
     ("estimators", "the planner's cost model and search", ("planner",), False),
