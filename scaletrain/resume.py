@@ -18,6 +18,7 @@ CANNOT_CHANGE = (
     "training.seed",
     "precision.qat",  # fake quantisation changes the function the weights were trained for
     "precision.qat_group_size",
+    "optimizer.name",  # the checkpoint holds that optimizer's state: AdamW's moments or Muon's momentum buffers
 )
 FREE = (
     "model.attention",  # which kernel computes the same attention

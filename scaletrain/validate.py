@@ -120,6 +120,12 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += _data(cfg.data)
     problems += _training(cfg.training, layout)
     problems += _optimizer(cfg.optimizer)
+    if cfg.optimizer.name == "muon" and cfg.memory.optimizer_offload:
+        problems.append(
+            "optimizer.name muon with memory.optimizer_offload is refused: the offloaded shards live on the host, "
+            "and Muon gathers each whole matrix over the device mesh (NCCL sends device memory only), untested; "
+            "set memory.optimizer_offload false, or use optimizer.name adamw"
+        )
     problems += qk_clip_problems(cfg)
     if cfg.training.eval_interval > 0 and cfg.data.val_fraction == 0:
         problems.append(

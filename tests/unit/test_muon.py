@@ -9,9 +9,12 @@ import math
 import pytest
 import torch
 
-from scaletrain.config import OptimizerConfig
+from scaletrain.config import Config, OptimizerConfig
+from scaletrain.config_io import to_dict
 from scaletrain.muon import Muon, hidden_matrices, newton_schulz, update_scale
 from scaletrain.optim import Optimizers, build_optimizer
+from scaletrain.resume import resume_problems
+from scaletrain.validate import validate
 from tests.fixtures import tiny
 
 CPU = torch.device("cpu")
@@ -156,3 +159,30 @@ def test_muon_state_round_trips_through_optimizers_state_dict():
         o.step()
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_a_resume_refuses_another_optimizer_and_takes_muon_settings_like_the_lr():
+    # The checkpoint holds one optimizer's state (AdamW's moments or Muon's buffers): switching is refused; Muon's
+    # lr, like optimizer.lr, may change with run.accept_changes.
+    saved = to_dict(Config())
+    switched = Config()
+    switched.optimizer.name = "muon"
+    (problem,) = resume_problems(saved, to_dict(switched), ["optimizer"])
+    assert problem.startswith("optimizer.name was 'adamw'") and "cannot continue" in problem
+    muon = Config()
+    muon.optimizer.name = "muon"
+    faster = Config()
+    faster.optimizer.name, faster.optimizer.muon_lr = "muon", 0.01
+    assert "--run.accept_changes optimizer.muon_lr" in resume_problems(to_dict(muon), to_dict(faster), [])[0]
+    assert resume_problems(to_dict(muon), to_dict(faster), ["optimizer.muon_lr"]) == []
+
+
+def test_validate_names_bad_muon_settings_and_refuses_offload():
+    cfg = Config()
+    cfg.optimizer.name, cfg.optimizer.muon_lr, cfg.optimizer.muon_momentum = "muon", 0.0, 1.0
+    cfg.memory.optimizer_offload = True
+    problems = validate(cfg, 1, check_run_dir=False)
+    assert any(p.startswith("optimizer.muon_lr must be > 0") for p in problems)
+    assert any(p.startswith("optimizer.muon_momentum must be in [0, 1)") for p in problems)
+    assert any(p.startswith("optimizer.name muon with memory.optimizer_offload is refused") for p in problems)
+    assert not [p for p in validate(Config(), 1, check_run_dir=False) if "muon" in p]
