@@ -342,7 +342,16 @@ class CheckpointConfig:
 
 
 FaultKind = Literal[
-    "kill", "raise", "hang", "nan", "spike", "slow", "corrupt_checkpoint", "write_error", "kill_during_save"
+    "kill",
+    "raise",
+    "hang",
+    "nan",
+    "spike",
+    "slow",
+    "corrupt_checkpoint",
+    "write_error",
+    "kill_during_save",
+    "bitflip",
 ]
 
 
@@ -351,7 +360,8 @@ class FaultConfig:
     kind: FaultKind | None = None
     """kill (SIGKILL), raise (an exception), hang (sleep forever), nan (NaN logits), spike (garbage targets),
     slow (a straggler), corrupt_checkpoint (flip bytes after the commit), write_error (ENOSPC inside the storage
-    writer), kill_during_save (SIGKILL inside the storage writer)."""
+    writer), kill_during_save (SIGKILL inside the storage writer), bitflip (one low mantissa bit of one parameter of
+    the rank's shard flipped after the step's update: silent data corruption)."""
     rank: int | None = None
     """The rank it fires on; unset: every rank (corrupt_checkpoint: rank 0)."""
     step: int | None = None
@@ -383,6 +393,15 @@ class ResilienceConfig:
     0: off."""
     straggler_interval: int = 10
     """Steps between straggler checks (per-rank busy times are gathered then)."""
+    sdc_interval: int = 0
+    """Silent-data-corruption check every N steps (docs/resilience.md): each rank's parameter slices are
+    fingerprinted (an exact sum of their bits) after the update and compared with the ranks that hold the same
+    slice, and with themselves before the next update; a difference writes sdc_detected (rank, step, parameters)
+    and rolls back to the newest snapshot, whose steps are replayed. Needs snapshots at multiples of N
+    (checkpoint.snapshot_interval or checkpoint.interval). 0: off."""
+    sdc_exclude: bool = False
+    """With sdc_interval: mark the host of a rank found corrupting data in <run.dir>/excluded_hosts.json; the
+    launcher then starts (and restarts) no workers of this run on it."""
     inject: list[FaultConfig] = field(default_factory=list)
     """Fault injection for tests and drills, a list of tables, e.g. [{kind="kill", rank=1, step=5},
     {kind="nan", step=3}, {kind="slow", rank=1, factor=3}, {kind="write_error", step=6}]. Each fires once per job

@@ -47,6 +47,7 @@ from scaletrain.resilience.diagnose import (
     tail,
 )
 from scaletrain.resilience.preemption import Lifelines, follow_launcher
+from scaletrain.resilience.sdc import excluded_here
 from scaletrain.resilience.timelimit import JOB_START_ENV
 from scaletrain.rundir import EVENTS, LOGS, RunDir, read_jsonl
 from scaletrain.train import train
@@ -85,6 +86,8 @@ def run_training(cfg: Config) -> int:
     Returns the exit status: STOPPED_EXIT_CODE when run.time_limit or run.stop_at_step ended the job early, but 0
     under an elastic agent, which takes any other status for a failure (it stops the peers and restarts them): its
     launcher reads the stop back from events.jsonl (RunDir.exit_code)."""
+    if cfg.run.dir and (why := excluded_here(Path(cfg.run.dir))):  # resilience.sdc_exclude marked this host
+        raise UserError(why)
     try:
         stopped = train(cfg)["stopped"]
     except (UserError, KeyboardInterrupt):
@@ -171,6 +174,10 @@ def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: 
     policy = RestartPolicy(max_restarts)
     attempt = 0
     while not stop.requested:
+        if why := excluded_here(run_dir):  # resilience.sdc_exclude: this host corrupted data; start nothing on it
+            append_event(run_dir, "stopped", None, cause="excluded_host", reason=why)
+            print(f"error: {why}", file=sys.stderr)
+            return 1
         log_dir = logs / f"attempt-{attempt}"
         log.info("launching %d worker(s) (attempt %d); run directory %s", nproc, attempt, run_dir)
         _start_fork_server()

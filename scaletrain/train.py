@@ -83,6 +83,7 @@ def train(cfg: Config) -> dict:
                 decision = "skip" if overflow else job.guard.check(step, loss, grad_norm)
                 job.optimizers.step(skip=decision != "ok")
                 job.moe.step_done(step, applied=decision == "ok")  # MoE: load metrics, imbalance watch
+                decision = job.guard.after_update(step, decision)  # resilience.sdc_interval: replicas compared
                 back = job.guard.rollback(step, job.ckpt, job.loader) if decision == "rollback" else None
                 if back is not None:
                     step = back
@@ -254,7 +255,7 @@ def build(cfg: Config) -> Job:
         faults = FaultInjector(cfg.resilience.inject, rank, run.path, writer.event if env.is_main else None)  # fmt: skip
         loader = faults.attach(loader, pm.parts, ckpt, vocab_size=args.vocab_size)
     guard = Guard(cfg.resilience, run.path, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
-                  faults)  # fmt: skip
+                  faults, parts=pm.parts)  # fmt: skip
     runner.clock = guard.clock  # the step brackets its compute for straggler detection (CUDA events on a GPU)
 
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).

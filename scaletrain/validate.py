@@ -145,6 +145,8 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += _run(cfg.run, cfg.checkpoint) if check_run_dir else []
     problems += limit_problems(cfg.run, cfg.training.steps, cfg.checkpoint.enabled)
     problems += _resilience(cfg.resilience, world_size)
+    problems += _sdc(cfg.resilience, cfg.checkpoint)
+    problems += _sdc_layout(cfg)
     problems += fault_tolerance.problems(cfg, world_size)
     problems += _memory(cfg, layout)
     problems += _precision(cfg, layout)
@@ -209,6 +211,50 @@ def _resilience(r: ResilienceConfig, world_size: int) -> list[str]:
             "resilience.straggler_factor must be > 1 (a multiple of the median step time), or 0 (off)"
         )
     return problems
+
+
+def _sdc(r: ResilienceConfig, c: CheckpointConfig) -> list[str]:
+    """resilience.sdc_interval: a finding rolls back to the newest snapshot, which must hold verified weights: the
+    periodic snapshots fall on check steps (each is taken after its step's check passed)."""
+    n = r.sdc_interval
+    if n < 0:
+        return [f"resilience.sdc_interval must be >= 0 (0: off), got {n}"]
+    if n == 0:
+        return ["resilience.sdc_exclude needs resilience.sdc_interval > 0"] if r.sdc_exclude else []
+    sources = [("checkpoint.snapshot_interval", c.snapshot_interval)]
+    if c.enabled and isinstance(c.interval, int):
+        sources.append(("checkpoint.interval", c.interval))
+    on = [(key, v) for key, v in sources if v > 0]
+    if not on:
+        return [
+            f"resilience.sdc_interval {n} needs a snapshot to roll back to: set checkpoint.snapshot_interval (the "
+            f"memory tier) or checkpoint.interval to a multiple of {n}; without one a finding could only stop the "
+            "run, the corrupted weights kept"
+        ]
+    return [
+        f"{key} {v} must be a multiple of resilience.sdc_interval {n}: a snapshot between two checks could hold "
+        "corrupted weights that a rollback would restore"
+        for key, v in on
+        if v % n
+    ]
+
+
+def _sdc_layout(cfg: Config) -> list[str]:
+    """resilience.sdc_interval runs where it is tested (tests/e2e/test_sdc.py): ddp, fsdp and hsdp, one process."""
+    p = cfg.parallel
+    if cfg.resilience.sdc_interval <= 0:
+        return []
+    untested = [f"parallel.{k} {getattr(p, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(p, k) > 1]
+    if p.data_parallel in ("zero1", "zero2"):
+        untested.append(f"parallel.data_parallel {p.data_parallel}")
+    if cfg.fault_tolerance.enabled:
+        untested.append("fault_tolerance.enabled")
+    if not untested:
+        return []
+    return [
+        f"resilience.sdc_interval is tested under ddp, fsdp and hsdp data parallelism only, not with "
+        f"{', '.join(untested)}: use one of those layouts, or resilience.sdc_interval 0"
+    ]
 
 
 def _tokenizer_vocab(spec: str) -> int | None:

@@ -43,6 +43,7 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "corrupt_checkpoint": (("step",), ("rank",)),
     "write_error": (("step",), ("rank",)),
     "kill_during_save": (("step",), ("rank",)),
+    "bitflip": (("rank", "step"), ()),
 }
 _KEYS = ("rank", "step", "factor")
 
@@ -151,6 +152,7 @@ class FaultInjector:
         # Ranks other than 0 have no metrics writer: their events are appended to events.jsonl directly.
         self.event = event or functools.partial(append_event, self.run_dir)
         self.vocab_size = 0
+        self.parts: list[nn.Module] = []  # the model parts (attach): what a bitflip corrupts
         self.step = 0  # the step running now (set by at_step_start)
         self._nan = False  # the output layer's hook turns this step's logits to NaN
         # slow fault -> whether this process slows, decided at its first due step (False: an earlier run fired it).
@@ -163,6 +165,7 @@ class FaultInjector:
         """Hook the faults into the model parts and (when given) the checkpoint manager; returns the loader to train
         from (wrapped when a spike is configured)."""
         self.vocab_size = vocab_size
+        self.parts = parts
         for part in parts:
             for m in part.modules():
                 if (
@@ -238,6 +241,22 @@ class FaultInjector:
                 _spin(extra, clock)
                 slept += extra
         return slept
+
+    def after_update(self, step: int) -> str | None:
+        """bitflip: right after this step's optimizer update, flip one low mantissa bit (a small, finite change: no
+        NaN guard sees it) of the middle element of this rank's largest local parameter slice, as a faulty device
+        would. Returns the parameter's name."""
+        due = self._due(("bitflip",), step)
+        if not due or not self._claim(due[0], step):
+            return None
+        named = [(n, _local(p)) for part in self.parts for n, p in part.named_parameters()]
+        name, local = max(named, key=lambda np: np[1].numel())  # the first of the largest
+        bit = 10 if local.element_size() >= 4 else 2  # fp32: a change of ~1e-4 relative; bf16/fp16: ~3%
+        ints = local.detach().view(-1).view({4: torch.int32, 2: torch.int16}[local.element_size()])
+        with torch.no_grad():
+            ints[ints.numel() // 2 : ints.numel() // 2 + 1].bitwise_xor_(1 << bit)
+        self._fired(due[0], step, param=name, bit=bit)
+        return name
 
     def wrap_writer(self, make: Callable[[str, int], Any]) -> Callable[[str, int], Any]:
         """write_error / kill_during_save: the storage writer DCP uses for the save of that step fails inside its
@@ -336,6 +355,10 @@ def _read_records(path: Path) -> list[dict]:
     except FileNotFoundError:
         return []
     return records if isinstance(records, list) else []
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _largest_shard(ckpt_dir: Path) -> Path | None:

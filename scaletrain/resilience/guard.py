@@ -1,6 +1,7 @@
 """What keeps a step healthy: the hang watchdog, NaN and loss-spike checks with the rollback decision, straggler
-detection, and the per-step hooks of fault injection. The loop calls `step_start`, `check`, `step_end`; restoring
-a snapshot is the checkpoint manager's (`load_latest`), deciding to is the guard's."""
+detection, silent-data-corruption checks (resilience/sdc.py), and the per-step hooks of fault injection. The loop
+calls `step_start`, `check`, `after_update`, `step_end`; restoring a snapshot is the checkpoint manager's
+(`load_latest`), deciding to is the guard's."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from scaletrain.config import ResilienceConfig
+from scaletrain.errors import UserError
 from scaletrain.parallel.mesh import DistEnv
 from scaletrain.resilience.busy import BusyClock, clock_for
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.health import Decision, NanGuard, SpikeDetector
+from scaletrain.resilience.sdc import Finding, SdcCheck, exclude_hosts
 from scaletrain.resilience.straggler import StragglerMonitor
 from scaletrain.resilience.watchdog import Watchdog
 
@@ -34,6 +38,7 @@ class Guard:
         mean_loss: Callable[[torch.Tensor], torch.Tensor],
         faults: FaultInjector | None = None,
         clock: BusyClock | None = None,
+        parts: list[nn.Module] | None = None,
     ):
         rank, device_type = env.rank, env.device.type
         self.cfg = cfg
@@ -51,6 +56,12 @@ class Guard:
             if cfg.straggler_factor > 0
             else None
         )
+        self.run_dir = run_dir
+        self.rank = rank
+        # resilience.sdc_interval: fingerprints of the parameters `parts` this rank holds, compared over `group`.
+        self.sdc = SdcCheck(cfg.sdc_interval, parts or [], rank, group) if cfg.sdc_interval > 0 else None
+        # The pending rollback is for corruption: the data is innocent, nothing skipped.
+        self._sdc_rollback = False
         self.first_step = True
         # A rank's own work per step, for straggler detection (resilience/busy.py): CPU time on CPU, CUDA events
         # around the step's compute on a GPU; the step runner brackets its compute on `clock`.
@@ -73,7 +84,16 @@ class Guard:
         (the same on every rank) and spikes are judged on the data-parallel mean: every rank decides alike.
 
         Everything the checks need is copied to the host in one transfer: on a GPU that is the step's only
-        device sync outside logging steps (two float() calls used to make two)."""
+        device sync outside logging steps (two float() calls used to make two).
+
+        resilience.sdc_interval: the step after a check step first verifies the weights its forward and backward
+        read against the fingerprints recorded after the last update (corruption at rest); a finding rolls back."""
+        if self.sdc is not None:
+            self.sdc.observe(step)  # this step's logits fingerprint, kept for a replay
+            if self.sdc.pending == step - 1:
+                self.sdc.pending = None
+                if self._sdc_verify(step, "before_update") == "rollback":
+                    return "rollback"
         if self.nan is None and self.spike is None:
             return "ok"
         values = [loss, grad_norm] + ([self.mean_loss(loss)] if self.spike is not None else [])
@@ -90,13 +110,90 @@ class Guard:
                 return decision
         if self.spike is not None and self.spike.observe(host[2]):
             self.event("loss_spike", step=step, loss=host[2], mean=self.spike.mean, std=self.spike.std)
+            if self.sdc is not None:  # the device or the data? Replicas that differ now say the device
+                self.sdc.record(step)
+                self.sdc.pending = None
+                self._sdc_verify(step, "loss_spike")
             return "rollback"
         return "ok"
+
+    def after_update(self, step: int, decision: Decision) -> Decision:
+        """After the optimizer step (before the step's snapshot): on a check step, record this rank's fingerprints
+        and verify them across replicas; the bitflip fault fires in between (corruption of the freshly updated
+        weights). Returns `decision`, or 'rollback' on a finding."""
+        if self.sdc is not None and decision != "ok":
+            self.sdc.reset()  # no update applied (or a rollback comes): nothing recorded to verify
+        due = self.sdc is not None and decision == "ok" and self.sdc.due(step)
+        if due:
+            self.sdc.record(step)
+        if self.faults is not None:
+            self.faults.after_update(step)
+        if due and self._sdc_verify(step, "after_update") == "rollback":
+            return "rollback"
+        return decision
+
+    def _sdc_verify(self, step: int, where: str) -> Decision:
+        """One comparison over the control group: 'rollback' on a finding, else 'ok'. A replay that reached the step
+        of the finding it was to attribute reports its verdict; replicas that still differ then stop the run."""
+        finding = self.sdc.verify(step, where)
+        verdict = self.sdc.replayed()
+        if verdict is not None:
+            self._report(verdict)
+            if finding is not None:
+                fields = finding.event_fields()
+                raise UserError(
+                    f"step {step}: the replicas still differ after rolling back and replaying the steps (ranks "
+                    f"{fields['ranks']}: {fields['params']}): the corruption is not transient; the run stops. "
+                    "Take the named hosts out of the job"
+                )
+            return "ok"
+        return self._sdc_found(finding) if finding is not None else "ok"
+
+    def _sdc_found(self, finding: Finding) -> Decision:
+        """Roll back. An attributed finding is reported now; an unattributed one (two replicas disagree) when the
+        replay of its steps from the snapshot names the rank."""
+        self._sdc_rollback = True
+        if finding.attributed:
+            self._report(finding)
+        else:
+            log.error(
+                "step %d: replicas differ (ranks %s: %s); rolling back and replaying the steps since the last check "
+                "to tell which rank computed wrong",
+                finding.step,
+                sorted(finding.params),
+                finding.event_fields()["params"],
+            )
+            self.sdc.suspect(finding)
+        return "rollback"
+
+    def _report(self, finding: Finding) -> None:
+        """The event (rank 0 writes it), the log line, the host marked with resilience.sdc_exclude."""
+        fields = finding.event_fields()
+        self.event("sdc_detected", step=finding.step, **fields)
+        log.error(
+            "step %d: silent data corruption on rank(s) %s (%s): %s",
+            finding.step,
+            fields["ranks"],
+            ", ".join(f"rank {r}: {h}" for r, h in fields["how"].items()),
+            fields["params"],
+        )
+        if self.cfg.sdc_exclude and self.rank == 0 and finding.attributed:
+            path = exclude_hosts(self.run_dir, fields["hosts"], finding.step)
+            log.error("host(s) %s marked bad in %s: a restart leaves them out", fields["hosts"], path)
 
     def rollback(self, step: int, ckpt, loader) -> int | None:
         """Restore the newest snapshot from before `step` and skip the batches that led here (PaLM, Chowdhery et al.
         2022: restart ~100 steps before a spike and skip the data batches in between). Returns the restored step,
-        None when there is no snapshot (the step's update is then only skipped)."""
+        None when there is no snapshot (the step's update is then only skipped).
+
+        After silent data corruption the batches are innocent: the snapshot's data position is kept, so the steps
+        since are replayed on the same data (a deterministic run ends as if nothing happened); without a snapshot
+        the corrupted weights cannot be undone and the run stops (UserError)."""
+        if self.sdc is not None:
+            self.sdc.reset()
+        if self._sdc_rollback:
+            self._sdc_rollback = False
+            return self._sdc_restore(step, ckpt)
         next_sample = loader.state_dict()["next_sample"]
         restored = ckpt.load_latest()
         if restored is None:
@@ -112,6 +209,21 @@ class Guard:
             restored,
             ckpt.last_source,
             step - restored,
+        )
+        return restored
+
+    def _sdc_restore(self, step: int, ckpt) -> int:
+        restored = ckpt.load_latest()
+        if restored is None:
+            raise UserError(
+                f"silent data corruption found at step {step} and no snapshot predates it, so the corrupted weights "
+                "cannot be undone; the run stops (see the sdc_detected event). Take snapshots "
+                "(checkpoint.snapshot_interval or checkpoint.interval, a multiple of resilience.sdc_interval)"
+            )
+        self.event("rollback", step=step, to_step=restored, source=ckpt.last_source, skipped_batches=0,
+                   reason="sdc")  # fmt: skip
+        log.warning(
+            "step %d: rolled back to step %d (%s); replaying its steps", step, restored, ckpt.last_source
         )
         return restored
 

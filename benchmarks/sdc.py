@@ -1,0 +1,105 @@
+"""What the silent-data-corruption check costs (issue 25 part 2), and that it raises no false alarm.
+
+    python benchmarks/sdc.py [--steps 200] [--interval 100] [--repeats 3] [--modes ddp,fsdp] [--nproc 2]
+
+1. No false alarm: per mode, one run of --steps steps checked at every step (sdc_interval 1): no sdc_detected event.
+2. Cost, end to end: the same run (ddp, --nproc ranks, --steps steps) with the check off and at --interval, in
+   alternation --repeats times; the median step time of each run (the first 5 steps, warm-up, left out), the
+   median over the repeats and the spread (min-max).
+3. Cost, measured directly: the check's own work on the run's model (fingerprint after the update, verify, verify
+   before the next update: three passes over the parameters), timed in this process, per check and per step at
+   --interval, as a fraction of the measured step time. On a shared CPU the end-to-end difference is within the
+   noise; this is the figure to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--metrics.progress", "false", "--metrics.tensorboard", "false", "--training.threads", "1"]
+
+
+def train(run: Path, steps: int, nproc: int, mode: str, interval: int) -> list[dict]:
+    cmd = [sys.executable, "-m", "scaletrain", "train", "--config", "configs/debug.toml", "--run.dir", str(run),
+           "--nproc", str(nproc), *QUICK, "--training.steps", str(steps), "--training.eval_interval", "0",
+           "--metrics.log_interval", "1", "--parallel.data_parallel", mode,
+           "--checkpoint.snapshot_interval", str(max(interval, 1) * max(1, 100 // max(interval, 1))),
+           "--resilience.sdc_interval", str(interval)]  # fmt: skip
+    if mode == "hsdp":
+        cmd += ["--parallel.dp_replicate", "2", "--training.micro_batch", "2"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
+def step_times(run: Path) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [m["step_time_s"] for m in records if m["step"] > 5]
+
+
+def check_cost(run: Path, repeats: int = 20) -> float:
+    """Seconds of one check's work on this run's model in one process: record, verify, verify again."""
+    from scaletrain.checkpoint.run_model import load_run_model
+    from scaletrain.resilience.sdc import SdcCheck
+
+    model = load_run_model(run)[0]
+    check = SdcCheck(1, [model], 0, None)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        check.record(1)
+        check.verify(1, "after_update")
+        check.verify(2, "before_update")
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--interval", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", default="ddp,fsdp")
+    p.add_argument("--nproc", type=int, default=2)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for mode in args.modes.split(","):
+            nproc = 4 if mode == "hsdp" else args.nproc
+            found = [
+                e
+                for e in train(tmp / f"clean-{mode}", args.steps, nproc, mode, 1)
+                if e["kind"] == "sdc_detected"
+            ]
+            print(f"no false alarm: {mode} x{nproc}, {args.steps} steps checked at every step: "
+                  f"{len(found)} sdc_detected event(s)")  # fmt: skip
+            assert not found, found
+        medians: dict[int, list[float]] = {0: [], args.interval: []}
+        for r in range(args.repeats):
+            for interval in medians:
+                run = tmp / f"cost-{interval}-{r}"
+                train(run, args.steps, args.nproc, "ddp", interval)
+                medians[interval].append(statistics.median(step_times(run)))
+        for interval, m in medians.items():
+            label = "sdc off" if interval == 0 else f"sdc_interval {interval}"
+            print(f"ddp x{args.nproc}, {label}: median step {statistics.median(m) * 1e3:.2f} ms "
+                  f"(spread {min(m) * 1e3:.2f}-{max(m) * 1e3:.2f} ms over {len(m)} runs)")  # fmt: skip
+        off, on = statistics.median(medians[0]), statistics.median(medians[args.interval])
+        print(
+            f"end to end: {100 * (on - off) / off:+.2f}% step time (within the spread above on a shared CPU)"
+        )
+        cost = check_cost(tmp / "cost-0-0")
+        print(f"one check's work (3 passes over the parameters, one process): {cost * 1e3:.3f} ms = "
+              f"{100 * cost / off:.1f}% of a step; per step at sdc_interval {args.interval}: "
+              f"{100 * cost / off / args.interval:.3f}%")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

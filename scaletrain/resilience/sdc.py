@@ -1,0 +1,287 @@
+"""Silent data corruption (issue 25 part 2): every resilience.sdc_interval steps each rank fingerprints the parameter
+slices it holds (an exact int64 sum of the float bits), checks them against its own fingerprint taken right after
+the update (corruption at rest) and against every rank that holds the same slice (replicas must be bit-identical).
+The guard asks; restoring the newest snapshot is the checkpoint manager's. docs/resilience.md, "Silent data
+corruption", says what each data-parallel mode detects and what it cannot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from scaletrain.models.llama import Transformer
+
+log = logging.getLogger("scaletrain")
+
+EXCLUDED_FILE = "excluded_hosts.json"  # <run_dir>/excluded_hosts.json: hosts an SDC finding marked bad
+
+_BITS = {4: torch.int32, 2: torch.int16, 8: torch.int64, 1: torch.int8}
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """The exact fingerprint of a tensor: the sum of its elements' bit patterns as integers, in int64 (a 0-d tensor
+    on the tensor's device). One flipped bit moves it by a power of two, so any single flip is seen; it reads the
+    tensor once and writes nothing of its size."""
+    t = t.detach()
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    return t.contiguous().view(_BITS[t.element_size()]).sum(dtype=torch.int64)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _slice_key(name: str, p: torch.Tensor) -> str:
+    """Which slice of which parameter this rank holds: ranks with the same key must hold the same bits (DDP and
+    zero1: every data-parallel rank holds the whole tensor; HSDP: the same shard index across dp_replicate)."""
+    if not isinstance(p, DTensor):
+        return f"{name}@{tuple(p.shape)}"
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return f"{name}@{tuple(shape)}+{tuple(offset)}"
+
+
+@dataclass
+class Finding:
+    """What a check found: the ranks it names, each with the parameters that differ, and how it knows."""
+
+    step: int
+    params: dict[int, list[str]]  # rank -> parameter names
+    how: dict[int, str]  # rank -> "at_rest" (changed since its own update), "replica" (the minority among its
+    # replicas) or "replay" (its own computation, replayed from the snapshot on the same inputs, gave other bits)
+    hosts: dict[int, str]
+    attributed: bool = True  # False: two replicas disagree and nothing (yet) says which one is wrong
+    where: str = ""  # "after_update", "before_update" or "loss_spike": where in the step it was found
+
+    @property
+    def rank(self) -> int:
+        return min(self.params)
+
+    def event_fields(self) -> dict:
+        return dict(
+            rank=self.rank,
+            ranks=sorted(self.params),
+            params={str(r): names for r, names in sorted(self.params.items())},
+            how={str(r): h for r, h in sorted(self.how.items())},
+            hosts=sorted({self.hosts[r] for r in self.params}),
+            attributed=self.attributed,
+            where=self.where,
+        )
+
+
+@dataclass
+class Report:
+    """One rank's fingerprints per slice key, at its last update (recorded) and now (current); during a replay, the
+    first replayed step whose logits differed from the original's (None: all equal so far)."""
+
+    rank: int
+    host: str
+    keys: list[str]
+    recorded: list[int]
+    current: list[int]
+    names: list[str] = field(default_factory=list)
+    diverged: int | None = None
+
+
+def attribute(step: int, reports: list[Report]) -> Finding | None:
+    """Compare the ranks' reports: a rank whose slice changed since its own update is named (at rest); ranks that
+    hold the same slice but recorded different bits are compared by majority, the minority named; a tie (two
+    replicas) names every holder, unattributed. None when everything agrees."""
+    params: dict[int, set[str]] = {}
+    how: dict[int, str] = {}
+    holders: dict[str, list[tuple[int, int, str]]] = {}
+    for r in reports:
+        for key, name, rec, cur in zip(r.keys, r.names, r.recorded, r.current, strict=True):
+            if rec != cur:
+                params.setdefault(r.rank, set()).add(name)
+                how[r.rank] = "at_rest"
+            holders.setdefault(key, []).append((r.rank, rec, name))
+    attributed = True
+    for held in holders.values():
+        values = Counter(v for _, v, _ in held)
+        if len(values) < 2:
+            continue
+        value, count = values.most_common(1)[0]
+        majority = value if 2 * count > len(held) else None
+        if majority is None and any(rank in how for rank, _, _ in held):
+            continue  # the at-rest change explains the disagreement: that rank is named already
+        attributed &= majority is not None
+        for rank, v, name in held:
+            if majority is None or v != majority:
+                params.setdefault(rank, set()).add(name)
+                how.setdefault(rank, "replica")
+    if not params:
+        return None
+    hosts = {r.rank: r.host for r in reports}
+    return Finding(step, {r: sorted(n) for r, n in params.items()}, how, hosts, attributed)
+
+
+def attribute_by_replay(suspect: Finding, reports: list[Report]) -> Finding:
+    """Replay verdict on an unattributed finding: of the suspects, the ranks whose logits were the first to differ
+    between the original steps and their replay (same weights from the snapshot, same batches: a healthy rank
+    reproduces its own bits) are named. A rank's logits depend on its own weights and its batch before any gradient
+    is averaged, so the one that computed with corrupted weights diverges first; in HSDP its shard group peers
+    diverge with it, which is why only the suspects (holders of the differing slice) are named."""
+    first = min((r.diverged for r in reports if r.diverged is not None), default=None)
+    diverged = {r.rank for r in reports if first is not None and r.diverged == first}
+    named = {r: n for r, n in suspect.params.items() if r in diverged}
+    if not named:
+        return suspect  # nothing in the replay differed: still unattributed
+    return Finding(suspect.step, named, {r: "replay" for r in named}, suspect.hosts, True, suspect.where)
+
+
+@dataclass
+class Replay:
+    """An unattributed finding awaiting the replay of its steps: the logits fingerprints of the steps since the last
+    check and the first replayed step that differed."""
+
+    finding: Finding
+    witnesses: dict[int, int]  # step -> the logits fingerprint the first time
+    diverged: int | None = None
+
+
+class SdcCheck:
+    """The fingerprints of one rank's parameters, recorded after the update of each check step and verified then
+    (before the step's snapshot is taken) and again before the next update (after the next forward and backward
+    read them). Every rank gathers every report over the control group, so all decide alike.
+
+    The fingerprint of the rank's logits of each step since the last check is kept (a 0-d device tensor, no sync):
+    when two replicas disagree and neither is the majority, the run rolls back and replays those steps, and the
+    rank whose replayed logits differ from the original's is the one that computed with corrupted weights."""
+
+    def __init__(
+        self, interval: int, parts: list[nn.Module], rank: int, group: dist.ProcessGroup | None
+    ) -> None:
+        self.interval = interval
+        self.rank = rank
+        self.group = group
+        self.host = socket.gethostname()
+        self.params = [(n, p) for part in parts for n, p in part.named_parameters()]
+        self.names = [n for n, _ in self.params]
+        self.keys = [_slice_key(n, p) for n, p in self.params]
+        self.recorded: list[int] | None = None
+        self.pending: int | None = None  # the check step whose fingerprints the next update's check verifies
+        self.witnesses: dict[
+            int, torch.Tensor
+        ] = {}  # step -> this rank's logits fingerprint, since the last check
+        self.replay: Replay | None = None
+        self._replayed: Finding | None = None  # the verdict of a replay that reached its finding's step
+        # The replay's witness: the fingerprint of this rank's logits, summed over the step's micro-batches. They
+        # depend on its weights and its batch only (before any gradient is averaged), and unlike the fp32 loss they
+        # keep the last bit of a small change: a flipped low mantissa bit often leaves the loss's bits as they were.
+        self._witness: torch.Tensor | int = 0
+        for part in parts:
+            for m in part.modules():
+                if isinstance(m, Transformer) and m.output is not None:
+                    m.output.register_forward_hook(self._witness_hook)
+
+    def due(self, step: int) -> bool:
+        return self.interval > 0 and step % self.interval == 0
+
+    def _prints(self) -> list[int]:
+        if not self.params:
+            return []
+        return torch.stack([fingerprint(_local(p)) for _, p in self.params]).tolist()  # one device read
+
+    def _witness_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        """The output layer's training forwards: add the fingerprint of this micro-batch's logits to the step's."""
+        if module.training:
+            self._witness = self._witness + fingerprint(_local(output))
+
+    def observe(self, step: int) -> None:
+        """Keep this step's logits fingerprint (no device read); during a replay, compare it with the original."""
+        witness, self._witness = self._witness, 0
+        if not isinstance(witness, torch.Tensor):
+            return  # no output layer on this rank
+        if self.replay is not None and step in self.replay.witnesses and self.replay.diverged is None:
+            replayed = int(witness.item())
+            if replayed != self.replay.witnesses[step]:
+                self.replay.diverged = step
+                log.warning(
+                    "replay: rank %d's logits at step %d differ from the first time's", self.rank, step
+                )
+        self.witnesses[step] = witness
+
+    def record(self, step: int) -> None:
+        """Right after the update of a check step: what this rank's parameters must hold until the next update."""
+        self.recorded = self._prints()
+        self.pending = step
+
+    def verify(self, step: int, where: str) -> Finding | None:
+        """Every rank's fingerprints now against its record and its replicas' (a collective on the control group:
+        every rank calls it at the same step)."""
+        assert self.recorded is not None, "verify() before record()"
+        replaying = self.replay is not None and step == self.replay.finding.step
+        mine = Report(self.rank, self.host, self.keys, self.recorded, self._prints(), self.names,
+                      self.replay.diverged if replaying else None)  # fmt: skip
+        reports = [mine]
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            reports = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(reports, mine, group=self.group)
+        finding = attribute(step, reports)
+        if finding is not None:
+            finding.where = where
+        if where == "after_update" and finding is None:
+            self.witnesses = {}  # a passed check: the next window starts
+        if replaying:
+            self._replayed = attribute_by_replay(self.replay.finding, reports)
+            self.replay = None
+        return finding
+
+    def suspect(self, finding: Finding) -> None:
+        """An unattributed finding: keep the window's logits fingerprints for its replay after the rollback."""
+        self.replay = Replay(finding, {s: int(v.item()) for s, v in self.witnesses.items()})
+
+    def replayed(self) -> Finding | None:
+        """The verdict of the replay that just reached its finding's step (once), else None."""
+        verdict, self._replayed = self._replayed, None
+        return verdict
+
+    def reset(self) -> None:
+        """After a rollback: the restored weights have no record yet."""
+        self.recorded, self.pending, self.witnesses = None, None, {}
+
+
+def exclude_hosts(run_dir: Path, hosts: list[str], step: int) -> Path:
+    """resilience.sdc_exclude: add `hosts` to <run_dir>/excluded_hosts.json (written aside and renamed in)."""
+    path = Path(run_dir) / EXCLUDED_FILE
+    marked = excluded_hosts(run_dir)
+    for h in hosts:
+        marked.setdefault(h, step)
+    tmp = path.with_name(f"{EXCLUDED_FILE}.tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(marked, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def excluded_hosts(run_dir: Path) -> dict[str, int]:
+    """The hosts an SDC finding marked bad in this run, with the step of the finding ({} when none)."""
+    try:
+        marked = json.loads((Path(run_dir) / EXCLUDED_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return marked if isinstance(marked, dict) else {}
+
+
+def excluded_here(run_dir: Path, host: str | None = None) -> str | None:
+    """Why this host may not (re)start workers of the run, or None: the launcher asks before each attempt."""
+    host = host or socket.gethostname()
+    marked = excluded_hosts(run_dir)
+    if host not in marked:
+        return None
+    return (
+        f"host {host} is excluded from this run: silent data corruption was found on it at step {marked[host]} "
+        f"(resilience.sdc_exclude; {Path(run_dir) / EXCLUDED_FILE}). Start the run on other hosts, or, once the "
+        "host is repaired or replaced, remove it from that file"
+    )
