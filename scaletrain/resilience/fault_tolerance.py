@@ -175,6 +175,7 @@ class ReplicaGroup:
         self.main_run = Path(os.environ[MAIN_RUN_ENV])
         self.healed_at: float | None = None
         self.replicas = 0
+        self._first_quorum = True
         self.groups, self.final = cfg.replica_groups, final
         self._position: dict | None = None
         local = cfg.lighthouse == "" or "127.0.0.1" in cfg.lighthouse
@@ -224,6 +225,7 @@ class ReplicaGroup:
             if self.healed_at is not None:
                 step = self.manager.current_step() + 1
                 self._joined(step - 1)
+            self._first_quorum = False
             if step < self.final or self.replicas >= self.groups or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
@@ -292,13 +294,17 @@ class ReplicaGroup:
         self.healed_at = time.time()
 
     def _joined(self, step: int) -> None:
+        """replica_joined: after a restart (heal_s: from the failure its launcher recorded to the weights received),
+        or after falling behind while alive (a quorum of the others committed a step without it)."""
         lost = [e for e in read_jsonl(self.main_run / EVENTS)
                 if e.get("kind") == "replica_lost" and e.get("group") == self.group]  # fmt: skip
-        heal_s = round(self.healed_at - lost[-1]["time"], 3) if lost else None
+        cause = "restarted" if self._first_quorum else "fell_behind"
+        heal_s = round(self.healed_at - lost[-1]["time"], 3) if lost and cause == "restarted" else None
         if self.rank == 0:
-            append_event(self.main_run, "replica_joined", step, group=self.group, heal_s=heal_s,
-                         replicas=self.replicas)  # fmt: skip
-            self.event("replica_joined", step=step, group=self.group, heal_s=heal_s)
+            fields = dict(group=self.group, heal_s=heal_s, cause=cause, replicas=self.replicas)
+            append_event(self.main_run, "replica_joined", step, **fields)
+            if self.group:  # group 0's own events are the main run's
+                self.event("replica_joined", step=step, **fields)
         self.healed_at = None
 
 
