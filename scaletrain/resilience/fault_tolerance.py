@@ -201,8 +201,9 @@ class ReplicaGroup:
         """After resuming at `step`: torchft counts committed steps from there; the first start waits for every group
         so that step 1 has them all (a restarted group goes straight on, to heal)."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        if self.rank == 0:
-            append_event(self.main_run, "replica_started", step, group=self.group, pid=os.getpid())
+        append_event(
+            self.main_run, "replica_started", step, group=self.group, group_rank=self.rank, pid=os.getpid()
+        )
         barrier = os.environ.get(BARRIER_ENV)
         if barrier and self.rank == 0:
             from torch.distributed import TCPStore
@@ -216,8 +217,9 @@ class ReplicaGroup:
     def step_start(self, step: int) -> int:
         """The quorum for `step`; returns the step to run: `step`, or the peers' next step after healing.
 
-        The last step waits (up to FINAL_WAIT_S) for every group: a group restarting then heals and rejoins before
-        the end, so that the job ends with every replica holding the same weights."""
+        The first and the last step wait (up to FINAL_WAIT_S) for every group: all start together (a group whose
+        heartbeat the lighthouse has not seen yet is not waited for otherwise), and a group restarting heals and
+        rejoins before the end, so that the job ends with every replica holding the same weights."""
         deadline = time.monotonic() + FINAL_WAIT_S
         while True:
             self.manager.start_quorum()
@@ -226,7 +228,8 @@ class ReplicaGroup:
                 step = self.manager.current_step() + 1
                 self._joined(step - 1)
             self._first_quorum = False
-            if step < self.final or self.replicas >= self.groups or time.monotonic() > deadline:
+            everyone = step in (1, self.final)  # the first and the last step wait for every group
+            if not everyone or self.replicas >= self.groups or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         self._position = self.state["loader"].state_dict()
@@ -266,8 +269,12 @@ class ReplicaGroup:
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for part in self.state["parts"] for p in part.parameters()]
 
+    def _tensors(self) -> list[torch.Tensor]:
+        """What a healing group copies of the model: the parameters and the buffers (MoE's expert_bias is trained)."""
+        return self._params() + [b for part in self.state["parts"] for b in part.buffers()]
+
     def _save(self) -> dict:
-        params = [_local(p.detach()).clone() for p in self._params()]
+        params = [_local(p.detach()).clone() for p in self._tensors()]
         optim = [
             {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
             for opt in self.state["optimizers"]._inner()
@@ -280,7 +287,7 @@ class ReplicaGroup:
 
     def _load(self, sd: dict) -> None:
         with torch.no_grad():
-            for p, value in zip(self._params(), sd["params"], strict=True):
+            for p, value in zip(self._tensors(), sd["params"], strict=True):
                 _local(p.data).copy_(value)
             pairs = [(opt, p) for opt in self.state["optimizers"]._inner() for p in _opt_params(opt)]
             for (opt, p), saved in zip(pairs, sd["optim"], strict=True):
@@ -298,8 +305,8 @@ class ReplicaGroup:
         or after falling behind while alive (a quorum of the others committed a step without it)."""
         lost = [e for e in read_jsonl(self.main_run / EVENTS)
                 if e.get("kind") == "replica_lost" and e.get("group") == self.group]  # fmt: skip
-        cause = "restarted" if self._first_quorum else "fell_behind"
-        heal_s = round(self.healed_at - lost[-1]["time"], 3) if lost and cause == "restarted" else None
+        cause = ("restarted" if lost else "started") if self._first_quorum else "fell_behind"
+        heal_s = round(self.healed_at - lost[-1]["time"], 3) if cause == "restarted" else None
         if self.rank == 0:
             fields = dict(group=self.group, heal_s=heal_s, cause=cause, replicas=self.replicas)
             append_event(self.main_run, "replica_joined", step, **fields)

@@ -80,12 +80,17 @@ def test_two_groups_survive_a_kill_heal_and_end_bit_identical(tmp_path, layout):
     train_cli(run, "--max-restarts", "1", kill, nproc=nproc, **args)
     [lost] = events(run, "replica_lost")
     assert (lost["group"], lost["step"], lost["cause"]) == (1, 8, "killed"), lost
+    # Every rank of group 0: one process throughout; every rank of group 1: restarted once (its agent's restart).
     started = events(run, "replica_started")
-    assert len([e for e in started if e["group"] == 0]) == 1, started  # group 0: the same process throughout
-    assert len({e["pid"] for e in started if e["group"] == 1}) == 2, started  # group 1: restarted once
+    for group, starts in ((0, 1), (1, 2)):
+        pids = {
+            r: {e["pid"] for e in started if (e["group"], e["group_rank"]) == (group, r)}
+            for r in range(nproc // 2)
+        }
+        assert all(len(p) == starts for p in pids.values()), started
     # At the latest before the last step, which waits for every group.
-    [joined] = [e for e in events(run, "replica_joined") if e["group"] == 1]
-    assert joined["cause"] == "restarted" and joined["heal_s"] > 0 and 7 <= joined["step"] < STEPS, joined
+    [joined] = [e for e in events(run, "replica_joined") if e["cause"] == "restarted"]
+    assert joined["group"] == 1 and joined["heal_s"] > 0 and 7 <= joined["step"] < STEPS, joined
     done = [e for e in events(run, "replica_done") if e["step"] == STEPS]  # (group 1's survivor: at 7)
     digests = {(e["group"], e["group_rank"]): e["params_sha256"] for e in done}
     assert len(done) == nproc and all(digests[1, r] == digests[0, r] for r in range(nproc // 2)), done
