@@ -1,6 +1,6 @@
 """QK-clip (optimizer.qk_clip = τ; MuonClip, Kimi K2, 2025): after each applied optimizer step, the query and key
 projections of every attention head whose largest logit in the step exceeded τ are scaled down so that the same
-batch would peak at τ. Independent of the optimizer (AdamW or Muon); docs/training.md, "QK-clip"."""
+batch would peak at τ. Independent of the optimizer (AdamW or Muon); docs/optimizer.md, "QK-clip"."""
 
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ def qk_clip_problems(cfg: Config) -> list[str]:
             "optimizer.qk_clip with parallel.cp > 1 is refused: under context parallel each rank holds a slice of "
             "the keys and ring attention never forms a whole row of logits, so a head's maximum would need every "
             "rank's keys; set parallel.cp = 1 or optimizer.qk_clip = 0"
+        )
+    if cfg.fault_tolerance.enabled:
+        problems.append(
+            "optimizer.qk_clip with fault_tolerance.enabled is refused: each replica group would take the logit "
+            "maximum over its own share of the batch only, and groups that clip different heads no longer hold "
+            "the same weights; set fault_tolerance.enabled = false or optimizer.qk_clip = 0"
         )
     if cfg.training.compile:
         problems.append(

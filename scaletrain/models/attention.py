@@ -108,8 +108,9 @@ def _block_mask(doc: torch.Tensor | None, window: int, seq_len: int, device: tor
     return create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=device)
 
 
-# Logits held at once by `max_logits` (fp32 elements, 16 MiB): the queries are taken in chunks of this many scores.
-_MAX_LOGIT_CHUNK = 2**22
+# Logits held at once by `max_logits` (32 Mi elements: 64 MiB in bf16, 128 MiB in fp32): the queries are taken in
+# chunks of this many scores.
+_MAX_LOGIT_CHUNK = 2**25
 
 
 @torch.no_grad()
@@ -118,30 +119,34 @@ def max_logits(
 ) -> torch.Tensor:
     """The largest attention logit q_i·k_j / sqrt(head_dim) (SDPA's default scale) of each query head, over the
     batch and every pair the layer lets attend: causal for mask None, else the boolean mask or the block mask's
-    rule. q: [batch, heads, seq, head_dim], k: [batch, kv_heads, seq, head_dim] (grouped-query: query head h
-    reads kv head h // (heads / kv_heads), as SDPA's enable_gqa); returns [heads] in fp32. For QK-clip
-    (scaletrain/qk_clip.py). Computed in fp32, chunked over the queries so that at most _MAX_LOGIT_CHUNK scores
-    exist at once, never the whole [batch, heads, seq, seq] matrix."""
+    rule. q: [batch, heads, seq, head_dim], k: [batch, kv_heads, seq, head_dim], the same positions (training, not
+    decoding); grouped-query: query head h reads kv head h // (heads / kv_heads), as SDPA's enable_gqa. Returns
+    [heads] in fp32. For QK-clip (scaletrain/qk_clip.py).
+
+    Chunked over the queries so that at most _MAX_LOGIT_CHUNK scores exist at once, never the whole
+    [batch, heads, seq, seq] matrix; every mask here is causal, so a chunk reads only the keys up to its last query
+    (half the products of the whole matrix). The products are computed in q's dtype, as the kernel reads them
+    (fp32 accumulation; under bf16 the maximum carries bf16's rounding, relative 2^-8)."""
     b, hq, s, d = q.shape
-    hkv, t = k.shape[1], k.shape[2]
-    qf = q.float().reshape(b, hkv, hq // hkv, s, d)
-    kf = k.float()
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, s, d)
     out = torch.full((hkv, hq // hkv), -math.inf, device=q.device)
-    rows = max(1, _MAX_LOGIT_CHUNK // (b * hq * t))
-    j = torch.arange(t, device=q.device)
+    rows = max(1, _MAX_LOGIT_CHUNK // (b * hq * s))
     for i0 in range(0, s, rows):
-        i = torch.arange(i0, min(s, i0 + rows), device=q.device)
-        logits = torch.einsum("bkgid,bkjd->bkgij", qf[:, :, :, i0 : i0 + rows], kf) * d**-0.5
+        i1 = min(s, i0 + rows)
+        i, j = torch.arange(i0, i1, device=q.device), torch.arange(i1, device=q.device)
+        logits = torch.einsum("bkgid,bkjd->bkgij", qg[:, :, :, i0:i1], k[:, :, :i1]).float()
         if mask is None:
             keep = (j[None, :] <= i[:, None])[None]
         elif isinstance(mask, BlockMask):
             bi = torch.arange(b, device=q.device)[:, None, None]
             keep = mask.mask_mod(bi, torch.zeros_like(bi), i[None, :, None], j[None, None, :])
         else:
-            keep = mask[:, 0, i0 : i0 + rows]
-        logits = logits.masked_fill(~keep.expand(b, -1, -1)[:, None, None], -math.inf)
+            keep = mask[:, 0, i0:i1, :i1]
+        logits.masked_fill_(~keep.expand(b, -1, -1)[:, None, None], -math.inf)
         out = torch.maximum(out, logits.amax(dim=(0, 3, 4)))
-    return out.reshape(hq)
+    # Scaled once at the end: rounding is monotonic, so the scaled maximum is the maximum of the scaled logits.
+    return out.reshape(hq) * d**-0.5
 
 
 class AttentionKernel:

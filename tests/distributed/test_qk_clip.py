@@ -1,9 +1,9 @@
-"""QK-clip (optimizer.qk_clip, scaletrain/qk_clip.py) in the layouts the validator accepts, each trained 6 steps in fp32
+"""QK-clip (optimizer.qk_clip, scaletrain/qk_clip.py) in the layouts the validator accepts, each trained 4 steps in fp32
 with τ low enough to clip heads at every step, against the single-process clipped run (losses, grad norms, every
 final parameter; tests/distributed/reference.py), its data-parallel replicas bitwise equal, and the same heads
-clipped at every step: ddp, zero1, zero2, fsdp, hsdp, tp x fsdp with sequence parallel, pipeline x fsdp (gradient
-accumulation: the reference takes 4 micro-batches per step), a MoE model under expert parallel, and Muon under fsdp
-and tp x fsdp. One spawn of 4 processes runs them all."""
+clipped at every step: ddp, zero1, fsdp (also with full recompute), hsdp, tp x zero2, tp x fsdp with sequence
+parallel, pipeline x fsdp (gradient accumulation: the reference takes 4 micro-batches per step), a MoE model under
+expert parallel, and Muon under tp x fsdp. One spawn of 4 processes runs them all."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from scaletrain.config import OptimizerConfig, ParallelConfig, TrainingConfig
+from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
 from scaletrain.train import build_core
 from tests.distributed.reference import (
@@ -28,7 +28,7 @@ from tests.distributed.reference import (
     tiny_args,
 )
 
-STEPS = 6
+STEPS = 4
 # The tiny model's largest logits are 0.1 to 0.3 over these steps: every step clips some of its heads.
 TAU = 0.1
 MOE = dict(n_layers=2, max_seq_len=16, n_experts=8, top_k=2, moe_hidden=32, first_dense=1, aux_loss_coef=0.01)
@@ -39,7 +39,9 @@ OPTIMIZERS = {
 FSDP = dict(data_parallel="fsdp")
 
 
-def _train(dims: ParallelDims, pcfg: ParallelConfig, kind: str, opt: str, m: int) -> tuple[Run, list, list]:
+def _train(
+    dims: ParallelDims, pcfg: ParallelConfig, kind: str, opt: str, m: int, recompute: str = "none"
+) -> tuple[Run, list, list]:
     """train_steps with QK-clip, also reading each step's clip figures (clipped heads, max logit)."""
     if dims.mesh is None and dims.world_size > 1:
         dims.build_mesh("cpu")
@@ -48,7 +50,14 @@ def _train(dims: ParallelDims, pcfg: ParallelConfig, kind: str, opt: str, m: int
     local = batches[0][0].shape[0] // dims.dp_size
     tcfg = TrainingConfig(micro_batch=local // m, grad_clip=1.0, steps=STEPS)
     pm, opts, runner = build_core(
-        full_model(args), dims, pcfg, tcfg, OPTIMIZERS[opt], device=CPU, n_microbatches=m
+        full_model(args),
+        dims,
+        pcfg,
+        tcfg,
+        OPTIMIZERS[opt],
+        device=CPU,
+        n_microbatches=m,
+        memory=MemoryConfig(recompute=recompute),
     )
     rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
     losses, norms, clipped, logits = [], [], [], []
@@ -67,7 +76,7 @@ def _train(dims: ParallelDims, pcfg: ParallelConfig, kind: str, opt: str, m: int
 
 def qk_case(rank: int, world_size: int, spec: dict) -> dict:
     """spec: ParallelConfig fields, plus "kind" (dense or moe), "opt" (adamw or muon), "m" (micro-batches per
-    rank) and "refs" (the reference summary of each (kind, opt))."""
+    rank), "recompute" (memory.recompute) and "refs" (the reference summary of each (kind, opt))."""
     spec = dict(spec)
     refs, kind, opt, m = (
         spec.pop("refs"),
@@ -75,8 +84,9 @@ def qk_case(rank: int, world_size: int, spec: dict) -> dict:
         spec.pop("opt", "adamw"),
         spec.pop("m", 1),
     )
+    recompute = spec.pop("recompute", "none")
     pcfg = ParallelConfig(**spec)
-    run, clipped, logits = _train(ParallelDims.from_config(pcfg, world_size), pcfg, kind, opt, m)
+    run, clipped, logits = _train(ParallelDims.from_config(pcfg, world_size), pcfg, kind, opt, m, recompute)
     ref = refs[f"{kind}-{opt}"]
     ref_run = Run(ref["losses"], ref["norms"], ref["state"], [], None, None, None, None)
     errors = []
@@ -90,13 +100,13 @@ def qk_case(rank: int, world_size: int, spec: dict) -> dict:
 CASES = {
     "ddp4": dict(),
     "zero1_dp4": dict(data_parallel="zero1"),
-    "zero2_dp4": dict(data_parallel="zero2"),
     "fsdp4": dict(**FSDP),
+    "fsdp4_recompute": dict(recompute="full", **FSDP),  # each block's forward runs again in backward
     "hsdp_2x2": dict(dp_replicate=2, dp_shard=2, data_parallel="hsdp"),
     "tp2_sp_fsdp2": dict(tp=2, sequence_parallel=True, m=2, **FSDP),
+    "tp2_zero2": dict(tp=2, data_parallel="zero2", m=2),
     "pp2_fsdp2": dict(pp=2, dp_shard=2, pp_schedule="1f1b", m=2, **FSDP),
     "moe_ep2_fsdp4": dict(kind="moe", ep=2, **FSDP),
-    "muon_fsdp4": dict(opt="muon", **FSDP),
     "muon_tp2_fsdp2": dict(opt="muon", tp=2, m=2, **FSDP),
 }
 

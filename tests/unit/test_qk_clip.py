@@ -176,7 +176,8 @@ def test_validate_refuses_what_qk_clip_cannot_measure():
     assert "must be > 0" in qk_clip_problems(cfg)[0]
     cfg.optimizer.qk_clip = 100.0
     assert qk_clip_problems(cfg) == []
-    cfg.parallel.cp, cfg.training.compile = 2, True
-    cp, compiled = qk_clip_problems(cfg)
+    cfg.parallel.cp, cfg.training.compile, cfg.fault_tolerance.enabled = 2, True, True
+    cp, ft, compiled = qk_clip_problems(cfg)
     assert "parallel.cp > 1" in cp and "ring attention" in cp
+    assert "fault_tolerance.enabled" in ft and "replica group" in ft
     assert "training.compile" in compiled
