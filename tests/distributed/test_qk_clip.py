@@ -2,8 +2,9 @@
 with τ low enough to clip heads at every step, against the single-process clipped run (losses, grad norms, every
 final parameter; tests/distributed/reference.py), its data-parallel replicas bitwise equal, and the same heads
 clipped at every step: ddp, zero1, fsdp (also with full recompute), hsdp, tp x zero2, tp x fsdp with sequence
-parallel, pipeline x fsdp (gradient accumulation: the reference takes 4 micro-batches per step), a MoE model under
-expert parallel, and Muon under tp x fsdp. One spawn of 4 processes runs them all."""
+parallel, pipeline x fsdp (1f1b, and zbv: two stages per rank), a MoE model under expert parallel, and Muon under
+tp x fsdp. Gradient accumulation: the reference takes 4 micro-batches per step. One spawn of 4 processes runs them
+all."""
 
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ CASES = {
     "tp2_sp_fsdp2": dict(tp=2, sequence_parallel=True, m=2, **FSDP),
     "tp2_zero2": dict(tp=2, data_parallel="zero2", m=2),
     "pp2_fsdp2": dict(pp=2, dp_shard=2, pp_schedule="1f1b", m=2, **FSDP),
+    "zbv_fsdp2": dict(pp=2, dp_shard=2, pp_schedule="zbv", m=2, **FSDP),  # two stages per rank, a V
     "moe_ep2_fsdp4": dict(kind="moe", ep=2, **FSDP),
     "muon_tp2_fsdp2": dict(opt="muon", tp=2, m=2, **FSDP),
 }
