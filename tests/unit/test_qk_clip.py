@@ -29,7 +29,7 @@ def _dense_max(q, k, keep) -> torch.Tensor:
     return logits.amax(dim=(0, 2, 3)).float()
 
 
-@pytest.mark.parametrize("chunk", [2**22, 40])  # 40: one query row at a time
+@pytest.mark.parametrize("chunk", [attention._MAX_LOGIT_CHUNK, 40])  # 40: one query row at a time
 def test_max_logits_equals_the_whole_logit_matrix_under_each_mask(monkeypatch, chunk):
     monkeypatch.setattr(attention, "_MAX_LOGIT_CHUNK", chunk)
     g = torch.Generator().manual_seed(0)
@@ -53,6 +53,10 @@ def test_max_logits_equals_the_whole_logit_matrix_under_each_mask(monkeypatch, c
         torch.testing.assert_close(max_logits(q, k, _block_mask(doc, window, s, CPU)), want)
     window_only = _bool_mask(None, 3, s, CPU)
     torch.testing.assert_close(max_logits(q, k, window_only), _dense_max(q, k, window_only[:, 0]))
+    # bf16 (the products in the kernel's dtype): the maximum within bf16's rounding, returned in fp32.
+    low = max_logits(q.bfloat16(), k.bfloat16())
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low, _dense_max(q, k, causal), rtol=2e-2, atol=2e-2)
 
 
 def _inputs(model, tokens) -> dict[int, tuple]:
