@@ -172,19 +172,29 @@ class SdcCheck:
         self.keys = [_slice_key(n, p) for n, p in self.params]
         self.recorded: list[int] | None = None
         self.pending: int | None = None  # the check step whose fingerprints the next update's check verifies
-        self.witnesses: dict[
-            int, torch.Tensor
-        ] = {}  # step -> this rank's logits fingerprint, since the last check
+        # step -> this rank's logits fingerprint (the replay's witness), for the steps since the last check
+        self.witnesses: dict[int, torch.Tensor] = {}
         self.replay: Replay | None = None
         self._replayed: Finding | None = None  # the verdict of a replay that reached its finding's step
         # The replay's witness: the fingerprint of this rank's logits, summed over the step's micro-batches. They
         # depend on its weights and its batch only (before any gradient is averaged), and unlike the fp32 loss they
         # keep the last bit of a small change: a flipped low mantissa bit often leaves the loss's bits as they were.
         self._witness: torch.Tensor | int = 0
+        if not self._ties_possible():
+            return  # no slice held by an even number of ranks: a majority (or the rank's own record) always decides
         for part in parts:
             for m in part.modules():
                 if isinstance(m, Transformer) and m.output is not None:
                     m.output.register_forward_hook(self._witness_hook)
+
+    def _ties_possible(self) -> bool:
+        """Whether some slice is held by an even number (>= 2) of ranks (a collective at setup)."""
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return False
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, self.keys, group=self.group)
+        holders = Counter(k for keys in everyone for k in set(keys))
+        return any(n >= 2 and n % 2 == 0 for n in holders.values())
 
     def due(self, step: int) -> bool:
         return self.interval > 0 and step % self.interval == 0

@@ -14,7 +14,7 @@ from scaletrain.checkpoint.run_model import load_run_model
 from scaletrain.resilience.sdc import excluded_hosts
 from tests.helpers import events, losses, train_cli
 
-STEPS = 9
+STEPS = 7
 INTERVAL = 3
 BASE = dict(
     steps=STEPS,
