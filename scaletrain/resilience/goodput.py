@@ -6,8 +6,9 @@ disjoint parts that add up to it exactly:
 - `total_s`: the last time stamp in the run directory (any event, or a metrics record's `time`) minus the first
   `job_start` or `start` event.
 - `productive_s`: the step time of every step number's LAST execution. A metrics record covers the steps after
-  the previous record of the same run segment (a segment begins at a `start` event, or at a `rollback` event's
-  `to_step`), each taking the record's `step_time_s`.
+  the previous record of the same run segment (a segment begins at a `start` event, at a `rollback` event's
+  `to_step`, or at the step a fault-tolerant replica group healed to: its own `replica_joined`), each taking the
+  record's `step_time_s`.
 - `recomputed_s`: the step time of every earlier execution of a step (re-run after a restart or a rollback).
 - `restart_s`: for each `start` after the first, the time since the previous segment stopped: its earliest
   `failure`, `restart`, `hang`, `preempted`, `interrupted` or `end` event; without one, its last time stamp when
@@ -70,7 +71,7 @@ def compute_goodput(run_dir: Path, pending: dict | None = None, now: float | Non
     t0 = min(e["time"] for e in events if e.get("kind") in ("start", "job_start"))
     t_end = max([events[-1]["time"]] + ([r["time"] for r in records] if timed else []) + [now or 0.0])
     total = max(0.0, t_end - t0)
-    productive, recomputed = _step_time(events, records, timed)
+    productive, recomputed = _step_time(events, records, timed, _group_of(run_dir))
     restart = _restart_time(events, starts, records if timed else None)
     stall = sum(_num(e.get("blocking_s")) or 0.0 for e in events if e.get("kind") == "checkpoint_saved")
     eval_s = sum(_num(e.get("duration_s")) or 0.0 for e in events if e.get("kind") == "eval")
@@ -97,9 +98,9 @@ def final_goodput(run_dir: Path) -> float | None:
         return None
 
 
-def _step_time(events: list[dict], records: list[dict], timed: bool) -> tuple[float, float]:
+def _step_time(events: list[dict], records: list[dict], timed: bool, group: int) -> tuple[float, float]:
     """(productive, recomputed) seconds: each step's last execution, and all its earlier ones."""
-    resets = [(e["time"], _resume_step(e)) for e in events if _resume_step(e) is not None]
+    resets = [(e["time"], _resume_step(e, group)) for e in events if _resume_step(e, group) is not None]
     # Where training can have gone back to: a start's or a rollback's step, or any saved checkpoint.
     resume_points = sorted(
         {step for _, step in resets}
@@ -136,14 +137,26 @@ def _step_time(events: list[dict], records: list[dict], timed: bool) -> tuple[fl
     return productive, executed - productive
 
 
-def _resume_step(event: dict) -> int | None:
-    """The step after which training continues from this event: a start's step, a rollback's to_step."""
+def _resume_step(event: dict, group: int = 0) -> int | None:
+    """The step after which training continues from this event: a start's step, a rollback's to_step, and under
+    fault tolerance the step a replica group (this directory's: `group`) healed to from its peers — it did not
+    run the steps it skipped, so they are not its productive time."""
     kind = event.get("kind")
     if kind == "start":
         return event.get("step") or 0
     if kind == "rollback" and isinstance(event.get("to_step"), int):
         return event["to_step"]
+    if kind == "replica_joined" and event.get("group") == group and isinstance(event.get("step"), int):
+        return event["step"]
     return None
+
+
+def _group_of(run_dir: Path) -> int:
+    """The replica group whose records `run_dir` holds: group g > 0 writes under replicas/group-g, group 0 (and a
+    run without fault tolerance) in the run directory itself."""
+    if run_dir.parent.name == "replicas" and run_dir.name.startswith("group-"):
+        return int(run_dir.name.removeprefix("group-"))
+    return 0
 
 
 def _restart_time(events: list[dict], starts: list[dict], timed_records: list[dict] | None) -> float:

@@ -186,3 +186,24 @@ def test_truncated_lines_are_skipped_and_a_run_needs_a_start(tmp_path):
     assert (g["total_s"], g["productive_s"]) == (10.0, 5.0)
     with pytest.raises(ValueError, match="no 'start' event"):
         compute_goodput(_write(tmp_path / "b", [{"time": 0.0, "kind": "job_start"}], []))
+
+
+@pytest.mark.parametrize("where", ["main", "group"])
+def test_a_replica_group_that_healed_forward_counts_only_the_steps_it_ran(tmp_path, where):
+    """Fault tolerance: a group that fell behind takes its peers' weights at step 12 and goes on from step 13; steps
+    6-12 were its peers' time, not its own (counting them put group 0's goodput at 102%). Group 0 writes in the run
+    directory, group g > 0 under replicas/group-g; the other groups' replica_joined events are not its resets."""
+    group = 0 if where == "main" else 1
+    run = tmp_path / "run" if where == "main" else tmp_path / "run" / "replicas" / "group-1"
+    events = [
+        {"time": 100.0, "kind": "start", "step": 0},
+        {"time": 105.5, "kind": "replica_joined", "step": 4, "group": 1 - group, "cause": "fell_behind"},
+        {"time": 107.0, "kind": "replica_joined", "step": 12, "group": group, "cause": "fell_behind"},
+        {"time": 116.0, "kind": "end", "step": 20},
+    ]
+    records = [
+        {"step": 5, "step_time_s": 1.0, "time": 105.0},
+        {"step": 20, "step_time_s": 1.0, "time": 115.0},
+    ]
+    g = _check(compute_goodput(_write(run, events, records)))
+    assert g["productive_s"] == pytest.approx(5 * 1.0 + 8 * 1.0)  # steps 1-5 and 13-20
