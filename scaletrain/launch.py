@@ -174,7 +174,8 @@ def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: 
     policy = RestartPolicy(max_restarts)
     attempt = 0
     while not stop.requested:
-        if why := excluded_here(run_dir):  # resilience.sdc_exclude: this host corrupted data; start nothing on it
+        # resilience.sdc_exclude: this host corrupted data; start nothing on it
+        if why := excluded_here(run_dir):
             append_event(run_dir, "stopped", None, cause="excluded_host", reason=why)
             print(f"error: {why}", file=sys.stderr)
             return 1

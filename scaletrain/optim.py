@@ -256,7 +256,8 @@ class Optimizers(Stateful):
         if self.routing_bias is not None and not skip:
             self.routing_bias.step()  # the biases are buffers: no optimizer touches them, so order does not matter
         if self.qk_clip is not None:
-            self.qk_clip.step(applied=not skip)  # rescales the updated W_q/W_k (a skipped step: resets the maxima)
+            # Rescales the updated W_q/W_k; a skipped step only resets the maxima.
+            self.qk_clip.step(applied=not skip)
 
     def _inner(self) -> list[torch.optim.Optimizer]:
         # ZeRO-1 keeps its rank's AdamW over its share of the parameters; checkpoints save that share by name.

@@ -83,7 +83,8 @@ def train(cfg: Config) -> dict:
                 decision = "skip" if overflow else job.guard.check(step, loss, grad_norm)
                 job.optimizers.step(skip=decision != "ok")
                 job.moe.step_done(step, applied=decision == "ok")  # MoE: load metrics, imbalance watch
-                decision = job.guard.after_update(step, decision)  # resilience.sdc_interval: replicas compared
+                # resilience.sdc_interval: the replicas' fingerprints compared after the update
+                decision = job.guard.after_update(step, decision)
                 back = job.guard.rollback(step, job.ckpt, job.loader) if decision == "rollback" else None
                 if back is not None:
                     step = back

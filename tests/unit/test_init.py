@@ -53,6 +53,6 @@ def test_a_draw_holds_at_most_whole_param_copies_of_the_tensor():
     """The bound the planner and the memory check use (planner/memory.init_draw_bytes), measured as the growth of
     the resident set's high-water mark while one 206 MB table is drawn; torch's own sampler holds about twice it."""
     if not uses_torch_sampler():
-        pytest.skip("this torch's trunc_normal_ is not the rejection sampler: trunc_normal_ calls it (in place)")
+        pytest.skip("this torch's trunc_normal_ is not a rejection sampler: ours calls it (in place)")
     assert _copies(lean=True) <= WHOLE_PARAM_COPIES
     assert _copies(lean=False) > WHOLE_PARAM_COPIES + 1

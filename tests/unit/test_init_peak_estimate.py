@@ -24,9 +24,7 @@ def drawn_from_the_plan(args: ModelArgs) -> float:
     out = 0.0
     for name, init in model.init_plan():
         copies = (
-            WHOLE_PARAM_COPIES
-            if isinstance(init, functools.partial) and init.func is trunc_normal_
-            else 1
+            WHOLE_PARAM_COPIES if isinstance(init, functools.partial) and init.func is trunc_normal_ else 1
         )
         out = max(out, copies * params[name].nbytes)
     return out
