@@ -110,6 +110,13 @@ def fsdp_applies(dims: ParallelDims | Layout, mode: str) -> bool:
     return mode == "hsdp" or (mode in ("fsdp", "zero2") and dims.size("dp_shard_cp") > 1)
 
 
+def updates_each_replica(mode: str) -> bool:
+    """Whether every rank that holds a copy of a parameter also computes its update (ddp, hsdp, the shards of
+    fsdp/zero2), or one rank updates it and sends the result to the others (zero1: a copy that changes between two
+    updates is overwritten at the next, so the replicas agree again and only a watch at rest sees it)."""
+    return mode != "zero1"
+
+
 def layout_problems(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
     """Every rule of the layout at once: the batch split, attention under cp/pp, sizes that tile the world, tp/cp
     divisibility, expert parallel and the pipeline's micro-batch rules; what the planner's search asks of each

@@ -39,6 +39,7 @@ class Guard:
         faults: FaultInjector | None = None,
         clock: BusyClock | None = None,
         parts: list[nn.Module] | None = None,
+        updates_each_replica: bool = True,
     ):
         rank, device_type = env.rank, env.device.type
         self.cfg = cfg
@@ -58,8 +59,13 @@ class Guard:
         )
         self.run_dir = run_dir
         self.rank = rank
-        # resilience.sdc_interval: fingerprints of the parameters `parts` this rank holds, compared over `group`.
-        self.sdc = SdcCheck(cfg.sdc_interval, parts or [], rank, group) if cfg.sdc_interval > 0 else None
+        # resilience.sdc_interval: fingerprints of the parameters `parts` this rank holds, compared over `group`;
+        # all of them watched at rest when their replicas do not each compute the update (layout.updates_each_replica).
+        self.sdc = (
+            SdcCheck(cfg.sdc_interval, parts or [], rank, group, watch_all=not updates_each_replica)
+            if cfg.sdc_interval > 0
+            else None
+        )
         # The pending rollback is for corruption: the data is innocent, nothing skipped.
         self._sdc_rollback = False
         self.first_step = True
@@ -86,14 +92,11 @@ class Guard:
         Everything the checks need is copied to the host in one transfer: on a GPU that is the step's only
         device sync outside logging steps (two float() calls used to make two).
 
-        resilience.sdc_interval: the step after a check step first verifies the weights its forward and backward
-        read against the fingerprints recorded after the last update (corruption at rest); a finding rolls back."""
+        resilience.sdc_interval: the slices no other rank holds are compared with what the last update wrote (on
+        the device: the next check reads it)."""
         if self.sdc is not None:
             self.sdc.observe(step)  # this step's logits fingerprint, kept for a replay
-            if self.sdc.pending == step - 1:
-                self.sdc.pending = None
-                if self._sdc_verify(step, "before_update") == "rollback":
-                    return "rollback"
+            self.sdc.watch()
         if self.nan is None and self.spike is None:
             return "ok"
         values = [loss, grad_norm] + ([self.mean_loss(loss)] if self.spike is not None else [])
@@ -112,18 +115,20 @@ class Guard:
             self.event("loss_spike", step=step, loss=host[2], mean=self.spike.mean, std=self.spike.std)
             if self.sdc is not None:  # the device or the data? Replicas that differ now say the device
                 self.sdc.record(step)
-                self.sdc.pending = None
                 self._sdc_verify(step, "loss_spike")
             return "rollback"
         return "ok"
 
     def after_update(self, step: int, decision: Decision) -> Decision:
-        """After the optimizer step (before the step's snapshot): on a check step, record this rank's fingerprints
-        and verify them across replicas; the bitflip fault fires in between (corruption of the freshly updated
-        weights). Returns `decision`, or 'rollback' on a finding."""
-        if self.sdc is not None and decision != "ok":
-            self.sdc.reset()  # no update applied (or a rollback comes): nothing recorded to verify
+        """After the optimizer step (before the step's snapshot): record the fingerprints of the slices no other
+        rank holds; on a check step, record all of this rank's and verify them across replicas. The bitflip fault
+        fires in between (corruption of the freshly updated weights). Returns `decision`, or 'rollback' on a
+        finding."""
+        if self.sdc is not None and decision == "rollback":
+            self.sdc.reset()  # the snapshot's weights come back: nothing recorded holds for them
         due = self.sdc is not None and decision == "ok" and self.sdc.due(step)
+        if self.sdc is not None and decision == "ok":
+            self.sdc.rested()  # a skipped step changed nothing: the last record still holds
         if due:
             self.sdc.record(step)
         if self.faults is not None:

@@ -1,8 +1,10 @@
 """Silent data corruption (issue 25 part 2): every resilience.sdc_interval steps each rank fingerprints the parameter
 slices it holds (an exact int64 sum of the float bits), checks them against its own fingerprint taken right after
 the update (corruption at rest) and against every rank that holds the same slice (replicas must be bit-identical).
-The guard asks; restoring the newest snapshot is the checkpoint manager's. docs/resilience.md, "Silent data
-corruption", says what each data-parallel mode detects and what it cannot."""
+A slice no other rank holds (fsdp, zero2, one process) is also watched at rest at every step: fingerprinted after
+each update and again before the next, on the device, the differences read at the next check. The guard asks;
+restoring the newest snapshot is the checkpoint manager's. docs/resilience.md, "Silent data corruption", says what
+each data-parallel mode detects and what it cannot."""
 
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ class Finding:
     # replicas) or "replay" (its own computation, replayed from the snapshot on the same inputs, gave other bits)
     hosts: dict[int, str]
     attributed: bool = True  # False: two replicas disagree and nothing (yet) says which one is wrong
-    where: str = ""  # "after_update", "before_update" or "loss_spike": where in the step it was found
+    where: str = ""  # "after_update" or "loss_spike": where in the step it was found
 
     @property
     def rank(self) -> int:
@@ -92,6 +94,8 @@ class Report:
     current: list[int]
     names: list[str] = field(default_factory=list)
     diverged: int | None = None
+    # the watched slices that changed at rest since the last check
+    drifted: list[str] = field(default_factory=list)
 
 
 def attribute(step: int, reports: list[Report]) -> Finding | None:
@@ -103,7 +107,7 @@ def attribute(step: int, reports: list[Report]) -> Finding | None:
     holders: dict[str, list[tuple[int, int, str]]] = {}
     for r in reports:
         for key, name, rec, cur in zip(r.keys, r.names, r.recorded, r.current, strict=True):
-            if rec != cur:
+            if rec != cur or name in r.drifted:
                 params.setdefault(r.rank, set()).add(name)
                 how[r.rank] = "at_rest"
             holders.setdefault(key, []).append((r.rank, rec, name))
@@ -152,16 +156,24 @@ class Replay:
 
 
 class SdcCheck:
-    """The fingerprints of one rank's parameters, recorded after the update of each check step and verified then
-    (before the step's snapshot is taken) and again before the next update (after the next forward and backward
-    read them). Every rank gathers every report over the control group, so all decide alike.
+    """The fingerprints of one rank's parameters, recorded after the update of each check step and verified then,
+    before the step's snapshot is taken. Every rank gathers every report over the control group, so all decide
+    alike. Between checks, a replicated slice that changes shows at the next check (its replicas then differ); a
+    slice no other rank holds has no second copy, so it is fingerprinted after every update (`rested`) and again
+    before the next one (`watch`): both stay on the device, and only the check reads which ones changed.
 
     The fingerprint of the rank's logits of each step since the last check is kept (a 0-d device tensor, no sync):
     when two replicas disagree and neither is the majority, the run rolls back and replays those steps, and the
     rank whose replayed logits differ from the original's is the one that computed with corrupted weights."""
 
     def __init__(
-        self, interval: int, parts: list[nn.Module], rank: int, group: dist.ProcessGroup | None
+        self,
+        interval: int,
+        parts: list[nn.Module],
+        rank: int,
+        group: dist.ProcessGroup | None,
+        *,
+        watch_all: bool = False,
     ) -> None:
         self.interval = interval
         self.rank = rank
@@ -170,8 +182,16 @@ class SdcCheck:
         self.params = [(n, p) for part in parts for n, p in part.named_parameters()]
         self.names = [n for n, _ in self.params]
         self.keys = [_slice_key(n, p) for n, p in self.params]
+        holders = self._holders()
+        # Watched at rest at every step: the slices only this rank holds, or every slice where a copy changed at
+        # rest would be overwritten by its owner's next update (`watch_all`: zero1) before a check could compare it.
+        watched = [watch_all or holders[k] == 1 for k in self.keys]
+        self.alone = [p for (_, p), w in zip(self.params, watched, strict=True) if w]
+        self._alone_names = [n for n, w in zip(self.names, watched, strict=True) if w]
+        # Their fingerprints after the last update, and which of them changed before a later one since the check.
+        self._rest: torch.Tensor | None = None
+        self._drift: torch.Tensor | None = None
         self.recorded: list[int] | None = None
-        self.pending: int | None = None  # the check step whose fingerprints the next update's check verifies
         # step -> this rank's logits fingerprint (the replay's witness), for the steps since the last check
         self.witnesses: dict[int, torch.Tensor] = {}
         self.replay: Replay | None = None
@@ -180,29 +200,28 @@ class SdcCheck:
         # depend on its weights and its batch only (before any gradient is averaged), and unlike the fp32 loss they
         # keep the last bit of a small change: a flipped low mantissa bit often leaves the loss's bits as they were.
         self._witness: torch.Tensor | int = 0
-        if not self._ties_possible():
+        if not any(n >= 2 and n % 2 == 0 for n in holders.values()):
             return  # no slice held by an even number of ranks: a majority (or the rank's own record) always decides
         for part in parts:
             for m in part.modules():
                 if isinstance(m, Transformer) and m.output is not None:
                     m.output.register_forward_hook(self._witness_hook)
 
-    def _ties_possible(self) -> bool:
-        """Whether some slice is held by an even number (>= 2) of ranks (a collective at setup)."""
+    def _holders(self) -> Counter:
+        """How many ranks of the group hold each slice key (a collective at setup)."""
         if self.group is None or dist.get_world_size(self.group) == 1:
-            return False
+            return Counter(set(self.keys))
         everyone: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, self.keys, group=self.group)
-        holders = Counter(k for keys in everyone for k in set(keys))
-        return any(n >= 2 and n % 2 == 0 for n in holders.values())
+        return Counter(k for keys in everyone for k in set(keys))
 
     def due(self, step: int) -> bool:
         return self.interval > 0 and step % self.interval == 0
 
-    def _prints(self) -> list[int]:
-        if not self.params:
-            return []
-        return torch.stack([fingerprint(_local(p)) for _, p in self.params]).tolist()  # one device read
+    @staticmethod
+    def _prints(params: list[torch.Tensor]) -> torch.Tensor | None:
+        """The fingerprints of `params`, one 1-d device tensor (None when there are none); nothing is read yet."""
+        return torch.stack([fingerprint(_local(p)) for p in params]) if params else None
 
     def _witness_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         """The output layer's training forwards: add the fingerprint of this micro-batch's logits to the step's."""
@@ -223,18 +242,33 @@ class SdcCheck:
                 )
         self.witnesses[step] = witness
 
+    def watch(self) -> None:
+        """Before an update: whether the unreplicated slices still hold what the last update wrote (on the device)."""
+        if self._rest is None:
+            return  # no update since the (re)start or rollback
+        changed = self._prints(self.alone) != self._rest
+        self._drift = changed if self._drift is None else self._drift | changed
+
+    def rested(self) -> None:
+        """Right after every applied update: what the unreplicated slices must hold until the next one."""
+        self._rest = self._prints(self.alone)
+
     def record(self, step: int) -> None:
         """Right after the update of a check step: what this rank's parameters must hold until the next update."""
-        self.recorded = self._prints()
-        self.pending = step
+        prints = self._prints([p for _, p in self.params])
+        self.recorded = [] if prints is None else prints.tolist()  # one device read
 
     def verify(self, step: int, where: str) -> Finding | None:
         """Every rank's fingerprints now against its record and its replicas' (a collective on the control group:
         every rank calls it at the same step)."""
         assert self.recorded is not None, "verify() before record()"
         replaying = self.replay is not None and step == self.replay.finding.step
-        mine = Report(self.rank, self.host, self.keys, self.recorded, self._prints(), self.names,
-                      self.replay.diverged if replaying else None)  # fmt: skip
+        current = self._prints([p for _, p in self.params])
+        drift = [] if self._drift is None else self._drift.tolist()
+        self._drift = None
+        mine = Report(self.rank, self.host, self.keys, self.recorded, [] if current is None else current.tolist(),
+                      self.names, self.replay.diverged if replaying else None,
+                      [n for n, d in zip(self._alone_names, drift) if d])  # fmt: skip
         reports = [mine]
         if self.group is not None and dist.get_world_size(self.group) > 1:
             reports = [None] * dist.get_world_size(self.group)
@@ -260,7 +294,7 @@ class SdcCheck:
 
     def reset(self) -> None:
         """After a rollback: the restored weights have no record yet."""
-        self.recorded, self.pending, self.witnesses = None, None, {}
+        self.recorded, self.witnesses, self._rest, self._drift = None, {}, None, None
 
 
 def exclude_hosts(run_dir: Path, hosts: list[str], step: int) -> Path:

@@ -1,5 +1,5 @@
 """Silent data corruption (issue 25 part 2): a bit flipped in one rank's parameters after an update is found within
-resilience.sdc_interval steps under ddp, fsdp and hsdp, named (rank, step, parameter), rolled back and replayed to
+resilience.sdc_interval steps under every data-parallel mode, named (rank, step, parameter), rolled back and replayed to
 the parameters of the run without the fault; a clean run checked at every step raises no alarm; sdc_exclude marks
 the host and the launcher then starts nothing on it."""
 
@@ -23,17 +23,23 @@ BASE = dict(
     metrics__log_interval=1,
     checkpoint__snapshot_interval=INTERVAL,
 )
-MODES = {  # nproc, the step of the flip, overrides. Rank 1 holds: ddp the whole model (rank 0 its replica), hsdp 2x2
-    # the shard rank 3 also holds: a flip at any step shows at the next check, as the replicas then differ. fsdp: its
-    # shard alone, no replica: a flip is seen at rest, between a check step's update and the next one (step 6)
+# nproc, the step of the flip, overrides. Rank 1 holds: ddp the whole model (rank 0 its replica), hsdp 2x2 the shard
+# rank 3 also holds: a flip at any step shows at the next check, as the replicas then differ. fsdp and zero2: its
+# shard alone, no replica; zero1: a copy that rank 0's next update overwrites (the replicas agree again). There the
+# flip is seen at rest, before the next update (after step 4 or 5, not check steps, read at the check of step 6) or
+# at once (zero2: after step 6's update, a check step).
+MODES = {
     "ddp": (2, 5, {"parallel__data_parallel": "ddp"}),
-    "fsdp": (2, 6, {"parallel__data_parallel": "fsdp"}),
+    "zero1": (2, 4, {"parallel__data_parallel": "zero1"}),
+    "fsdp": (2, 5, {"parallel__data_parallel": "fsdp"}),
+    "zero2": (2, 6, {"parallel__data_parallel": "zero2"}),
     "hsdp": (
         4,
         5,
         {"parallel__data_parallel": "hsdp", "parallel__dp_replicate": 2, "training__micro_batch": 2},
     ),
 }
+AT_REST = ("fsdp", "zero2", "zero1")
 
 
 def _params(run) -> dict[str, torch.Tensor]:
@@ -54,13 +60,12 @@ def test_a_flipped_bit_is_found_named_and_rolled_back_to_the_clean_run(tmp_path,
               resilience__sdc_exclude=mode == "ddp", **BASE, **layout)  # fmt: skip
     (fired,) = events(faulty, "fault_injected")
     (found,) = events(faulty, "sdc_detected")
-    # ddp, hsdp: flipped after step 5's update, found at the next check (step 6): rank 1's fingerprint differs from
-    # its replica's, neither is a majority; the rollback's replay of steps 4-6 names rank 1, whose loss at step 6
-    # differs from the original (it had computed with the flipped weight). fsdp: at rest, rank 1 changed since
-    # its own record of step 6's update.
+    # ddp, hsdp: found at the next check (step 6): rank 1's fingerprint differs from its replica's, neither
+    # is a majority; the rollback's replay of steps 4-6 names rank 1, whose logits differ from the original's (it
+    # had computed with the flipped weight). fsdp, zero2, zero1: at rest, rank 1's copy changed after an update.
     assert flip <= found["step"] < flip + INTERVAL, found
     assert found["rank"] == 1 and found["ranks"] == [1] and found["attributed"], found
-    assert found["how"] == {"1": "at_rest" if mode == "fsdp" else "replay"}, found
+    assert found["how"] == {"1": "at_rest" if mode in AT_REST else "replay"}, found
     assert found["params"] == {"1": [fired["param"]]}, (found, fired)
     (back,) = events(faulty, "rollback")
     assert back["reason"] == "sdc" and back["to_step"] == INTERVAL and back["skipped_batches"] == 0, back
