@@ -26,13 +26,13 @@ from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
 from scaletrain.models import Transformer, build_meta_model, count_parameters, resolve_model_args
 from scaletrain.optim import Optimizers, RoutingBias, optimizer_builder
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
-from scaletrain.parallel.layout import Layout, updates_each_replica
+from scaletrain.parallel.layout import Layout
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
 from scaletrain.parallel.parallelize import ParallelModel, parallelize
 from scaletrain.precision import Precision, resolve_precision
 from scaletrain.qk_clip import QKClip
 from scaletrain.resilience import fault_tolerance
-from scaletrain.resilience.fault_tolerance import ReplicaGroup
+from scaletrain.resilience.fault_tolerance import NoReplicaGroup, ReplicaGroup
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.goodput import final_goodput
 from scaletrain.resilience.guard import Guard
@@ -50,18 +50,14 @@ def train(cfg: Config) -> dict:
     job = build(cfg)
     t, device = cfg.training, job.env.device
     step = start = job.resume()
-    if t.eval_interval and start == 0:
-        job.evaluate(0)
     last: dict = {}
     end = job.limits.begin(start)  # run.stop_at_step, else training.steps
     profiler = metrics.Profiler(cfg.profile, job.run.path, job.env.rank, device)  # profile.steps, if any
     try:
         with metrics.Progress(t.steps, start, enabled=job.env.is_main and cfg.metrics.progress) as progress:
             while step < end:
-                step += 1
                 # fault_tolerance: the quorum; a healed group goes on at its peers' step
-                if job.ft is not None:
-                    step = job.ft.step_start(step)
+                step = job.ft.step_start(step + 1)
                 job.guard.step_start(step)
                 profiler.step_start(step)
                 sequences = job.batches.sequences(step)  # the global batch; smaller early under a batch ramp
@@ -69,55 +65,49 @@ def train(cfg: Config) -> dict:
                 lr = job.optimizers.lr
                 loss = job.runner.forward_backward(inputs.to(device), targets.to(device))
                 # fault_tolerance: averaged over the replica groups present; a group lost: run the step again
-                if job.ft is not None:
-                    loss, committed = job.ft.sync(loss)
-                    if not committed:
-                        job.ft.retry()
-                        step -= 1
-                        continue
-                grad_norm = job.runner.clip()
-                # A save in flight must have copied the weights before the optimizer changes them.
-                job.meter.exclude(job.ckpt.before_update())
-                # fp16: a step whose scaled gradients overflowed is the loss scaler's to skip, not an anomaly.
-                overflow = job.runner.loss_scale_overflow(loss, grad_norm)
-                decision = "skip" if overflow else job.guard.check(step, loss, grad_norm)
-                job.optimizers.step(skip=decision != "ok")
-                job.moe.step_done(step, applied=decision == "ok")  # MoE: load metrics, imbalance watch
-                # resilience.sdc_interval: the replicas' fingerprints compared after the update
-                decision = job.guard.after_update(step, decision)
+                loss, committed = job.ft.sync(loss)
+                if not committed:
+                    step -= 1
+                    continue
+                grad_norm, decision = _update(job, step, loss)
                 back = job.guard.rollback(step, job.ckpt, job.loader) if decision == "rollback" else None
                 if back is not None:
                     step = back
                     job.meter.reset()
                     continue
-                job.train_state.step, job.train_state.tokens = step, job.tokens(step)
-                job.meter.step_done(sequences * cfg.data.seq_len)
+                job.step_done(step, sequences)
                 if step % cfg.metrics.log_interval == 0 or step == end or _is_eval_step(step, t):
                     last = _log(job, step, loss, grad_norm, lr)
                 progress.update(step, last.get("loss", math.nan), last.get("tokens_per_s", 0.0), lr,
                                 last.get("mfu"), job.writer.last_event)  # fmt: skip
-                # SIGTERM, Ctrl-C or run.time_limit ends the job after this step (each agreed by every rank).
-                if (job.preemption.stopping(step, job.writer.event, job.ckpt.final_save_note())
-                        or job.limits.time_up(step, job.ckpt.save_seconds)):  # fmt: skip
+                if job.stopping(step):
                     if last.get("step") != step:  # stopped between logged steps: the summary shows this one
                         last = _log(job, step, loss, grad_norm, lr)
                     break
                 job.meter.exclude(job.ckpt.maybe_save(step))
                 job.guard.step_end(step)
                 job.meter.exclude(profiler.step_end(step))  # writing the trace is not training time
-        # Ended early, to be continued: time_limit, stop_at_step (exit 75), Ctrl-C (130).
-        stopped = job.limits.stopped(step) or job.preemption.stop_reason()
-        job.ckpt.close(step, finished=step == t.steps)  # the final save, protected by the memory tier
-        if job.ft is not None:  # fault_tolerance: this rank's parameters' digest, then leave the quorum
-            job.ft.close()
+        stopped = job.close(step)
     except KeyboardInterrupt:
-        job.writer.event("interrupted", step=step)
-        job.writer.close()
+        job.interrupted(step)
         raise
     finally:
-        job.guard.close()
-        job.preemption.close()
+        job.release()
     return _finish(job, step, last, time.perf_counter() - t_start, stopped)
+
+
+def _update(job: Job, step: int, loss: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """Clip -> health check -> optimizer step: (grad norm, the guard's decision: "ok", "skip" or "rollback")."""
+    grad_norm = job.runner.clip()
+    # A save in flight must have copied the weights before the optimizer changes them.
+    job.meter.exclude(job.ckpt.before_update())
+    # fp16: a step whose scaled gradients overflowed is the loss scaler's to skip, not an anomaly.
+    overflow = job.runner.loss_scale_overflow(loss, grad_norm)
+    decision = "skip" if overflow else job.guard.check(step, loss, grad_norm)
+    job.optimizers.step(skip=decision != "ok")
+    job.moe.step_done(step, applied=decision == "ok")  # MoE: load metrics, imbalance watch
+    # resilience.sdc_interval: the replicas' fingerprints compared after the update
+    return grad_norm, job.guard.after_update(step, decision)
 
 
 @dataclass
@@ -141,21 +131,52 @@ class Job:
     batches: BatchRamp  # the global batch of each step: training.global_batch, or the batch ramp's
     info: dict  # what the start event says of the setup
     moe: MoEMonitor  # MoE: expert load, moe_* metrics (inert for a dense model); the bias update is in optimizers
+    # fault_tolerance: this rank's replica group (resilience/fault_tolerance); NoReplicaGroup without
+    ft: ReplicaGroup | NoReplicaGroup
     evals: dict[int, float] = field(default_factory=dict)
-    ft: ReplicaGroup | None = None  # fault_tolerance: this rank's replica group (resilience/fault_tolerance)
 
     def tokens(self, step: int) -> int:
         """Tokens trained by steps 1..step."""
         return self.batches.consumed(step) * self.cfg.data.seq_len
 
     def resume(self) -> int:
-        """Load the newest complete copy across both tiers (if any) and say where the run starts."""
+        """Load the newest complete copy across both tiers (if any) and say where the run starts; a fresh start with
+        training.eval_interval evaluates the initial weights (step 0)."""
         self.ckpt.load_latest()
         start, restart = self.train_state.step, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if self.ft is not None:
-            self.ft.begin(start)
+        self.ft.begin(start)
         self.writer.event("start", step=start, resumed=start > 0, restart=restart, **self.info)
+        if self.cfg.training.eval_interval and start == 0:
+            self.evaluate(0)
         return start
+
+    def step_done(self, step: int, sequences: int) -> None:
+        """Step `step` of `sequences` sequences counts: in the train state (what a checkpoint saves), in throughput."""
+        self.train_state.step, self.train_state.tokens = step, self.tokens(step)
+        self.meter.step_done(sequences * self.cfg.data.seq_len)
+
+    def stopping(self, step: int) -> bool:
+        """SIGTERM, Ctrl-C or run.time_limit ends the job after this step (each agreed by every rank)."""
+        return (self.preemption.stopping(step, self.writer.event, self.ckpt.final_save_note())
+                or self.limits.time_up(step, self.ckpt.save_seconds))  # fmt: skip
+
+    def close(self, step: int) -> str | None:
+        """The final save (protected by the memory tier), then fault_tolerance's parameter digest and leaving the
+        quorum. Returns why the job ended early, to be continued: time_limit, stop_at_step (exit 75), Ctrl-C (130)."""
+        stopped = self.limits.stopped(step) or self.preemption.stop_reason()
+        self.ckpt.close(step, finished=step == self.cfg.training.steps)
+        self.ft.close()
+        return stopped
+
+    def interrupted(self, step: int) -> None:
+        """Ctrl-C: recorded, and the writer closed (the KeyboardInterrupt goes on to the launcher: exit 130)."""
+        self.writer.event("interrupted", step=step)
+        self.writer.close()
+
+    def release(self) -> None:
+        """However the loop ended: the guard's watchdog stops and the signals get their previous actions back."""
+        self.guard.close()
+        self.preemption.close()
 
     def evaluate(self, step: int) -> float:
         t0 = time.perf_counter()
@@ -224,7 +245,6 @@ def build(cfg: Config) -> Job:
     # single-process values for the seed (parallel/materialize.py). An HF import then overwrites each rank's share
     # with the rows it holds, read from the safetensors files (checkpoint/hf_sharded.py): no rank loads the whole.
     args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
-    init_seed: int | None = cfg.training.seed
     model = build_meta_model(args)
     n_params = count_parameters(model)
     precision = resolve_precision(cfg.precision, layout.fsdp, env.device)
@@ -232,7 +252,7 @@ def build(cfg: Config) -> Job:
     pm, optimizers, runner = build_core(model, dims, cfg.parallel, cfg.training, cfg.optimizer, device=env.device,
                                         n_microbatches=layout.microbatches, memory=cfg.memory, precision=precision,
                                         eod=eod, routing_bias_rate=cfg.moe.bias_update_rate,
-                                        init_seed=init_seed, ramp=batches)  # fmt: skip
+                                        init_seed=cfg.training.seed, ramp=batches)  # fmt: skip
     del model
     if cfg.model.init_from.startswith("hf:"):
         load_hf_sharded(pm.parts, Path(cfg.model.init_from[3:]), args)
@@ -256,52 +276,29 @@ def build(cfg: Config) -> Job:
         faults = FaultInjector(cfg.resilience.inject, rank, run.path, writer.event if env.is_main else None)  # fmt: skip
         loader = faults.attach(loader, pm.parts, ckpt, vocab_size=args.vocab_size)
     guard = Guard(cfg.resilience, run.path, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
-                  faults, parts=pm.parts, updates_each_replica=updates_each_replica(cfg.parallel.data_parallel))  # fmt: skip
+                  faults, parts=pm.parts)  # fmt: skip
     runner.clock = guard.clock  # the step brackets its compute for straggler detection (CUDA events on a GPU)
 
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).
     cache = resolve_cache_dir(cfg.data)
     peak, peak_source = first(lambda: metrics.device_peak_flops(env.device, precision.mfu_peak,
                                                                 cfg.metrics.peak_tflops, cache))  # fmt: skip
-    tokens_per_step = layout.tokens_per_step
     flops_tok = metrics.flops_per_token(n_params["active"], args.n_layers, args.dim, cfg.data.seq_len)
     over_peak = metrics.over_peak_action(writer.event, env.device, precision.mfu_peak, cfg.metrics.peak_tflops,
                                          cache)  # fmt: skip
+    tokens_per_step = layout.tokens_per_step
     meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device, cfg.training.compile,
                       over_peak)  # fmt: skip
     metrics.announce(cfg, env, n_params, described, global_batch, tokens_per_step, peak_source, precision)
-    info = dict(world_size=env.world_size, precision=cfg.precision.compute, device=env.device.type, layout=described,
-                parameters=n_params["total"], peak_flops_source=peak_source)  # fmt: skip
     parts = (cfg, env, dims, run, writer, loader, runner, optimizers, train_state, ckpt, guard)
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)
-    info.update(_announce_ramp(batches, cfg.training.batch_ramp))
-    ft = _replica_group(cfg, env, dict(pm=pm, optimizers=optimizers, **state), writer, info)
-    return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe, ft=ft)
-
-
-def _replica_group(
-    cfg: Config, env: DistEnv, held: dict, writer: MetricsWriter, info: dict
-) -> ReplicaGroup | None:
-    """fault_tolerance: this rank's side of its replica group (None without); `held`: what a healing group gets."""
-    group = fault_tolerance.this_group()
-    if group is None:
-        return None
-    info.update(replica_group=group, replica_groups=cfg.fault_tolerance.replica_groups)
-    held = dict(
-        parts=held["pm"].parts, optimizers=held["optimizers"], loader=held["data"].loader, train=held["train"]
-    )
-    return ReplicaGroup(
-        cfg.fault_tolerance, group, env.rank, env.world_size, held, writer.event, cfg.training.steps
-    )
-
-
-def _announce_ramp(batches: BatchRamp, spec: str) -> dict:
-    """training.batch_ramp: one log line, and what the start event records of it ({} without a ramp)."""
-    if not batches.on:
-        return {}
-    log.info("batch ramp: %d sequences at step 1, growing in steps of %d to %d from step %d; the learning-rate "
-             "schedule counts tokens", batches.start, batches.start, batches.full, batches.steps + 1)  # fmt: skip
-    return {"batch_ramp": spec}
+    # fault_tolerance: what a healing group receives from a peer (the loader as saved, without the fault hooks)
+    held = dict(parts=pm.parts, optimizers=optimizers, loader=state["data"].loader, train=train_state)
+    ft = fault_tolerance.replica_group(cfg.fault_tolerance, env, held, writer.event, cfg.training.steps)
+    info = dict(world_size=env.world_size, precision=cfg.precision.compute, device=env.device.type, layout=described,
+                parameters=n_params["total"], peak_flops_source=peak_source,
+                **batches.announce(cfg.training.batch_ramp), **ft.describe())  # fmt: skip
+    return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe, ft)
 
 
 def _is_eval_step(step: int, t: TrainingConfig) -> bool:
@@ -318,7 +315,7 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
         **job.meter.read(),
         **job.runner.comm.read(),  # comm_bytes: what this rank's data-parallel collectives sent per step
         **job.runner.scale_metrics(),  # fp16: loss_scale, overflow_skipped
-        **(job.ft.metrics() if job.ft is not None else {}),  # fault_tolerance: replicas in this step's quorum
+        **job.ft.metrics(),  # fault_tolerance: replicas in this step's quorum
         **job.moe.metrics(),  # MoE: max/mean expert load per layer, dropped fraction, aux and z losses
         # QK-clip (optimizer.qk_clip): the step's max_attn_logit and qk_clipped_heads
         **(job.optimizers.qk_clip.metrics() if job.optimizers.qk_clip else {}),

@@ -4,12 +4,15 @@ the learning-rate schedule's position in tokens consumed. Pure arithmetic of the
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from scaletrain.config import parse_batch_ramp
+
+log = logging.getLogger("scaletrain")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,14 @@ class BatchRamp:
     @property
     def on(self) -> bool:
         return self.steps > 0
+
+    def announce(self, spec: str) -> dict:
+        """One log line, and what the start event records of the ramp `spec` ({} without a ramp)."""
+        if not self.on:
+            return {}
+        log.info("batch ramp: %d sequences at step 1, growing in steps of %d to %d from step %d; the learning-rate "
+                 "schedule counts tokens", self.start, self.start, self.full, self.steps + 1)  # fmt: skip
+        return {"batch_ramp": spec}
 
     def sequences(self, step: int) -> int:
         """The global batch of `step` (1-based), in sequences."""

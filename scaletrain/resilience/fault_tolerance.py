@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -34,6 +34,9 @@ from torch.distributed.tensor import DTensor
 from scaletrain.config import CheckpointConfig, Config, FaultToleranceConfig
 from scaletrain.metrics.writer import append_event
 from scaletrain.rundir import EVENTS, read_jsonl
+
+if TYPE_CHECKING:
+    from scaletrain.parallel import DistEnv
 
 GROUP_ENV = (
     "SCALETRAIN_FT_GROUP"  # this worker's replica group (set by launch_groups for its group's launcher)
@@ -162,6 +165,40 @@ def start_lighthouse(ft: FaultToleranceConfig) -> tuple[Any, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
+def replica_group(
+    cfg: FaultToleranceConfig, env: DistEnv, state: dict, event: Callable[..., None], final: int
+) -> ReplicaGroup | NoReplicaGroup:
+    """This rank's side of its replica group (`state`, `event`, `final`: ReplicaGroup's); NoReplicaGroup without
+    fault tolerance."""
+    group = this_group()
+    if group is None:
+        return NoReplicaGroup()
+    return ReplicaGroup(cfg, group, env.rank, env.world_size, state, event, final)
+
+
+class NoReplicaGroup:
+    """Without fault tolerance: this job is the only replica and every step commits, so the loop calls the same
+    methods either way."""
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def step_start(self, step: int) -> int:
+        return step
+
+    def sync(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        return loss, True
+
+    def describe(self) -> dict:
+        return {}
+
+    def metrics(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 class ReplicaGroup:
     """This rank's side of torchft: the quorum at each step start (healing from a peer when behind), the gradients
     and loss averaged over the groups present, and the commit vote. `state` holds the model parts, the optimizers,
@@ -237,20 +274,27 @@ class ReplicaGroup:
 
     def sync(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Average this step's gradients and loss over the groups in the quorum; (loss, committed). Not committed:
-        a group failed during the step; `retry` it with the groups left."""
+        a group failed during the step, which is undone (`_retry`) for the loop to run it again with the groups left."""
         works = [self.manager.allreduce(_local(p.grad)) for p in self._params() if p.grad is not None]
         mean = loss.detach().clone()
         works.append(self.manager.allreduce(mean))
         for work in works:
             work.wait()
-        return mean, self.manager.should_commit()
+        committed = self.manager.should_commit()
+        if not committed:
+            self._retry()
+        return mean, committed
 
-    def retry(self) -> None:
+    def _retry(self) -> None:
         """Undo the step that did not commit: its gradients dropped, the loader back at the step's first sample."""
         for opt in self.state["optimizers"].optimizers:
             opt.zero_grad(set_to_none=True)
         if self._position is not None:
             self.state["loader"].load_state_dict(self._position)
+
+    def describe(self) -> dict:
+        """What the start event records of it."""
+        return {"replica_group": self.group, "replica_groups": self.groups}
 
     def metrics(self) -> dict[str, int]:
         return {"replicas": self.replicas, "replica_group": self.group}
