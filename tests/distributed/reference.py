@@ -12,11 +12,14 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from scaletrain.data.ramp import BatchRamp
 from scaletrain.models import ModelArgs, Transformer, build_model
 from scaletrain.optim import Optimizers
 from scaletrain.parallel.data_parallel import full_state_dict
@@ -84,21 +87,34 @@ def train_steps(
     n_microbatches: int = 1,
     after_backward: Callable[[int, ParallelModel], None] | None = None,
     memory: MemoryConfig | None = None,
+    ramp: BatchRamp | None = None,
+    first: int = 0,
+    load: str = "",
+    save: str = "",
 ) -> Run:
     """Train `model` (consumed) on the global `batches` in the layout `pcfg`, as train.py does.
 
     Each data-parallel rank takes its contiguous slice of every global batch; its tp, cp and pp peers take the same
     slice (StepRunner shards it over cp; only the pipeline's first stage reads inputs and its last the targets).
     `after_backward(step, pm)` runs after each step's backward, before clipping (step counts from 0). `memory`
-    (recompute, offload) is handed to parallelize() as train.py does; default off."""
+    (recompute, offload) and `ramp` (training.batch_ramp, whose steps' batches differ in size) are handed to
+    build_core as train.py does; default off. A resume: a DCP checkpoint of the model and optimizer (as train.py
+    saves them) is loaded from `load` first and only batches[first:] are trained, of a schedule still len(batches)
+    long; `save`: one is saved there before step len(batches) // 2."""
     if dims.mesh is None and dims.world_size > 1:
         dims.build_mesh("cpu")
     pm, optimizers, runner = build_core(model, dims, pcfg, replace(tcfg, steps=len(batches)), opt_cfg, device=CPU,
-                                        n_microbatches=n_microbatches, memory=memory)  # fmt: skip
-    local = batches[0][0].shape[0] // dims.dp_size
-    rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
+                                        n_microbatches=n_microbatches, memory=memory, ramp=ramp)  # fmt: skip
+    state = {"model": ModelState(pm.parts), "optimizer": optimizers}
+    if load:
+        dcp.load(state, checkpoint_id=load)
     losses, norms = [], []
-    for step, (x, y) in enumerate(batches):
+    for step in range(first, len(batches)):
+        if save and step == len(batches) // 2:
+            dcp.save(state, checkpoint_id=save)
+        x, y = batches[step]
+        local = len(x) // dims.dp_size
+        rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
         loss = runner.forward_backward(x[rows], y[rows])
         if after_backward is not None:
             after_backward(step, pm)

@@ -9,20 +9,16 @@ import pytest
 
 from scaletrain.config import ParallelConfig, TrainingConfig
 from scaletrain.data.ramp import BatchRamp
-from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
-from scaletrain.train import build_core
+from scaletrain.parallel.mesh import ParallelDims
 from tests.distributed.reference import (
-    CPU,
-    OPT,
     PARAM_ATOL,
     Run,
     check_equivalent,
     full_model,
-    gather_state,
     global_batches,
-    replica_mismatches,
     run_layouts,
     tiny_args,
+    train_steps,
 )
 
 RAMP = BatchRamp.of("4:2", 12)
@@ -55,24 +51,10 @@ def _args(moe: bool):
 def ramped_train(moe: bool, pcfg: ParallelConfig, dims: ParallelDims) -> Run:
     """STEPS ramped steps of micro-batches of one sequence: each data-parallel rank its slice of every step's global
     batch, however large that step's is."""
-    if dims.mesh is None and dims.world_size > 1:
-        dims.build_mesh("cpu")
     args = _args(moe)
     batches = [(x[:n], y[:n]) for (x, y), n in zip(global_batches(args, 12, STEPS), _sizes(), strict=True)]
     tcfg = TrainingConfig(micro_batch=1, global_batch=12, steps=STEPS, batch_ramp="4:2")
-    pm, opts, runner = build_core(full_model(args), dims, pcfg, tcfg, OPT, device=CPU, n_microbatches=1,
-                                  ramp=RAMP)  # fmt: skip
-    losses, norms = [], []
-    for x, y in batches:
-        local = len(x) // dims.dp_size
-        rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
-        loss = runner.forward_backward(x[rows], y[rows])
-        norms.append(runner.clip().item())
-        opts.step()
-        losses.append(all_reduce_mean(loss, dims.submesh("dp_cp")).item())
-    return Run(
-        losses, norms, gather_state(pm, dims), replica_mismatches(pm.parts, dims), pm, dims, runner, opts
-    )
+    return train_steps(full_model(args), dims, pcfg, batches, tcfg, ramp=RAMP)
 
 
 def _sizes() -> list[int]:

@@ -12,25 +12,20 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.parallel.expert_parallel import is_expert_param
-from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
-from scaletrain.train import build_core
+from scaletrain.parallel.mesh import ParallelDims
 from tests.distributed.reference import (
-    CPU,
-    OPT,
     PARAM_ATOL,
     STEPS,
     Run,
     check_equivalent,
     full_model,
-    gather_state,
     global_batches,
     reference_run,
-    replica_mismatches,
     run_layouts,
     tiny_args,
+    train_steps,
     unwrap,
 )
 
@@ -56,30 +51,12 @@ def _train(
 ) -> Run:
     """train_steps (reference.py) over `steps` of the STEPS-long schedule, with a checkpoint (DCP: the model and
     optimizer, as train.py saves them) loaded from `load` first and saved to `save` after half the steps."""
-    if dims.mesh is None and dims.world_size > 1:
-        dims.build_mesh("cpu")
     batches = global_batches(args)
-    memory = MemoryConfig(recompute=recompute)
     local = batches[0][0].shape[0] // dims.dp_size
     tcfg = TrainingConfig(micro_batch=local // m, grad_clip=1.0, steps=STEPS)
-    pm, opts, runner = build_core(full_model(args), dims, pcfg, tcfg, OPT, device=CPU, n_microbatches=m,
-                                  memory=memory)  # fmt: skip
-    state = {"model": ModelState(pm.parts), "optimizer": opts}
-    if load:
-        dcp.load(state, checkpoint_id=load)
-    rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
-    losses, norms = [], []
-    for step in steps:
-        if save and step == STEPS // 2:
-            dcp.save(state, checkpoint_id=save)
-        x, y = batches[step]
-        loss = runner.forward_backward(x[rows], y[rows])
-        norms.append(runner.clip().item())
-        opts.step()
-        losses.append(all_reduce_mean(loss, dims.submesh("dp_cp")).item())
-    return Run(
-        losses, norms, gather_state(pm, dims), replica_mismatches(pm.parts, dims), pm, dims, runner, opts
-    )
+    memory = MemoryConfig(recompute=recompute)
+    return train_steps(full_model(args), dims, pcfg, batches, tcfg, n_microbatches=m, memory=memory,
+                       first=steps.start, load=load, save=save)  # fmt: skip
 
 
 def moe_case(rank: int, world_size: int, spec: dict) -> dict:

@@ -8,25 +8,19 @@ and continues the reference run. One spawn of 4 processes runs them all."""
 from __future__ import annotations
 
 import pytest
-import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from scaletrain import muon
-from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.muon import Muon
-from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
-from scaletrain.train import build_core
+from scaletrain.parallel.mesh import ParallelDims
 from tests.distributed.reference import (
-    CPU,
     PARAM_ATOL,
     STEPS,
     Run,
     check_equivalent,
     full_model,
-    gather_state,
     global_batches,
-    replica_mismatches,
     run_layouts,
     tiny_args,
     train_steps,
@@ -48,28 +42,12 @@ def _train(
 ) -> Run:
     """train_steps with Muon over `steps` of the 10-step schedule, loading a DCP checkpoint (model and optimizer,
     as train.py saves them) from `load` first and saving one to `save` after half the steps."""
-    if dims.mesh is None and dims.world_size > 1:
-        dims.build_mesh("cpu")
     args = _args(kind)
     batches = global_batches(args)
     local = batches[0][0].shape[0] // dims.dp_size
     tcfg = TrainingConfig(micro_batch=local // m, grad_clip=1.0, steps=STEPS)
-    pm, opts, runner = build_core(full_model(args), dims, pcfg, tcfg, MUON, device=CPU, n_microbatches=m)
-    state = {"model": ModelState(pm.parts), "optimizer": opts}
-    if load:
-        dcp.load(state, checkpoint_id=load)
-    rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
-    losses, norms = [], []
-    for step in steps:
-        if save and step == STEPS // 2:
-            dcp.save(state, checkpoint_id=save)
-        x, y = batches[step]
-        loss = runner.forward_backward(x[rows], y[rows])
-        norms.append(runner.clip().item())
-        opts.step()
-        losses.append(all_reduce_mean(loss, dims.submesh("dp_cp")).item())
-    mismatches = replica_mismatches(pm.parts, dims)
-    return Run(losses, norms, gather_state(pm, dims), mismatches, pm, dims, runner, opts)
+    return train_steps(full_model(args), dims, pcfg, batches, tcfg, opt_cfg=MUON, n_microbatches=m,
+                       first=steps.start, load=load, save=save)  # fmt: skip
 
 
 def muon_case(rank: int, world_size: int, spec: dict) -> dict:
