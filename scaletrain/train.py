@@ -26,7 +26,7 @@ from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
 from scaletrain.models import Transformer, build_meta_model, count_parameters, resolve_model_args
 from scaletrain.optim import Optimizers, RoutingBias, optimizer_builder
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
-from scaletrain.parallel.layout import Layout
+from scaletrain.parallel.layout import Layout, updates_each_replica
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
 from scaletrain.parallel.parallelize import ParallelModel, parallelize
 from scaletrain.precision import Precision, resolve_precision
@@ -276,7 +276,8 @@ def build(cfg: Config) -> Job:
         faults = FaultInjector(cfg.resilience.inject, rank, run.path, writer.event if env.is_main else None)  # fmt: skip
         loader = faults.attach(loader, pm.parts, ckpt, vocab_size=args.vocab_size)
     guard = Guard(cfg.resilience, run.path, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
-                  faults, parts=pm.parts)  # fmt: skip
+                  faults, parts=pm.parts,
+                  updates_each_replica=updates_each_replica(cfg.parallel.data_parallel))  # fmt: skip
     runner.clock = guard.clock  # the step brackets its compute for straggler detection (CUDA events on a GPU)
 
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).
