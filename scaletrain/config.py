@@ -352,6 +352,7 @@ FaultKind = Literal[
     "write_error",
     "kill_during_save",
     "bitflip",
+    "compute_error",
 ]
 
 
@@ -361,7 +362,8 @@ class FaultConfig:
     """kill (SIGKILL), raise (an exception), hang (sleep forever), nan (NaN logits), spike (garbage targets),
     slow (a straggler), corrupt_checkpoint (flip bytes after the commit), write_error (ENOSPC inside the storage
     writer), kill_during_save (SIGKILL inside the storage writer), bitflip (one low mantissa bit of one parameter of
-    the rank's shard flipped after the step's update: silent data corruption)."""
+    the rank's shard flipped after the step's update: silent data corruption), compute_error (one activation of the
+    rank's forward at that step 2^16 times too large, once: a transient fault of the device's arithmetic)."""
     rank: int | None = None
     """The rank it fires on; unset: every rank (corrupt_checkpoint: rank 0)."""
     step: int | None = None

@@ -44,6 +44,7 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "write_error": (("step",), ("rank",)),
     "kill_during_save": (("step",), ("rank",)),
     "bitflip": (("rank", "step"), ()),
+    "compute_error": (("rank", "step"), ()),
 }
 _KEYS = ("rank", "step", "factor")
 
@@ -155,6 +156,7 @@ class FaultInjector:
         self.parts: list[nn.Module] = []  # the model parts (attach): what a bitflip corrupts
         self.step = 0  # the step running now (set by at_step_start)
         self._nan = False  # the output layer's hook turns this step's logits to NaN
+        self._compute_error = False  # the final norm's hook computes one activation of this step wrong
         # slow fault -> whether this process slows, decided at its first due step (False: an earlier run fired it).
         self._slowing: dict[str, bool] = {}
 
@@ -172,6 +174,8 @@ class FaultInjector:
                     isinstance(m, Transformer) and m.output is not None
                 ):  # the last pipeline stage's output layer
                     m.output.register_forward_hook(self._nan_hook)
+                    if m.norm is not None:
+                        m.norm.register_forward_hook(self._compute_error_hook)
         if ckpt is not None:
             ckpt.make_writer = self.wrap_writer(ckpt.make_writer)
             ckpt.on_commit.append(self.after_checkpoint_commit)
@@ -201,6 +205,10 @@ class FaultInjector:
         self._nan = bool(due) and self._claim(due[0], step)
         if self._nan:
             self._fired(due[0], step)
+        due = self._due(("compute_error",), step)
+        self._compute_error = bool(due) and self._claim(due[0], step)
+        if self._compute_error:
+            self._fired(due[0], step)
 
     def corrupt_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """spike: replace the targets with random tokens, so the loss jumps as on a batch of garbage data.
@@ -222,11 +230,24 @@ class FaultInjector:
         an overflow (evaluation, in eval mode, is left alone)."""
         return output * math.nan if self._nan and module.training else None
 
+    def _compute_error_hook(
+        self, module: nn.Module, args: tuple, output: torch.Tensor
+    ) -> torch.Tensor | None:
+        """compute_error: in the armed step's first training forward, one activation (the final norm's output, the
+        middle element) comes out 2^16 times too large, as after a flipped exponent bit in an ALU: a transient
+        fault of this rank's computation, its weights untouched (a replay computes it right)."""
+        if not (self._compute_error and module.training):
+            return None
+        self._compute_error = False
+        wrong = output.detach().clone()
+        wrong.view(-1)[wrong.numel() // 2] *= 2.0**16
+        return output + (wrong - output.detach())
+
     def at_step_end(self, step: int, busy_s: float, clock: Callable[[], float] = time.perf_counter) -> float:
         """slow: compute for another (factor - 1) x this step's busy time, as a processor `factor` times slower would
         (busy: it uses the CPU, unlike a sleep, so busy-time straggler detection sees it); returns the seconds
         added, on `clock` (the one busy_s was measured with). A slow rank stays slow for the rest of this process."""
-        self._nan = False
+        self._nan = self._compute_error = False
         slept = 0.0
         for spec in self.specs:
             if spec.kind != "slow" or step < (spec.step or 1):

@@ -61,10 +61,13 @@ class Guard:
         self.rank = rank
         # resilience.sdc_interval: fingerprints of the parameters `parts` this rank holds, compared over `group`;
         # all of them watched at rest when their replicas do not each compute the update (layout.updates_each_replica).
+        watch = dict(watch_all=not updates_each_replica, spikes=self.spike is not None)
         self.sdc = (
-            SdcCheck(cfg.sdc_interval, parts or [], rank, group, watch_all=not updates_each_replica)
-            if cfg.sdc_interval > 0
-            else None
+            SdcCheck(cfg.sdc_interval, parts or [], rank, group, **watch) if cfg.sdc_interval > 0 else None
+        )
+        # With sdc on, a grad-norm spike (judged like the loss's) also asks whether a device computed it.
+        self.grad_spike = (
+            SpikeDetector(cfg.spike_window, cfg.spike_zscore) if self.sdc is not None and self.spike else None
         )
         # The pending rollback is for corruption: the data is innocent, nothing skipped.
         self._sdc_rollback = False
@@ -113,11 +116,36 @@ class Guard:
                 return decision
         if self.spike is not None and self.spike.observe(host[2]):
             self.event("loss_spike", step=step, loss=host[2], mean=self.spike.mean, std=self.spike.std)
-            if self.sdc is not None:  # the device or the data? Replicas that differ now say the device
-                self.sdc.record(step)
-                self._sdc_verify(step, "loss_spike")
+            # The device or the data? Rolled back either way; the data's batches are skipped.
+            if self.sdc is not None:
+                self._sdc_on_spike(step, "loss_spike")
             return "rollback"
+        if self.grad_spike is not None and self.grad_spike.observe(host[1]):
+            g = self.grad_spike
+            self.event("grad_norm_spike", step=step, grad_norm=host[1], mean=g.mean, std=g.std)
+            # A device's: roll back. The data's: the update goes on, bounded by clipping (optimizer.grad_clip).
+            return "rollback" if self._sdc_on_spike(step, "grad_norm_spike") else "ok"
         return "ok"
+
+    def _sdc_on_spike(self, step: int, where: str) -> bool:
+        """A spike with sdc on: did a device cause it? Replicas that differ now say so; else the step's forward is
+        replayed on each rank and its buddy (same batches, same weights) and compared bitwise. True: corruption
+        found (reported, a rollback without skipping data pending)."""
+        self.sdc.record(step)
+        if self._sdc_verify(step, where) == "rollback":
+            self.event("spike_cause", step=step, spike=where, cause="device", replayed=False)
+            return True
+        finding = self.sdc.replay_on_buddy(step)
+        replayed = self.sdc.buddy_reports is not None
+        self.event("spike_cause", step=step, spike=where, cause="data" if finding is None else "device",
+                   replayed=replayed)  # fmt: skip
+        if finding is None:
+            log.warning("step %d: %s with identical replicas%s: the data's", step, where,
+                        " and logits reproduced on each rank's buddy" if replayed else "")  # fmt: skip
+            return False
+        finding.where = where
+        self._sdc_found(finding)
+        return True
 
     def after_update(self, step: int, decision: Decision) -> Decision:
         """After the optimizer step (before the step's snapshot): record the fingerprints of the slices no other

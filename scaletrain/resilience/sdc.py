@@ -14,6 +14,7 @@ import os
 import socket
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -43,6 +44,15 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _to(tree, device):
+    """The tensors of a call's arguments (a tuple or a dict of tensors and others) on `device`."""
+    if isinstance(tree, dict):
+        return {k: _to(v, device) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_to(v, device) for v in tree)
+    return tree.to(device) if isinstance(tree, torch.Tensor) else tree
 
 
 def _slice_key(name: str, p: torch.Tensor) -> str:
@@ -146,6 +156,49 @@ def attribute_by_replay(suspect: Finding, reports: list[Report]) -> Finding:
 
 
 @dataclass
+class BuddyReport:
+    """One rank's part of a replay on another rank: the fingerprint of its logits of the step as first computed,
+    as it computed them again, and of its left neighbour's batches as it computed them (None: no output layer)."""
+
+    rank: int
+    host: str
+    original: int | None
+    own: int | None
+    of_left: int | None
+
+
+def attribute_by_buddy(step: int, reports: list[BuddyReport]) -> Finding | None:
+    """Who computed the step's forward wrong, from each rank's logits fingerprints (`BuddyReport`): rank r's batches
+    were computed a second time by r itself and by its right neighbour (its buddy), on the same weights.
+
+    - All three equal: r's forward was right (a spike then is the data's).
+    - r's first computation differs from a replay: a transient fault on r (`replay`).
+    - r reproduces itself but not its buddy: one of the two devices is consistently wrong. With three or more
+      ranks the buddy's own batches settle it: a buddy that agrees with its own buddy is right, and r is named
+      (`buddy`); otherwise both are suspects, unattributed."""
+    n = len(reports)
+    named: dict[int, str] = {}
+    pairs: list[set[int]] = []
+    for i, r in enumerate(reports):
+        b, bb = reports[(i + 1) % n], reports[(i + 2) % n]
+        if r.original is None or b.of_left is None or r.original == r.own == b.of_left:
+            continue
+        if r.original != r.own or r.own == b.of_left:
+            named[r.rank] = "replay"
+        elif n >= 3 and b.original == b.own == bb.of_left:
+            named[r.rank] = "buddy"
+        else:
+            pairs.append({r.rank, b.rank})
+    suspects = {x for pair in pairs if not pair & set(named) for x in pair}
+    if not named and not suspects:
+        return None
+    hosts = {r.rank: r.host for r in reports}
+    if named:
+        return Finding(step, {r: ["logits"] for r in named}, named, hosts, True)
+    return Finding(step, {r: ["logits"] for r in suspects}, {r: "buddy" for r in suspects}, hosts, False)
+
+
+@dataclass
 class Replay:
     """An unattributed finding awaiting the replay of its steps: the logits fingerprints of the steps since the last
     check and the first replayed step that differed."""
@@ -174,6 +227,7 @@ class SdcCheck:
         group: dist.ProcessGroup | None,
         *,
         watch_all: bool = False,
+        spikes: bool = False,
     ) -> None:
         self.interval = interval
         self.rank = rank
@@ -200,12 +254,21 @@ class SdcCheck:
         # depend on its weights and its batch only (before any gradient is averaged), and unlike the fp32 loss they
         # keep the last bit of a small change: a flipped low mantissa bit often leaves the loss's bits as they were.
         self._witness: torch.Tensor | int = 0
-        if not any(n >= 2 and n % 2 == 0 for n in holders.values()):
-            return  # no slice held by an even number of ranks: a majority (or the rank's own record) always decides
-        for part in parts:
-            for m in part.modules():
-                if isinstance(m, Transformer) and m.output is not None:
-                    m.output.register_forward_hook(self._witness_hook)
+        # The step's forward calls (the model's arguments as its training forwards got them, and the autocast they
+        # ran under), kept for one step: a spike replays them here and on the buddy (`replay_on_buddy`).
+        self._calls: list[tuple[int, tuple, dict, tuple[bool, torch.dtype]]] = []
+        self.calls: dict[int, list] = {}
+        self._replaying = False
+        # The reports of the last replay_on_buddy (None: nothing was replayed).
+        self.buddy_reports: list[BuddyReport] | None = None
+        self.models = [m for part in parts for m in part.modules()
+                       if isinstance(m, Transformer) and m.output is not None]  # fmt: skip
+        ties = any(n >= 2 and n % 2 == 0 for n in holders.values())
+        if not (ties or spikes):
+            return  # no slice held by an even number of ranks, no spike to replay: nothing reads the witness
+        for i, m in enumerate(self.models):
+            m.output.register_forward_hook(self._witness_hook)
+            m.register_forward_pre_hook(partial(self._call_hook, i), with_kwargs=True)
 
     def _holders(self) -> Counter:
         """How many ranks of the group hold each slice key (a collective at setup)."""
@@ -224,13 +287,22 @@ class SdcCheck:
         return torch.stack([fingerprint(_local(p)) for p in params]) if params else None
 
     def _witness_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        """The output layer's training forwards: add the fingerprint of this micro-batch's logits to the step's."""
-        if module.training:
+        """The output layer's training forwards (and replays): add this micro-batch's logits' fingerprint to the
+        step's."""
+        if module.training or self._replaying:
             self._witness = self._witness + fingerprint(_local(output))
+
+    def _call_hook(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The model's training forwards: keep what it was called with (references, no copy)."""
+        if module.training and torch.is_grad_enabled() and not self._replaying:
+            device = _local(args[0]).device.type
+            autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            self._calls.append((index, args, kwargs, autocast))
 
     def observe(self, step: int) -> None:
         """Keep this step's logits fingerprint (no device read); during a replay, compare it with the original."""
         witness, self._witness = self._witness, 0
+        self.calls, self._calls = {step: self._calls}, []
         if not isinstance(witness, torch.Tensor):
             return  # no output layer on this rank
         if self.replay is not None and step in self.replay.witnesses and self.replay.diverged is None:
@@ -282,6 +354,51 @@ class SdcCheck:
             self._replayed = attribute_by_replay(self.replay.finding, reports)
             self.replay = None
         return finding
+
+    def replay_on_buddy(self, step: int) -> Finding | None:
+        """A spike: replay the step's forward (same weights, before the update) on this rank and on its right
+        neighbour, and compare the logits' fingerprints bitwise (`attribute_by_buddy`). Every rank replays its own
+        batches, then its left neighbour's (the same number: an FSDP forward is a collective). A collective on the
+        control group; the batches travel over it (token ids: small)."""
+        self.buddy_reports = None
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return None
+        mine = [
+            (i, _to(args, "cpu"), _to(kwargs, "cpu"), ac) for i, args, kwargs, ac in self.calls.get(step, [])
+        ]
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if not all(everyone):
+            return None  # a rank without the model's forward calls (no Transformer): nothing to replay
+        at = dist.get_group_rank(self.group, self.rank)
+        left = everyone[(at - 1) % len(everyone)]
+        original = self.witnesses.get(step)
+        report = BuddyReport(self.rank, self.host, None if original is None else int(original.item()),
+                                self._replay(self.calls[step]), self._replay(left))  # fmt: skip
+        reports: list = [None] * len(everyone)
+        dist.all_gather_object(reports, report, group=self.group)
+        self.buddy_reports = reports
+        return attribute_by_buddy(step, reports)
+
+    def _replay(self, calls: list) -> int | None:
+        """The fingerprint of the logits of `calls` computed again: no gradient, eval mode (nothing a training
+        forward measures, such as QK-clip's logit maximum, sees the replay), the autocast of the first time."""
+        training = [m.training for m in self.models]
+        self._witness, self._replaying = 0, True
+        try:
+            with torch.no_grad():
+                for m in self.models:
+                    m.eval()
+                for i, args, kwargs, (enabled, dtype) in calls:
+                    device = self.models[i].output.weight.device
+                    with torch.autocast(device.type, dtype=dtype, enabled=enabled):
+                        self.models[i](*_to(args, device), **_to(kwargs, device))
+        finally:
+            for m, t in zip(self.models, training, strict=True):
+                m.train(t)
+            self._replaying = False
+        witness, self._witness = self._witness, 0
+        return int(witness.item()) if isinstance(witness, torch.Tensor) else None
 
     def suspect(self, finding: Finding) -> None:
         """An unattributed finding: keep the window's logits fingerprints for its replay after the rollback."""

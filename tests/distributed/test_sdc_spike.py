@@ -49,7 +49,8 @@ def _ranks(rank: int, world_size: int) -> None:
         assert guard.check(step, torch.tensor(loss), one) == "ok"
     # A spike on identical replicas: the data's. Rolled back, the batches since the snapshot skipped.
     assert guard.check(13, torch.tensor(9.0), one) == "rollback"
-    assert [k for k, _ in events] == ["loss_spike"]
+    assert [k for k, _ in events] == ["loss_spike", "spike_cause"]
+    assert events[1][1] == dict(step=13, spike="loss_spike", cause="data", replayed=False)  # no Transformer
     loader = _Loader()
     loader.next_sample = 140
     assert guard.rollback(13, _Ckpt(), loader) == 5
@@ -76,3 +77,75 @@ def _ranks(rank: int, world_size: int) -> None:
 
 def test_a_spike_is_blamed_on_the_device_only_when_the_replicas_differ():
     spawn(_ranks, 3)
+
+
+def _replay_ranks(rank: int, world_size: int) -> None:
+    """Three replicas of a small Transformer, each with its own batch. A spike asks for a replay of the step's
+    forward on each rank and its buddy: clean, the spike is the data's; a transient fault in rank 1's forward (one
+    flipped bit in an activation) names rank 1 ("replay"); a device that computes wrong every time names rank 1
+    ("buddy": rank 2 computes rank 1's batch otherwise, and rank 0 agrees with its own buddy)."""
+    from scaletrain.models import ModelArgs, build_model
+
+    args = ModelArgs(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16
+    )
+    model = build_model(args, seed=0, device="cpu")  # the same weights on every rank: replicas
+    control = dist.new_group(backend="gloo")
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
+                  device=torch.device("cpu"))  # fmt: skip
+    events: list = []
+    cfg = ResilienceConfig(sdc_interval=100, spike_zscore=3.0, spike_window=20, nan_check=False)
+    guard = Guard(cfg, None, env, control, lambda kind, **kw: events.append((kind, kw)), lambda x: x,
+                  parts=[model])  # fmt: skip
+    batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    fault = {"on": False, "once": True}
+
+    def flip(module, inputs, output):  # an ALU fault: one bit of one activation
+        if fault["on"]:
+            fault["on"] = not fault["once"]
+            output.view(-1)[5:6].view(torch.int32).bitwise_xor_(1 << 12)
+
+    if rank == 1:
+        model.layers["0"].feed_forward.register_forward_hook(flip)
+
+    def step(n: int, loss: float, grad_norm: float) -> str:
+        model(batch).sum().backward()  # a training forward (and backward), as the step runner's
+        return guard.check(n, torch.tensor(loss), torch.tensor(grad_norm))
+
+    steady = [3.0 + 0.01 * (s % 2) for s in range(12)]
+    for n, loss in enumerate(steady, 1):
+        assert step(n, loss, loss) == "ok"
+
+    def kinds() -> list[str]:
+        return [k for k, _ in events]
+
+    def cause() -> dict:
+        return next(kw for k, kw in events if k == "spike_cause")
+
+    # A loss spike, every forward reproducible on its buddy: the data's (rolled back, batches skipped).
+    assert step(13, 9.0, 3.0) == "rollback"
+    assert kinds() == ["loss_spike", "spike_cause"] and cause()["cause"] == "data" and cause()["replayed"], (
+        events
+    )
+    events.clear()
+    # A grad-norm spike, clean: the data's; the update goes on.
+    assert step(14, 3.0, 9.0) == "ok"
+    assert kinds() == ["grad_norm_spike", "spike_cause"] and cause()["cause"] == "data", events
+    events.clear()
+    fault["on"] = True  # transient: rank 1's forward of step 15 only
+    assert step(15, 9.0, 3.0) == "rollback"
+    assert kinds() == ["loss_spike", "spike_cause", "sdc_detected"] and cause()["cause"] == "device", events
+    found = events[-1][1]
+    assert found["ranks"] == [1] and found["how"] == {"1": "replay"} and found["where"] == "loss_spike", found
+    assert found["params"] == {"1": ["logits"]} and found["attributed"], found
+    assert guard.rollback(15, _Ckpt(), _Loader()) == 5 and events[-1][1]["reason"] == "sdc"
+    events.clear()
+    fault.update(on=True, once=False)  # a device wrong every time: its own replay agrees with it
+    assert step(16, 3.0, 9.0) == "rollback"
+    assert kinds() == ["grad_norm_spike", "spike_cause", "sdc_detected"], events
+    found = events[-1][1]
+    assert (found["ranks"], found["how"], found["where"]) == ([1], {"1": "buddy"}, "grad_norm_spike"), found
+
+
+def test_a_spike_replays_the_forward_on_a_buddy_and_names_the_rank_that_computed_wrong():
+    spawn(_replay_ranks, 3)

@@ -81,3 +81,53 @@ def test_a_flipped_bit_is_found_named_and_rolled_back_to_the_clean_run(tmp_path,
         assert again.returncode == 1 and f"host {host} is excluded from this run" in again.stderr, (
             again.stderr
         )
+
+
+SPIKES = dict(
+    steps=20,
+    nproc=2,
+    training__eval_interval=0,
+    training__deterministic=True,
+    metrics__log_interval=1,
+    parallel__data_parallel="fsdp",
+    checkpoint__snapshot_interval=4,
+    resilience__sdc_interval=4,
+    resilience__spike_zscore=4,
+    resilience__spike_window=8,
+)
+
+
+def test_a_spike_is_replayed_on_each_ranks_buddy_data_skipped_device_named(tmp_path):
+    """A loss spike with sdc on, under fsdp x2: the step's forward is replayed on each rank and its buddy (same
+    batches, same weights). Garbage targets (the data): every replay reproduces the logits, the batches since the
+    snapshot are skipped. One activation of rank 1's forward computed 2^16 times too large, once (the device): rank 1
+    is named, the run rolls back without skipping data and ends with the clean run's losses and parameters."""
+    data = tmp_path / "data"
+    train_cli(data, "--resilience.inject", '[{kind="spike", step=15}]', **SPIKES)
+    (spike,) = events(data, "loss_spike")
+    assert events(data, "spike_cause") == [
+        {
+            **events(data, "spike_cause")[0],
+            "step": 15,
+            "spike": "loss_spike",
+            "cause": "data",
+            "replayed": True,
+        }
+    ]
+    assert events(data, "sdc_detected") == [] and events(data, "rollback")[0]["skipped_batches"] == 3
+
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    train_cli(clean, **SPIKES)
+    train_cli(faulty, "--resilience.inject", '[{kind="compute_error", rank=1, step=15}]', **SPIKES)
+    assert events(clean, "sdc_detected") == [] and events(clean, "rollback") == []
+    (cause,) = events(faulty, "spike_cause")
+    assert cause["step"] == 15 and cause["cause"] == "device" and cause["replayed"], cause
+    (found,) = events(faulty, "sdc_detected")
+    assert (
+        found["ranks"] == [1] and found["how"] == {"1": "replay"} and found["params"] == {"1": ["logits"]}
+    ), found
+    (back,) = events(faulty, "rollback")
+    assert back["reason"] == "sdc" and back["to_step"] == 12 and back["skipped_batches"] == 0, back
+    assert losses(faulty) == losses(clean)
+    a, b = _params(clean), _params(faulty)
+    assert all(torch.equal(a[k], b[k]) for k in a)

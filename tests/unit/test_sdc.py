@@ -14,9 +14,11 @@ from scaletrain.parallel.mesh import DistEnv
 from scaletrain.resilience.faults import FaultInjector, validate_specs
 from scaletrain.resilience.guard import Guard
 from scaletrain.resilience.sdc import (
+    BuddyReport,
     Finding,
     Report,
     attribute,
+    attribute_by_buddy,
     attribute_by_replay,
     exclude_hosts,
     excluded_here,
@@ -70,6 +72,26 @@ def test_the_replay_names_the_suspect_whose_loss_diverged_first():
     verdict = attribute_by_replay(suspect, reports)
     assert (verdict.params, verdict.how, verdict.attributed) == ({1: ["w"]}, {1: "replay"}, True)
     assert attribute_by_replay(suspect, [_report(r, [1, 2]) for r in range(4)]) is suspect  # nothing diverged
+
+
+def test_the_buddy_replay_names_a_transient_fault_or_a_device_wrong_every_time():
+    """BuddyReport(rank, host, original, own replay, replay of the left neighbour's batch); rank r's buddy is r + 1.
+    True logits fingerprints: 10, 20, 30."""
+    b = BuddyReport
+    assert (
+        attribute_by_buddy(7, [b(0, "a", 10, 10, 30), b(1, "b", 20, 20, 10), b(2, "c", 30, 30, 20)]) is None
+    )
+    # Rank 1's first forward went wrong once: both replays agree with each other, not with it.
+    f = attribute_by_buddy(7, [b(0, "a", 10, 10, 30), b(1, "b", 29, 20, 10), b(2, "c", 30, 30, 20)])
+    assert (f.params, f.how, f.attributed) == ({1: ["logits"]}, {1: "replay"}, True)
+    # Rank 1 computes wrong every time (its own batch 21, rank 0's 11): rank 2 agrees with its own buddy, so rank 1.
+    f = attribute_by_buddy(7, [b(0, "a", 10, 10, 30), b(1, "b", 21, 21, 11), b(2, "c", 30, 30, 20)])
+    assert (f.params, f.how, f.attributed) == ({1: ["logits"]}, {1: "buddy"}, True)
+    # Two ranks that each reproduce themselves and disagree: either device; both suspects, unattributed.
+    f = attribute_by_buddy(7, [b(0, "a", 10, 10, 20), b(1, "b", 21, 21, 11)])
+    assert (sorted(f.params), f.attributed) == ([0, 1], False)
+    # A rank without an output layer (no witness) is not judged.
+    assert attribute_by_buddy(7, [b(0, "a", None, None, None), b(1, "b", 20, 20, None)]) is None
 
 
 class _Ckpt:
