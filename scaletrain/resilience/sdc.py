@@ -212,12 +212,14 @@ class SdcCheck:
     """The fingerprints of one rank's parameters, recorded after the update of each check step and verified then,
     before the step's snapshot is taken. Every rank gathers every report over the control group, so all decide
     alike. Between checks, a replicated slice that changes shows at the next check (its replicas then differ); a
-    slice no other rank holds has no second copy, so it is fingerprinted after every update (`rested`) and again
-    before the next one (`watch`): both stay on the device, and only the check reads which ones changed.
+    slice no other rank holds has no second copy (and under zero1 a changed copy is overwritten by the owner's next
+    update), so it is fingerprinted after every update (`rested`) and again before the next one (`watch`): both stay
+    on the device, and only the check reads which ones changed.
 
     The fingerprint of the rank's logits of each step since the last check is kept (a 0-d device tensor, no sync):
     when two replicas disagree and neither is the majority, the run rolls back and replays those steps, and the
-    rank whose replayed logits differ from the original's is the one that computed with corrupted weights."""
+    rank whose replayed logits differ from the original's is the one that computed with corrupted weights. At a
+    spike the step's forward is replayed at once, here and on the next rank (`replay_on_buddy`)."""
 
     def __init__(
         self,
@@ -239,9 +241,9 @@ class SdcCheck:
         holders = self._holders()
         # Watched at rest at every step: the slices only this rank holds, or every slice where a copy changed at
         # rest would be overwritten by its owner's next update (`watch_all`: zero1) before a check could compare it.
-        watched = [watch_all or holders[k] == 1 for k in self.keys]
-        self.alone = [p for (_, p), w in zip(self.params, watched, strict=True) if w]
-        self._alone_names = [n for n, w in zip(self.names, watched, strict=True) if w]
+        watch = [watch_all or holders[k] == 1 for k in self.keys]
+        self.watched = [p for (_, p), w in zip(self.params, watch, strict=True) if w]
+        self._watched_names = [n for n, w in zip(self.names, watch, strict=True) if w]
         # Their fingerprints after the last update, and which of them changed before a later one since the check.
         self._rest: torch.Tensor | None = None
         self._drift: torch.Tensor | None = None
@@ -318,12 +320,12 @@ class SdcCheck:
         """Before an update: whether the unreplicated slices still hold what the last update wrote (on the device)."""
         if self._rest is None:
             return  # no update since the (re)start or rollback
-        changed = self._prints(self.alone) != self._rest
+        changed = self._prints(self.watched) != self._rest
         self._drift = changed if self._drift is None else self._drift | changed
 
     def rested(self) -> None:
         """Right after every applied update: what the unreplicated slices must hold until the next one."""
-        self._rest = self._prints(self.alone)
+        self._rest = self._prints(self.watched)
 
     def record(self, step: int) -> None:
         """Right after the update of a check step: what this rank's parameters must hold until the next update."""
@@ -340,7 +342,7 @@ class SdcCheck:
         self._drift = None
         mine = Report(self.rank, self.host, self.keys, self.recorded, [] if current is None else current.tolist(),
                       self.names, self.replay.diverged if replaying else None,
-                      [n for n, d in zip(self._alone_names, drift) if d])  # fmt: skip
+                      [n for n, d in zip(self._watched_names, drift) if d])  # fmt: skip
         reports = [mine]
         if self.group is not None and dist.get_world_size(self.group) > 1:
             reports = [None] * dist.get_world_size(self.group)
