@@ -398,9 +398,10 @@ class ResilienceConfig:
     sdc_interval: int = 0
     """Silent-data-corruption check every N steps (docs/resilience.md): each rank's parameter slices are
     fingerprinted (an exact sum of their bits) after the update and compared with the ranks that hold the same
-    slice, and with themselves before the next update; a difference writes sdc_detected (rank, step, parameters)
-    and rolls back to the newest snapshot, whose steps are replayed. Needs snapshots at multiples of N
-    (checkpoint.snapshot_interval or checkpoint.interval). 0: off."""
+    slice; slices with no replica (fsdp, zero2 shards; zero1 copies) are also compared with themselves before every
+    update; with spike_zscore, a loss or grad-norm spike replays the step's forward on another rank. A difference
+    writes sdc_detected (rank, step, what differed) and rolls back to the newest snapshot, whose steps are replayed.
+    Needs snapshots at multiples of N (checkpoint.snapshot_interval or checkpoint.interval). 0: off."""
     sdc_exclude: bool = False
     """With sdc_interval: mark the host of a rank found corrupting data in <run.dir>/excluded_hosts.json; the
     launcher then starts (and restarts) no workers of this run on it."""
