@@ -33,16 +33,22 @@ class _Loader:
         self.next_sample = sd["next_sample"]
 
 
-def _ranks(rank: int, world_size: int) -> None:
-    torch.manual_seed(0)  # the same weights on every rank: replicas
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    control = dist.new_group(backend="gloo")  # the control plane, never the default group
+def _guard(rank: int, world_size: int, model: nn.Module) -> tuple[Guard, list]:
+    """A guard with sdc and spike detection over a gloo control group (never the default group), and its events."""
+    control = dist.new_group(backend="gloo")
     env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
                   device=torch.device("cpu"))  # fmt: skip
     events: list = []
     cfg = ResilienceConfig(sdc_interval=100, spike_zscore=3.0, spike_window=20, nan_check=False)
     guard = Guard(cfg, None, env, control, lambda kind, **kw: events.append((kind, kw)), lambda x: x,
                   parts=[model])  # fmt: skip
+    return guard, events
+
+
+def _ranks(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)  # the same weights on every rank: replicas
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    guard, events = _guard(rank, world_size, model)
     one = torch.tensor(1.0)
     steady = [3.0 + 0.01 * (s % 2) for s in range(12)]
     for step, loss in enumerate(steady, 1):
@@ -90,13 +96,7 @@ def _replay_ranks(rank: int, world_size: int) -> None:
         dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=16
     )
     model = build_model(args, seed=0, device="cpu")  # the same weights on every rank: replicas
-    control = dist.new_group(backend="gloo")
-    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
-                  device=torch.device("cpu"))  # fmt: skip
-    events: list = []
-    cfg = ResilienceConfig(sdc_interval=100, spike_zscore=3.0, spike_window=20, nan_check=False)
-    guard = Guard(cfg, None, env, control, lambda kind, **kw: events.append((kind, kw)), lambda x: x,
-                  parts=[model])  # fmt: skip
+    guard, events = _guard(rank, world_size, model)
     batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     fault = {"on": False, "once": True}
 
