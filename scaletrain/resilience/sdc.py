@@ -296,7 +296,7 @@ class SdcCheck:
 
     def _call_hook(self, index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The model's training forwards: keep what it was called with (references, no copy)."""
-        if module.training and torch.is_grad_enabled() and not self._replaying:
+        if args and module.training and torch.is_grad_enabled() and not self._replaying:
             device = _local(args[0]).device.type
             autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
             self._calls.append((index, args, kwargs, autocast))
