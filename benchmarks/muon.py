@@ -2,7 +2,7 @@
 on a ~30M-parameter Llama by default (dim 512, 8 layers, ffn 1536, byte tokenizer; --dim/--layers/--ffn); and the step-time cost of Muon under fsdp
 on 2 and 4 ranks. Every run is the real `scaletrain train` (its loop, data, eval, metrics), one after another.
 
-    python benchmarks/muon.py [--dim 512 --layers 8 --ffn 1536] [--steps 40] [--seq 64] [--batch 8] [--eval-every 10] \\
+    python benchmarks/muon.py [--dim 512 --layers 8 --ffn 1536] [--steps 50] [--seq 128] [--batch 16] [--eval-every 10] \\
         [--adamw-lrs 1e-3,3e-3,1e-2] [--muon-lrs 1e-3,3e-3,1e-2] [--ranks 2,4] [--time-steps 6] \\
         [--plot docs/images/muon_vs_adamw.png]
 
@@ -119,9 +119,9 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--ffn", type=int, default=1536)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--adamw-lrs", type=floats, default=[1e-3, 3e-3, 1e-2])
     p.add_argument("--muon-lrs", type=floats, default=[1e-3, 3e-3, 1e-2])
