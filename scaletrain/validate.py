@@ -566,6 +566,7 @@ def _fits_in_memory(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
         overhead_bytes=overhead,
         memory=cfg.memory,
         precision=cfg.precision.compute,
+        qk_clip=cfg.optimizer.qk_clip > 0,
     )
     return [f"model.preset '{cfg.model.preset}': {problem}"] if problem else []
 

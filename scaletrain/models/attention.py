@@ -113,6 +113,18 @@ def _block_mask(doc: torch.Tensor | None, window: int, seq_len: int, device: tor
 _MAX_LOGIT_CHUNK = 2**25
 
 
+def _logit_chunk_rows(batch: int, heads: int, seq: int) -> int:
+    """Queries per chunk of `max_logits`: as many as keep a chunk's scores within _MAX_LOGIT_CHUNK (at least one)."""
+    return max(1, _MAX_LOGIT_CHUNK // (batch * heads * seq))
+
+
+def max_logits_bytes(batch: int, heads: int, seq: int, elt: int) -> int:
+    """The most `max_logits` holds at once on [batch, heads, seq, ·] queries of `elt` bytes: the largest chunk's
+    scores in that dtype and their fp32 copy (one array where the dtype is fp32). For the planner's memory estimate."""
+    scores = batch * heads * min(_logit_chunk_rows(batch, heads, seq), seq) * seq
+    return scores * (elt + (4 if elt != 4 else 0))
+
+
 @torch.no_grad()
 def max_logits(
     q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
@@ -131,7 +143,7 @@ def max_logits(
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, hq // hkv, s, d)
     out = torch.full((hkv, hq // hkv), -math.inf, device=q.device)
-    rows = max(1, _MAX_LOGIT_CHUNK // (b * hq * s))
+    rows = _logit_chunk_rows(b, hq, s)
     for i0 in range(0, s, rows):
         i1 = min(s, i0 + rows)
         i, j = torch.arange(i0, i1, device=q.device), torch.arange(i1, device=q.device)

@@ -8,6 +8,7 @@ import math
 
 from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.errors import ConfigError
+from scaletrain.models.attention import max_logits_bytes
 from scaletrain.models.init import WHOLE_PARAM_COPIES
 from scaletrain.models.llama import ModelArgs
 from scaletrain.parallel.layout import Layout, resolve_microbatches
@@ -166,14 +167,16 @@ def per_rank_bytes(
     overhead_bytes: int = GPU_OVERHEAD_BYTES,
     memory: MemoryConfig | None = None,
     precision: str = "fp32",
+    qk_clip: bool = False,
 ) -> dict[str, float]:
     """Bytes on the fullest rank, by part (PARTS) and "total"; with optimizer offload, "host" holds what moved to
     host memory (not in the total). `local_batch`: sequences per data-parallel rank per step (sets the pipeline
-    micro-batches; None: pp of training.micro_batch each); `precision`: precision.compute. Raises ConfigError if
-    the sizes do not tile `world_size`, ValueError if the layers cannot fill the pipeline stages."""
+    micro-batches; None: pp of training.micro_batch each); `precision`: precision.compute; `qk_clip`:
+    optimizer.qk_clip is on (its forwards measure the logits). Raises ConfigError if the sizes do not tile
+    `world_size`, ValueError if the layers cannot fill the pipeline stages."""
     ranks = pp_rank_bytes(
         args, parallel, training, seq_len, world_size,
-        local_batch=local_batch, overhead_bytes=overhead_bytes, memory=memory, precision=precision,
+        local_batch=local_batch, overhead_bytes=overhead_bytes, memory=memory, precision=precision, qk_clip=qk_clip,
     )  # fmt: skip
     return max(ranks, key=lambda e: e["total"])
 
@@ -190,6 +193,7 @@ def pp_rank_bytes(
     memory: MemoryConfig | None = None,
     activation_slack: float = 0.0,
     precision: str = "fp32",
+    qk_clip: bool = False,
 ) -> list[dict[str, float]]:
     """per_rank_bytes of every pipeline rank, in pp-rank order (one entry without a pipeline)."""
     p, dims, mem = (
@@ -235,6 +239,10 @@ def pp_rank_bytes(
             args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every
         )
         part["activations"] = per_layer * layers * _in_flight(p, r, n_micro, v) + transient
+        if (
+            qk_clip and layers
+        ):  # QK-clip: one chunk of a layer's scores, measured in its forward (the peak's too)
+            part["activations"] += max_logits_bytes(micro, args.n_heads // p.tp, int(seq_len / p.cp), elt)
         # fp32 logits and the log-softmax saved for backward, split by vocabulary under tp (loss parallel).
         part["logits"] = last * 2 * micro * (seq_len / p.cp) * args.vocab_size * 4 / p.tp
         # DDP's gradients are views into its buckets (gradient_as_bucket_view): one bucket of scratch for the
@@ -306,6 +314,7 @@ def memory_problem(
     overhead_bytes: int = GPU_OVERHEAD_BYTES,
     memory: MemoryConfig | None = None,
     precision: str = "fp32",
+    qk_clip: bool = False,
 ) -> str | None:
     """None if the fullest rank fits in `device_bytes`; else what it needs, by how much that is over, and the
     single knobs (checked with the same estimate) that would make it fit."""
@@ -317,7 +326,7 @@ def memory_problem(
         try:
             return per_rank_bytes(
                 args, p, t, seq_len, world, local_batch=local_batch, overhead_bytes=overhead_bytes, memory=m,
-                precision=precision,
+                precision=precision, qk_clip=qk_clip,
             )  # fmt: skip
         except (ConfigError, ValueError):  # a layout that does not tile or split: not a fix
             return None

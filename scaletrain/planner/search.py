@@ -124,6 +124,7 @@ def estimate(
         memory=cfg.memory,
         activation_slack=profile.activation_slack,
         precision=cfg.precision.compute,
+        qk_clip=cfg.optimizer.qk_clip > 0,
     )
     worst = max(ranks, key=lambda e: e["total"])
     time = step_time(

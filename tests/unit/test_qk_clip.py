@@ -1,7 +1,7 @@
 """QK-clip on one process (optimizer.qk_clip, scaletrain/qk_clip.py): the per-head logit maximum against the whole
 logit matrix under every mask, the clip of a crafted model (exactly the heads over τ rescaled to τ, the others bit for
-bit untouched, for multi-head and grouped-query attention), skipped steps, evaluation, the off default and the
-refusals."""
+bit untouched, for multi-head and grouped-query attention), skipped steps, evaluation, the off default, the
+refusals, and the measuring memory the memory estimate counts."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.models import attention
-from scaletrain.models.attention import _block_mask, _bool_mask, max_logits
+from scaletrain.models.attention import _block_mask, _bool_mask, max_logits, max_logits_bytes
 from scaletrain.parallel.mesh import ParallelDims
+from scaletrain.planner.memory import per_rank_bytes
 from scaletrain.qk_clip import QKClip, attention_layers, head_scales, qk_clip_problems
 from scaletrain.train import build_core
 from tests.fixtures import tiny
@@ -185,3 +187,47 @@ def test_validate_refuses_what_qk_clip_cannot_measure():
     assert "parallel.cp > 1" in cp and "ring attention" in cp
     assert "fault_tolerance.enabled" in ft and "replica group" in ft
     assert "training.compile" in compiled
+
+
+class _Outputs(TorchDispatchMode):
+    """The bytes of every tensor the ops under it create, by dtype: what max_logits really allocates."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest: dict[torch.dtype, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()] if torch.is_tensor(a)
+        }
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:  # new memory, not a view
+                self.largest[t.dtype] = max(self.largest.get(t.dtype, 0), t.untyped_storage().nbytes())
+        return out
+
+
+# 2**25: every query in one chunk; 512: one query per chunk; 2000: three, the last chunk shorter
+@pytest.mark.parametrize("chunk", [2**25, 512, 2000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_memory_estimate_holds_what_max_logits_allocates_at_once(monkeypatch, chunk, dtype):
+    """The planner and validate count QK-clip's measuring memory: max_logits_bytes is at least the largest chunk of
+    scores max_logits creates plus its fp32 copy (bf16), equal where the last chunk is a whole one; and
+    per_rank_bytes adds it, with each rank's heads, when optimizer.qk_clip is on."""
+    monkeypatch.setattr(attention, "_MAX_LOGIT_CHUNK", chunk)
+    b, hq, hkv, s, elt = 2, 4, 2, 64, torch.finfo(dtype).bits // 8
+    q, k = torch.randn(b, hq, s, 8, dtype=dtype), torch.randn(b, hkv, s, 8, dtype=dtype)
+    with _Outputs() as seen:
+        max_logits(q, k)
+    held = seen.largest[dtype] + (seen.largest[torch.float32] if dtype != torch.float32 else 0)
+    estimate = max_logits_bytes(b, hq, s, elt)
+    assert held <= estimate
+    assert held == estimate if chunk != 2000 else estimate - held < held / 10
+
+    args = tiny().args
+    t = TrainingConfig(micro_batch=2)
+    tp2 = ParallelConfig(data_parallel="fsdp", tp=2)
+    off = per_rank_bytes(args, tp2, t, 128, 4, precision="bf16")
+    on = per_rank_bytes(args, tp2, t, 128, 4, precision="bf16", qk_clip=True)
+    assert on["activations"] - off["activations"] == max_logits_bytes(2, args.n_heads // 2, 128, 2)
+    assert on["total"] - off["total"] == on["activations"] - off["activations"]
