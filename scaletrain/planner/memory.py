@@ -239,9 +239,8 @@ def pp_rank_bytes(
             args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every
         )
         part["activations"] = per_layer * layers * _in_flight(p, r, n_micro, v) + transient
-        if (
-            qk_clip and layers
-        ):  # QK-clip: one chunk of a layer's scores, measured in its forward (the peak's too)
+        # QK-clip: its forwards measure the logits, one chunk of a layer's scores at a time (at the peak too).
+        if qk_clip and layers:
             part["activations"] += max_logits_bytes(micro, args.n_heads // p.tp, int(seq_len / p.cp), elt)
         # fp32 logits and the log-softmax saved for backward, split by vocabulary under tp (loss parallel).
         part["logits"] = last * 2 * micro * (seq_len / p.cp) * args.vocab_size * 4 / p.tp

@@ -211,9 +211,8 @@ class _Outputs(TorchDispatchMode):
 @pytest.mark.parametrize("chunk", [2**25, 512, 2000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_memory_estimate_holds_what_max_logits_allocates_at_once(monkeypatch, chunk, dtype):
-    """The planner and validate count QK-clip's measuring memory: max_logits_bytes is at least the largest chunk of
-    scores max_logits creates plus its fp32 copy (bf16), equal where the last chunk is a whole one; and
-    per_rank_bytes adds it, with each rank's heads, when optimizer.qk_clip is on."""
+    """QK-clip's measuring memory as the estimate counts it: max_logits_bytes is at least the largest chunk of scores
+    max_logits creates plus its fp32 copy (bf16), equal where the last chunk is a whole one."""
     monkeypatch.setattr(attention, "_MAX_LOGIT_CHUNK", chunk)
     b, hq, hkv, s, elt = 2, 4, 2, 64, torch.finfo(dtype).bits // 8
     q, k = torch.randn(b, hq, s, 8, dtype=dtype), torch.randn(b, hkv, s, 8, dtype=dtype)
@@ -224,6 +223,9 @@ def test_the_memory_estimate_holds_what_max_logits_allocates_at_once(monkeypatch
     assert held <= estimate
     assert held == estimate if chunk != 2000 else estimate - held < held / 10
 
+
+def test_the_memory_estimate_adds_it_with_each_ranks_heads_when_qk_clip_is_on():
+    """per_rank_bytes (validate's memory check and the planner) adds max_logits_bytes over the rank's tp heads."""
     args = tiny().args
     t = TrainingConfig(micro_batch=2)
     tp2 = ParallelConfig(data_parallel="fsdp", tp=2)
