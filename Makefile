@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint bench clean compat compat-run gpu-wheels
+.PHONY: train test test-quick preflight lint bench clean compat compat-run gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -21,8 +21,18 @@ train: $(STAMP)
 # Two workers, a test file each at a time (module fixtures run once): most tests start one process or wait on one,
 # so a serial run kept half of a 2-core machine idle (measured: 104% CPU, 25 min; with -n 2, 158% and 21 min).
 # --no-loadscope-reorder keeps conftest's longest-files-first order (xdist would sort files by test count).
-test: lint
+# preflight: the system tools the tests call (a browser, iproute2, ...) installed as root with apt, or named in one
+# line with their install command before any test starts; it also prints how long the suite takes here.
+test: lint preflight
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests $(ARGS)
+
+# The edit-test loop (a few minutes): the unit tests and one end-to-end run of the CLI. `make test` is what CI runs.
+QUICK := tests/unit tests/e2e/test_train_cli.py::test_single_process_run_writes_the_run_directory_contract
+test-quick: lint
+	$(BIN)/python -m pytest -q -n 2 --durations=5 $(QUICK) $(ARGS)
+
+preflight: $(STAMP)
+	$(BIN)/python -m tests.preflight
 
 lint: $(STAMP)
 	$(BIN)/ruff check scaletrain tests benchmarks

@@ -1,5 +1,9 @@
+import json
 import os
+import time
 from pathlib import Path
+
+from tests.preflight import LAST_RUN
 
 # Tests run on a 2-core machine beside other processes: one thread each unless a test says otherwise. Tokenised
 # data and the measured CPU peak go to a cache inside the checkout, shared by the tests of one run and never by the
@@ -29,3 +33,21 @@ def pytest_collection_modifyitems(items: list) -> None:
         return next((i for i, name in enumerate(SLOW_FIRST) if path.endswith(name)), len(SLOW_FIRST))
 
     items.sort(key=rank)  # stable: the order within a file stays
+
+
+def pytest_sessionstart(session) -> None:
+    session.config._scaletrain_started = time.time()
+
+
+def pytest_sessionfinish(session, exitstatus: int) -> None:
+    """A whole-suite run (`make test`, no selection) records its wall time: tests/preflight.py quotes it next time
+    as what the suite takes on this machine."""
+    config = session.config
+    whole = [Path(a).resolve() for a in config.args] == [Path(__file__).parent] and not config.option.keyword
+    if hasattr(config, "workerinput") or not whole or exitstatus not in (0, 1) or config.option.markexpr:
+        return
+    LAST_RUN.parent.mkdir(parents=True, exist_ok=True)
+    seconds = time.time() - config._scaletrain_started
+    LAST_RUN.write_text(
+        json.dumps({"seconds": round(seconds), "tests": session.testscollected, "ended": time.time()})
+    )
