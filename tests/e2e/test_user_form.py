@@ -154,5 +154,7 @@ def test_ctrl_c_stops_after_the_step_saves_it_and_the_printed_command_continues(
     assert 3 <= stop < 5000 and (run / "checkpoints" / f"step-{stop:08d}" / "commit.json").is_file()
     assert events(run, "end")[-1]["stopped"] == "interrupted"
     line = re.search(r"to continue this run: (.*)", err).group(1)
-    run_cli(*shlex.split(line)[1:], "--run.stop_at_step", str(stop + 1), cwd=tmp_path, check=False)
-    assert starts(run) == [0, stop]
+    again = run_cli(*shlex.split(line)[1:], "--run.stop_at_step", str(stop + 1), cwd=tmp_path, check=False)
+    # Continued from the saved step and stopped at stop_at_step: its exit status, not a crash after the load.
+    assert again.returncode == STOPPED_EXIT_CODE and "Traceback" not in again.stderr, again.stderr
+    assert starts(run) == [0, stop] and max(losses(run)) == stop + 1, losses(run)
