@@ -182,6 +182,9 @@ def _layouts(cfg: Config, args: ModelArgs, world: int, node: int) -> Iterator[Pa
 def _reason(problem: str) -> str:
     """The family a validate message belongs to, for counting rejections."""
     families = [
+        # Before "micro-batches": the ramp's pp refusal names them too.
+        ("batch_ramp is not supported with parallel.pp", "the batch ramp cannot run with pipeline stages"),
+        ("sequences do not split into training.micro_batch", "the batch ramp's first step does not split"),
         ("does not divide model.n_kv_heads", "tp does not divide the kv heads"),
         ("does not divide model.n_heads", "tp does not divide the heads"),
         ("does not divide", "tp does not divide a model size"),

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
 import scaletrain.metrics.meter as meter_module
-from scaletrain.config import Config, DataConfig, OptimizerConfig, SourceConfig
+from scaletrain.config import (
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    SourceConfig,
+    TrainingConfig,
+)
 from scaletrain.data.loader import DataLoader, Mixture, TokenShards
 from scaletrain.data.prepare import prepare_data
 from scaletrain.data.ramp import BatchRamp
@@ -20,8 +29,11 @@ from scaletrain.data.tokenizer import ByteTokenizer
 from scaletrain.errors import ConfigError
 from scaletrain.metrics.meter import StepMeter
 from scaletrain.models.loss import cross_entropy
+from scaletrain.models.presets import resolve_model_args
 from scaletrain.optim import Optimizers, build_optimizer
 from scaletrain.parallel.layout import Layout, batch_problems
+from scaletrain.planner.hardware import GPUS
+from scaletrain.planner.search import search
 from scaletrain.step import StepRunner
 from scaletrain.validate import load_config
 from tests.fixtures import tiny
@@ -169,10 +181,36 @@ def test_a_ramp_each_rank_can_split_is_accepted():
 
 
 def test_the_planner_holds_its_candidates_to_the_ramp():
-    """batch_problems is what validate and the planner's search (layout_problems) both ask: a candidate layout whose
-    data-parallel ranks cannot split the ramp's first step is not proposed."""
+    """The planner's search with a ramp proposes only layouts that can run it: micro_batch x data-parallel ranks
+    divide the ramp's first step, no pipeline. It asks what validate asks (batch_problems, through layout_problems),
+    so the plans it drops are exactly those of the search without the ramp that cannot split the first step, each
+    counted under the ramp's reason."""
     cfg = Config()
     cfg.training.global_batch, cfg.training.micro_batch, cfg.training.batch_ramp = 8, 1, "2:3"
     assert batch_problems(cfg.training, Layout.of(cfg, 2)) == []
     (problem,) = batch_problems(cfg.training, Layout.of(cfg, 4))
     assert "use a start of 4" in problem
+
+    args = resolve_model_args(ModelConfig(preset="8B"), None, 8192)  # untied: pipeline layouts are candidates
+
+    def plans(ramp: str) -> tuple[list, Counter]:
+        t = TrainingConfig(global_batch=16, steps=100, eval_interval=0, batch_ramp=ramp)
+        cfg = Config(model=ModelConfig(preset="8B"), data=DataConfig(seq_len=8192), training=t,
+                     precision=PrecisionConfig(compute="bf16"))  # fmt: skip
+        found, rejected, _ = search(cfg, args, 8, GPUS["h100"], 8)
+        return found, rejected
+
+    def runs_the_ramp(plan) -> bool:  # a start of 2 sequences
+        return 2 % (plan.cfg.training.micro_batch * plan.layout.dp_size) == 0 and plan.cfg.parallel.pp == 1
+
+    def key(plan) -> tuple:
+        return tuple(sorted(plan.choices().items()))
+
+    free, _ = plans("")
+    ramped, rejected = plans("2:10")
+    cannot = [p.describe() for p in ramped if not runs_the_ramp(p)]
+    assert ramped and not cannot, cannot
+    assert {key(p) for p in ramped} == {key(p) for p in free if runs_the_ramp(p)}
+    assert len(ramped) < len(free)  # the ramp removed some: dp 4 and 8, micro_batch 2 on 2 ranks, pipelines
+    assert rejected["the batch ramp's first step does not split"] > 0
+    assert rejected["the batch ramp cannot run with pipeline stages"] > 0
