@@ -46,6 +46,7 @@ from scaletrain.resilience.diagnose import (
     root_cause,
     tail,
 )
+from scaletrain.resilience.membership import record_lost_peer
 from scaletrain.resilience.preemption import Lifelines, follow_launcher
 from scaletrain.resilience.sdc import excluded_here
 from scaletrain.resilience.timelimit import JOB_START_ENV
@@ -96,6 +97,8 @@ def run_training(cfg: Config) -> int:
         text = traceback.format_exc()
         sys.stderr.write(text)
         sys.stderr.flush()
+        if cfg.run.dir:
+            record_lost_peer(RunDir.at(cfg.run.dir), text)  # a surviving node names the one that went away
         _linger_if_a_peer_failed(text)
         os._exit(1)
     if stopped == "interrupted":  # a first Ctrl-C: stopped after a step, saved (Preemption)

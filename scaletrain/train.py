@@ -36,6 +36,7 @@ from scaletrain.resilience.fault_tolerance import NoReplicaGroup, ReplicaGroup
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.goodput import final_goodput
 from scaletrain.resilience.guard import Guard
+from scaletrain.resilience.membership import RankLease, node_of_each_rank
 from scaletrain.resilience.preemption import Preemption
 from scaletrain.resilience.timelimit import JobLimits
 from scaletrain.rundir import RunDir, open_run_dir
@@ -133,6 +134,7 @@ class Job:
     moe: MoEMonitor  # MoE: expert load, moe_* metrics (inert for a dense model); the bias update is in optimizers
     # fault_tolerance: this rank's replica group (resilience/fault_tolerance); NoReplicaGroup without
     ft: ReplicaGroup | NoReplicaGroup
+    lease: RankLease  # this process's hold on its rank in the run directory
     evals: dict[int, float] = field(default_factory=dict)
 
     def tokens(self, step: int) -> int:
@@ -177,6 +179,7 @@ class Job:
         """However the loop ended: the guard's watchdog stops and the signals get their previous actions back."""
         self.guard.close()
         self.preemption.close()
+        self.lease.close()
 
     def evaluate(self, step: int) -> float:
         t0 = time.perf_counter()
@@ -231,6 +234,9 @@ def build(cfg: Config) -> Job:
     dims.build_mesh(env.device.type)
     first = partial(main_first, env.is_main, dims.control)  # rank 0 first, then the others
     run, run_id = open_run_dir(to_dict(cfg), env.is_main, partial(broadcast_object, group=dims.control))
+    lease = RankLease(
+        run.path, fault_tolerance.global_rank(env.rank, env.world_size)
+    )  # one live process a rank
     writer = MetricsWriter(run.path, env.is_main, cfg.metrics.tensorboard, cfg.metrics.wandb_project)
 
     # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
@@ -298,8 +304,9 @@ def build(cfg: Config) -> Job:
     ft = fault_tolerance.replica_group(cfg.fault_tolerance, env, held, writer.event, cfg.training.steps)
     info = dict(world_size=env.world_size, precision=cfg.precision.compute, device=env.device.type, layout=described,
                 parameters=n_params["total"], peak_flops_source=peak_source,
-                **batches.announce(cfg.training.batch_ramp), **ft.describe())  # fmt: skip
-    return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe, ft)
+                nodes=node_of_each_rank(dims.control), **batches.announce(cfg.training.batch_ramp),
+                **ft.describe())  # fmt: skip
+    return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe, ft, lease)
 
 
 def _is_eval_step(step: int, t: TrainingConfig) -> bool:

@@ -1,16 +1,20 @@
 """Preemption: SIGTERM (what Slurm, Kubernetes and torchrun send before they end a job) sets a flag, and the ranks
 agree on it at a step boundary over the CPU control group, so that all of them stop after the same step (and, with
 checkpoints on, save that step). Honoured with or without checkpoints. Under `scaletrain train --nproc` the
-launcher's SIGTERM reaches the workers over their lifelines, which also end a worker whose launcher died."""
+launcher's SIGTERM reaches the workers over their lifelines, which also end a worker whose launcher died; under a
+torchrun of the user's own (by hand, Slurm, Kubernetes) a worker dies with its agent (follow_agent)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -114,3 +118,53 @@ def follow_launcher(readers: tuple[Connection, ...], local_rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=follow, name="launcher-lifeline", daemon=True).start()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def follow_agent() -> None:
+    """In a worker of a torchrun of the user's own (by hand, the Slurm and Kubernetes recipes): end this process with
+    SIGKILL when its agent dies, as `follow_launcher` does under `--nproc` (issue 41). torchrun starts each worker in
+    a session of its own, so a `kill -9` of the agent (an operator, the OOM killer) would otherwise leave the workers
+    training on, holding their devices and writing to the run directory, until a replacement of the same rank meets
+    them. Linux: the kernel's parent-death signal (immediate, even while the worker is inside a collective);
+    elsewhere (macOS) a thread that watches the parent pid every half second. A parent that died before the signal
+    was set is caught by the check that follows: the adopter (init, a subreaper, a shell) is not a Python process,
+    and every torch elastic agent is. Nothing is changed outside torch's agent (no TORCHELASTIC_RUN_ID) or under
+    `--nproc`, whose lifelines already do this (there the parent is the fork server, not the launcher)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    # The parent is read after the signal is set: one that died in between is its adopter, which the check sees.
+    armed = (
+        sys.platform.startswith("linux")
+        and ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    )
+    agent = os.getppid()
+    if not armed:
+        _watch_parent(agent)
+    if (adopter := _not_an_agent(agent)) is not None:
+        sys.stderr.write(
+            f"scaletrain: the torchrun agent that started this worker is gone (its parent is now pid "
+            f"{agent}, {adopter}): exiting, so that no worker trains on without its agent\n"
+        )
+        os._exit(1)
+
+
+def _not_an_agent(pid: int) -> str | None:
+    """What process `pid` runs when it cannot be a torch elastic agent (not a Python interpreter), else None; None
+    where /proc cannot say (the check then trusts the parent)."""
+    try:
+        exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return None
+    return None if exe.startswith(("python", "pypy")) else exe
+
+
+def _watch_parent(agent: int) -> None:
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="agent-watch", daemon=True).start()
