@@ -39,6 +39,7 @@ from scaletrain.plan.calibrate import run_calibrate
 from scaletrain.plan.commands import auto_overrides, dry_run, run_plan
 from scaletrain.precision.qat import WEIGHT_DTYPES
 from scaletrain.report import write_report
+from scaletrain.resilience.preemption import follow_agent
 from scaletrain.rundir import RunDir, continue_command, default_run_dir, find_run, shown
 from scaletrain.validate import load_config
 
@@ -161,6 +162,7 @@ def _entered(path: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     install_stack_dump()
+    follow_agent()  # a worker of the user's own torchrun ends with its agent
     parser = build_parser()
     if not argv:
         parser.print_help()

@@ -88,12 +88,12 @@ class Node:
         return [p for p in _pids() if ns is not None and _pid_ns(p) == ns and not _zombie(p)]
 
     def processes(self, pattern: str) -> list[int]:
-        """The node's live processes whose command line contains `pattern`."""
-        return [p for p in self.pids() if pattern in _cmdline(p)]
+        """The node's live processes, its init aside, whose command line contains `pattern`."""
+        return [p for p in self.pids() if p != self.init_pid and pattern in _cmdline(p)]
 
-    def agent(self) -> int:
-        """The command started on the node: the init's child (torchrun's agent, in a launch)."""
-        return next(p for p in self.pids() if _ppid(p) == self.init_pid)
+    def agent(self) -> int | None:
+        """The command started on the node, while it lives: the init's child (torchrun's agent, in a launch)."""
+        return next((p for p in self.pids() if _ppid(p) == self.init_pid), None)
 
     def wait(self, timeout: float) -> int:
         """The exit status of the command started on the node, once it has ended (the node lives on)."""
@@ -252,3 +252,16 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# The documented many-nodes launch (docs/launching.md), as each node types it: one torchrun agent a node, the
+# rendezvous on node0 by name, the process groups' sockets on the cluster interface.
+NODE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(nnodes: str, nproc: int, *train_args: str, max_restarts: int = 0, rdzv_id: str = "job") -> list[str]:
+    """`torchrun ... -m scaletrain train --config configs/debug.toml ARGS` for one node of a simulated cluster."""
+    return [str(Path(sys.executable).parent / "torchrun"), "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", rdzv_id,
+            "--max-restarts", str(max_restarts), "-m", "scaletrain", "train", "--config", "configs/debug.toml",
+            "--metrics.progress", "false", *train_args]  # fmt: skip
