@@ -62,6 +62,8 @@ class RankLease:
             os.close(self._fd)  # the lock goes with the descriptor
             self._fd = None
 
+    __del__ = close  # a start that failed after taking it (train.build) lets it go with the object
+
 
 def node_of_each_rank(group: dist.ProcessGroup | None) -> dict[str, dict]:
     """{hostname: {"address": the address the cluster reaches it at, "ranks": [...]}} over every rank of `group`

@@ -18,7 +18,9 @@ def main() -> None:
     p.add_argument("--hostname", required=True)
     p.add_argument("--shm", default="256m", help="the size of the node's own /dev/shm (a tmpfs)")
     p.add_argument("--cwd", default=os.getcwd())
-    p.add_argument("--hosts", help="the cluster's /etc/hosts (every node by name, as a cluster's DNS serves them)")
+    p.add_argument(
+        "--hosts", help="the cluster's /etc/hosts (every node by name, as a cluster's DNS serves them)"
+    )
     p.add_argument("--status", help="a file the command's exit status is written to when it ends")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args()

@@ -171,7 +171,20 @@ class Cluster:
         node = Node(self, len(self.nodes))
         self.nodes.append(node)
         self._netns(node.netns)
-        _ip("-n", self.bridge, "link", "add", node.port, "type", "veth", "peer", "name", "eth0", "netns", node.netns)
+        _ip(
+            "-n",
+            self.bridge,
+            "link",
+            "add",
+            node.port,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            node.netns,
+        )
         _ip("-n", self.bridge, "link", "set", node.port, "master", "br0", "up")
         _ip("-n", node.netns, "addr", "add", f"{node.address}/24", "dev", "eth0")
         _ip("-n", node.netns, "link", "set", "eth0", "up")
@@ -230,7 +243,9 @@ def _cmdline(pid: int) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args()
@@ -259,7 +274,9 @@ if __name__ == "__main__":
 NODE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
 
 
-def torchrun(nnodes: str, nproc: int, *train_args: str, max_restarts: int = 0, rdzv_id: str = "job") -> list[str]:
+def torchrun(
+    nnodes: str, nproc: int, *train_args: str, max_restarts: int = 0, rdzv_id: str = "job"
+) -> list[str]:
     """`torchrun ... -m scaletrain train --config configs/debug.toml ARGS` for one node of a simulated cluster."""
     return [str(Path(sys.executable).parent / "torchrun"), "--nnodes", nnodes, "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", rdzv_id,

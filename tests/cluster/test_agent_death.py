@@ -13,7 +13,9 @@ from tests.cluster.nodes import NODE_ENV, Cluster, problem, torchrun
 from tests.helpers import events
 
 pytestmark = pytest.mark.skipif(problem() is not None, reason=str(problem()))
-WORKER = "-m scaletrain train"  # a worker's command line (the agent's reads "torchrun ... -m scaletrain train")
+WORKER = (
+    "-m scaletrain train"  # a worker's command line (the agent's reads "torchrun ... -m scaletrain train")
+)
 
 
 def _workers(node) -> list[int]:
@@ -45,8 +47,14 @@ def test_kill_9_of_a_nodes_agent_ends_its_workers_the_survivors_name_it_and_the_
     with Cluster(2) as cluster:
         node0, node1 = cluster.nodes
         for node in cluster.nodes:
-            node.start(torchrun("2", 2, *args, max_restarts=1), env=NODE_ENV, log=tmp_path / f"{node.hostname}.log")
-        _wait(lambda: any(e["step"] >= 10 for e in events(run, "checkpoint_saved")), 180, "no checkpoint at step 10")
+            node.start(
+                torchrun("2", 2, *args, max_restarts=1), env=NODE_ENV, log=tmp_path / f"{node.hostname}.log"
+            )
+        _wait(
+            lambda: any(e["step"] >= 10 for e in events(run, "checkpoint_saved")),
+            180,
+            "no checkpoint at step 10",
+        )
         assert len(_workers(node1)) == 2
         os.kill(node1.agent(), signal.SIGKILL)
         killed = time.monotonic()
@@ -56,7 +64,9 @@ def test_kill_9_of_a_nodes_agent_ends_its_workers_the_survivors_name_it_and_the_
         # wait in the rendezvous for a second node.
         lost = _wait(lambda: events(run, "peer_lost"), 60, "no peer_lost event")
         assert [(e["node"], e["ranks"], e["seen_by"]) for e in lost] == [("node1", [2, 3], "node0")]
-        assert node0.status.exists() is False  # node0's agent waits for node1 (--nnodes 2), it has not given up
+        assert (
+            node0.status.exists() is False
+        )  # node0's agent waits for node1 (--nnodes 2), it has not given up
         node1.kill()
         node1.start(torchrun("2", 2, *args, max_restarts=1), env=NODE_ENV, log=tmp_path / "node1-again.log")
         assert node0.wait(240) == 0 and node1.wait(60) == 0
