@@ -22,7 +22,7 @@ import torch
 from scaletrain import __version__
 from scaletrain.bench import results_json, run_bench
 from scaletrain.checkpoint.hf import EXPORT_DTYPES
-from scaletrain.config import Config
+from scaletrain.config import Config, MetricsConfig
 from scaletrain.config_io import all_keys, help_text, to_dict
 from scaletrain.convert import from_hf, parse_size, to_hf, to_quantized
 from scaletrain.data import load_tokenizer, prepare_data
@@ -31,7 +31,13 @@ from scaletrain.data.tokenizer import train_bpe
 from scaletrain.errors import CONFIG_EXIT_CODE, ConfigError, report_errors
 from scaletrain.hardware import gpu_count, uses_cuda
 from scaletrain.inference.evaluate import evaluate_text
-from scaletrain.inference.generate import check_sampling, generate_text, generation_report, sample_line
+from scaletrain.inference.generate import (
+    SAMPLE_TOKENS,
+    check_sampling,
+    generate_text,
+    generation_report,
+    record_samples,
+)
 from scaletrain.inference.loader import load_model
 from scaletrain.launch import install_stack_dump, launch_local, run_training, under_torchrun
 from scaletrain.parity import run_parity
@@ -278,7 +284,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         if run is not None and is_main and run.started() and run.finished(cfg.training.steps) is None:
             print(f"to continue this run: {continue_command(typed, run.path)}", file=sys.stderr)
     if code == 0 and cfg.metrics.sample_prompt and is_main and run is not None:
-        print(sample_line(run.path, cfg.metrics.sample_prompt))
+        print("\n".join(record_samples(run, cfg.metrics)))
     if code == 0 and cfg.metrics.report and is_main and run is not None:
         _report_after_training(run.path)
     return code
@@ -395,10 +401,18 @@ def _add_inference_commands(commands: argparse._SubParsersAction) -> dict[str, _
     """`generate` and `eval`: one process, on a run's newest checkpoint or a Hugging Face Llama or Mixtral directory."""
     gen = commands.add_parser("generate", overrides=False, help="sample from a run's checkpoint or an HF dir")
     gen.add_argument("--prompt", required=True, help="the text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="at most this many new tokens")
-    gen.add_argument("--temperature", type=float, default=0.0, help="softmax temperature; 0: greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0: all")
-    gen.add_argument("--seed", type=int, default=0, help="the same seed gives the same tokens")
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=SAMPLE_TOKENS, help="at most this many new tokens (%(default)s)"
+    )
+    # The sampling defaults are the train samples' (metrics.sample_*): one choice, made in the config.
+    temperature, top_k = MetricsConfig.sample_temperature, MetricsConfig.sample_top_k
+    gen.add_argument(
+        "--temperature", type=float, default=temperature, help="softmax temperature (%(default)s); 0: greedy"
+    )
+    gen.add_argument(
+        "--top-k", type=int, default=top_k, help="sample among the k likeliest tokens (%(default)s); 0: all"
+    )
+    gen.add_argument("--seed", type=int, default=0, help="the same seed gives the same tokens (%(default)s)")
     gen.set_defaults(run=_generate)
     ev = commands.add_parser("eval", overrides=False, help="loss and perplexity over text")
     ev.add_argument("--data", required=True, help="a text, jsonl or parquet file, a directory or a glob")

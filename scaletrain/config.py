@@ -440,8 +440,17 @@ class MetricsConfig:
     peak_tflops: float = 0.0
     """Device peak for MFU in TFLOP/s per process; 0: look up the GPU, or measure the CPU once and cache it."""
     sample_prompt: str = ""
-    """When set, `scaletrain train` ends by printing a greedy continuation of this prompt by the final checkpoint
-    (`sample: PROMPT → TEXT`); empty: no sample."""
+    """When set, `scaletrain train` ends with sample_count continuations of this prompt by the final checkpoint,
+    one line each (`sample (seed S, temperature T, top-k K): PROMPT → TEXT`), also kept in <run.dir>/samples.jsonl
+    for the report; `scaletrain generate RUN --prompt PROMPT --seed S` repeats one. Empty: no sample."""
+    sample_temperature: float = 0.8
+    """Softmax temperature of the samples, and `scaletrain generate`'s default; 0: greedy (one sample). Greedy
+    decoding of a small model falls into one repeated token ('def ' → '____…', issue 39); 0.8 keeps its text
+    readable."""
+    sample_top_k: int = 40
+    """Sample among the k likeliest tokens (the samples', and `scaletrain generate`'s default); 0: all."""
+    sample_count: int = 3
+    """How many samples, with seeds 0, 1, ... (greedy: one)."""
     report: bool = False
     """When true, `scaletrain train` ends by writing the run's report to <run.dir>/report (PNG plots and one HTML
     page, as the report command does) and printing `report: <run.dir>/report/index.html`."""

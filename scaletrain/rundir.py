@@ -36,6 +36,7 @@ CONFIG = "config.toml"
 RUN_ID = "run_id"
 EVENTS = "events.jsonl"
 METRICS = "metrics.jsonl"
+SAMPLES = "samples.jsonl"
 CHECKPOINTS = "checkpoints"
 LOGS = "logs"
 RUNS_ROOT = "runs"  # where runs without --run.dir go, under the working directory
@@ -96,6 +97,11 @@ class RunDir:
         return self.path / METRICS
 
     @property
+    def samples(self) -> Path:
+        """What the model wrote at the end of each start that trained to the end (metrics.sample_prompt)."""
+        return self.path / SAMPLES
+
+    @property
     def logs(self) -> Path:
         return self.path / LOGS
 
@@ -116,6 +122,9 @@ class RunDir:
 
     def read_metrics(self, skipped: list[int] | None = None) -> list[dict]:
         return read_jsonl(self.metrics, skipped)
+
+    def read_samples(self, skipped: list[int] | None = None) -> list[dict]:
+        return read_jsonl(self.samples, skipped)
 
     # -- what a start finds ------------------------------------------------------------------------------------
     def started(self) -> bool:

@@ -22,6 +22,7 @@ from scaletrain.config import (
     CheckpointConfig,
     Config,
     DataConfig,
+    MetricsConfig,
     ModelConfig,
     MoEConfig,
     OptimizerConfig,
@@ -132,9 +133,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
             "training.eval_interval > 0 needs held-out data: set data.val_fraction > 0, or "
             "training.eval_interval 0"
         )
-    if cfg.metrics.log_interval < 1:
-        problems.append("metrics.log_interval must be >= 1")
-    problems += [p for p in [wandb_problem(cfg.metrics.wandb_project)] if p]
+    problems += _metrics(cfg.metrics)
     if cfg.parallel.ddp_bucket_mb < 1:
         problems.append("parallel.ddp_bucket_mb must be >= 1")
     problems += comm_problems(layout)
@@ -200,6 +199,20 @@ def _precision(cfg: Config, layout: Layout) -> list[str]:
     """precision.compute against the layout (where the FSDP2 policy can apply) and the device (fp8's hardware)."""
     device = "cuda" if uses_cuda(cfg.training.device) else "cpu"
     return precision_problems(cfg.precision, layout.fsdp, device, tp=cfg.parallel.tp)
+
+
+def _metrics(m: MetricsConfig) -> list[str]:
+    problems = [] if m.log_interval >= 1 else ["metrics.log_interval must be >= 1"]
+    problems += [p for p in [wandb_problem(m.wandb_project)] if p]
+    if not m.sample_temperature >= 0:
+        problems.append(f"metrics.sample_temperature {m.sample_temperature} must be >= 0 (0: greedy)")
+    if m.sample_top_k < 0:
+        problems.append(f"metrics.sample_top_k {m.sample_top_k} must be >= 0 (0: the whole vocabulary)")
+    if m.sample_count < 1:
+        problems.append(
+            f'metrics.sample_count {m.sample_count} must be >= 1 (no samples: metrics.sample_prompt "")'
+        )
+    return problems
 
 
 def _resilience(r: ResilienceConfig, world_size: int) -> list[str]:

@@ -1,21 +1,26 @@
 """Sampling from a model with a KV cache: the prompt runs once through the model's causal path, then each new token
-attends to the cached keys and values. Temperature 0 is greedy; otherwise softmax(logits / T) over the top k."""
+attends to the cached keys and values. Temperature 0 is greedy; otherwise softmax(logits / T) over the top k.
+The samples `scaletrain train` ends with (metrics.sample_prompt) are taken here and kept in the run directory."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from scaletrain.config import MetricsConfig
 from scaletrain.errors import UserError
 from scaletrain.inference.loader import LoadedModel, load_model
+from scaletrain.metrics.writer import append_line
 from scaletrain.models import Transformer
 from scaletrain.models.kv_cache import KVCache
+from scaletrain.rundir import RunDir
 
 SAMPLE_TOKENS = 64
-"""New tokens of the sample `scaletrain train` prints at the end (metrics.sample_prompt)."""
+"""New tokens of each sample `scaletrain train` ends with, and `scaletrain generate`'s --max-new-tokens default."""
 
 
 @dataclass
@@ -92,11 +97,13 @@ def generate_text(
     loaded: LoadedModel,
     prompt: str,
     max_new_tokens: int = SAMPLE_TOKENS,
-    temperature: float = 0.0,
-    top_k: int = 0,
+    temperature: float = MetricsConfig.sample_temperature,
+    top_k: int = MetricsConfig.sample_top_k,
     seed: int = 0,
 ) -> tuple[list[int], Generation, str]:
-    """The prompt's ids, the generation and its text, with the loaded model's tokenizer."""
+    """The prompt's ids, the generation and its text, with the loaded model's tokenizer. The sampling defaults
+    are `scaletrain generate`'s and the train samples' (metrics.sample_*; issue 39: greedy decoding of a small
+    model repeats one token to the end)."""
     tok = loaded.tokenizer
     ids = tok.encode(prompt)
     result = generate(
@@ -119,13 +126,59 @@ def generation_report(prompt: str, ids: list[int], result: Generation, text: str
     return json.dumps(record)
 
 
-def sample_line(run_dir: Path, prompt: str) -> str:
-    """The line `scaletrain train` ends with when metrics.sample_prompt is set: a greedy continuation of the
-    prompt by the run's newest checkpoint. A run that left no checkpoint gets the reason instead (the run itself
-    went well; the sample is not worth a failing exit)."""
+@dataclass
+class Sample:
+    """One continuation of metrics.sample_prompt: a line of `scaletrain train`'s output and of samples.jsonl."""
+
+    checkpoint: str
+    """The checkpoint that wrote it (its directory's name, step-N)."""
+    prompt: str
+    text: str
+    """The continuation (the prompt not included)."""
+    seed: int
+    temperature: float
+    top_k: int
+    stop: str
+    """Generation.stop: 'eod', 'max_new_tokens' or 'context'."""
+
+    def line(self) -> str:
+        how = (
+            f"seed {self.seed}, temperature {self.temperature:g}, top-k {self.top_k}"
+            if self.temperature
+            else "greedy"
+        )
+        return f"sample ({how}): {self.prompt!r} → {self.text!r}"
+
+
+def take_samples(loaded: LoadedModel, m: MetricsConfig) -> list[Sample]:
+    """m.sample_count continuations of m.sample_prompt with seeds 0, 1, ...; at temperature 0, one (greedy: the
+    seed changes nothing). `scaletrain generate RUN --prompt PROMPT --seed S` repeats one: its defaults are these."""
+    out = []
+    for seed in range(m.sample_count if m.sample_temperature > 0 else 1):
+        _, result, text = generate_text(
+            loaded, m.sample_prompt, SAMPLE_TOKENS, m.sample_temperature, m.sample_top_k, seed
+        )
+        checkpoint = Path(loaded.source).name
+        out.append(
+            Sample(checkpoint, m.sample_prompt, text, seed, m.sample_temperature, m.sample_top_k, result.stop)
+        )
+    return out
+
+
+def record_samples(run: RunDir, m: MetricsConfig) -> list[str]:
+    """The lines `scaletrain train` ends with when metrics.sample_prompt is set: the samples of the run's newest
+    checkpoint (on the CPU, as `scaletrain generate` by default), appended to <run.dir>/samples.jsonl for the report.
+    A run that left no checkpoint gets the reason instead (the run itself went well; the sample is not worth a
+    failing exit)."""
     try:
-        loaded = load_model(run_dir)
-        _, _, text = generate_text(loaded, prompt)
+        samples = take_samples(load_model(run.path), m)
     except UserError as e:
-        return f"sample: not taken ({e})"
-    return f"sample: {prompt!r} → {text!r}"
+        return [f"sample: not taken ({e})"]
+    write_samples(run, samples)
+    return [sample.line() for sample in samples]
+
+
+def write_samples(run: RunDir, samples: list[Sample]) -> None:
+    """Append the samples to <run.dir>/samples.jsonl, one JSON object each (the report reads them back)."""
+    for sample in samples:
+        append_line(run.samples, json.dumps(dataclasses.asdict(sample)) + "\n")

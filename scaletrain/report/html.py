@@ -30,6 +30,7 @@ figure { margin: 0; border: 1px solid #eee; padding: 4px; }
 figcaption { font-size: 12px; color: #555; }
 pre { background: #f8f8f8; padding: 8px; overflow-x: auto; font-size: 12px; }
 .muted { color: #777; }
+td.sample { font-family: monospace; white-space: pre-wrap; min-width: 40em; }
 """
 
 LOADED_SCRIPT = """
@@ -117,6 +118,27 @@ def _events(run: Run) -> str:
     return f"<h3>{_e(run.name)}</h3>" + _table(["time", "step", "kind", "details"], rows) + note
 
 
+def _samples(run: Run) -> str:
+    """The continuations of metrics.sample_prompt the run's checkpoints wrote (`scaletrain train`'s last lines)."""
+    if not run.samples:
+        return (
+            f"<h3>{_e(run.name)}</h3><p class='muted'>No samples.jsonl: the run set no metrics.sample_prompt, "
+            "or has not ended.</p>"
+        )
+    rows = []
+    for s in run.samples:
+        temperature = s.get("temperature")
+        how = f"{temperature:g}" if isinstance(temperature, int | float) else temperature
+        text = f"<b>{_e(s.get('prompt', ''))}</b>{_e(s.get('text', ''))}"
+        cells = [s.get("checkpoint"), s.get("seed"), how, s.get("top_k")]
+        rows.append("<tr>" + "".join(_cell(v) for v in cells) + f'<td class="sample">{text}</td></tr>')
+    head = "".join(
+        f"<th>{_e(h)}</th>" for h in ["checkpoint", "seed", "temperature", "top-k", "prompt → text"]
+    )
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    return f"<h3>{_e(run.name)}</h3>" + table
+
+
 def _short(value: object) -> str:
     text = f"{value:.4g}" if isinstance(value, float) else str(value)
     return text if len(text) <= 200 else text[:200] + "…"
@@ -143,7 +165,8 @@ def _configs(runs: list[Run]) -> str:
 
 
 def render_page(runs: list[Run], plots: list[Plot]) -> str:
-    """The whole page: runs, config differences (several runs), summary, plots, events, resolved configs."""
+    """The whole page: runs, config differences (several runs), summary, plots, samples, events, resolved
+    configs."""
     names = ", ".join(run.name for run in runs)
     parts = [
         "<!DOCTYPE html>",
@@ -156,7 +179,9 @@ def render_page(runs: list[Run], plots: list[Plot]) -> str:
     ]
     if len(runs) > 1:
         parts += ["<h2>Config differences</h2>", _diff(runs)]
-    parts += ["<h2>Summary</h2>", _summary(runs), "<h2>Plots</h2>", _plots(plots), "<h2>Events</h2>"]
+    parts += ["<h2>Summary</h2>", _summary(runs), "<h2>Plots</h2>", _plots(plots), "<h2>Samples</h2>"]
+    parts += [_samples(run) for run in runs]
+    parts += ["<h2>Events</h2>"]
     parts += [_events(run) for run in runs]
     parts += [
         "<h2>Resolved config</h2>",

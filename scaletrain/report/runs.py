@@ -1,4 +1,5 @@
-"""A run directory read back for the report: its resolved config, metrics by step, events, end summary and goodput.
+"""A run directory read back for the report: its resolved config, metrics by step, events, end summary, goodput and
+the samples its checkpoints wrote.
 
 Every part may be missing (a run that crashed before its first log, one without evaluation, one still running):
 what is missing is None or empty, and the report says "no data" where it would have drawn it.
@@ -13,7 +14,7 @@ from pathlib import Path
 from scaletrain.errors import UserError
 from scaletrain.resilience.goodput import compute_goodput
 from scaletrain.resume import flatten
-from scaletrain.rundir import CONFIG, EVENTS, METRICS, RunDir
+from scaletrain.rundir import CONFIG, EVENTS, METRICS, SAMPLES, RunDir
 
 RUN_FILES = (CONFIG, METRICS, EVENTS)
 
@@ -33,6 +34,8 @@ class Run:
     """compute_goodput's breakdown, None when the records cannot say (no `start` event)."""
     unreadable: dict[str, list[int]]
     """Per file, the numbers of the lines that are no JSON record (cut short by a kill or a full disk), left out."""
+    samples: list[dict]
+    """samples.jsonl: the continuations of metrics.sample_prompt each finished start wrote, oldest first."""
 
 
 def read_run(path: Path, name: str | None = None) -> Run:
@@ -46,7 +49,7 @@ def read_run(path: Path, name: str | None = None) -> Run:
             "training run wrote (its --run.dir, by default runs/<name>-<date>-<time>)"
         )
     by_step: dict[int, dict] = {}
-    run, unreadable = RunDir(path), {METRICS: [], EVENTS: []}
+    run, unreadable = RunDir(path), {METRICS: [], EVENTS: [], SAMPLES: []}
     for record in run.read_metrics(unreadable[METRICS]):
         if isinstance(record.get("step"), int):
             by_step[record["step"]] = record
@@ -58,10 +61,10 @@ def read_run(path: Path, name: str | None = None) -> Run:
     except (ValueError, OSError):
         goodput = None
     metrics = [by_step[s] for s in sorted(by_step)]
+    samples = run.read_samples(unreadable[SAMPLES])
     unreadable = {f: lines for f, lines in unreadable.items() if lines}
-    return Run(
-        path, name or path.name, run.saved_config() or {}, metrics, events, summary, goodput, unreadable
-    )
+    config = run.saved_config() or {}
+    return Run(path, name or path.name, config, metrics, events, summary, goodput, unreadable, samples)
 
 
 def run_names(paths: list[Path]) -> list[str]:

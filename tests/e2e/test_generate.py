@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from scaletrain.cli import main
+from scaletrain.config import MetricsConfig
 from scaletrain.data import ByteTokenizer
+from scaletrain.rundir import RunDir
 from tests.helpers import train_cli
 
 PROMPT = "def "
@@ -44,7 +46,9 @@ def _json(capsys, argv: list[str]) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.9", "--top-k", "40", "--seed", "3"]])
+@pytest.mark.parametrize(
+    "sampling", [["--temperature", "0"], ["--temperature", "0.9", "--top-k", "40", "--seed", "3"]]
+)
 def test_run_and_its_hf_export_generate_the_same_tokens(run, capsys, sampling):
     run_dir, hf, _, _ = run
     args = ["--prompt", PROMPT, "--max-new-tokens", "40", "--json", *sampling]
@@ -53,16 +57,23 @@ def test_run_and_its_hf_export_generate_the_same_tokens(run, capsys, sampling):
     assert from_run["prompt_tokens"] == list(PROMPT.encode())
     assert len(from_run["tokens"]) == 40 or from_run["stop"] == "eod"
     assert from_run["tokens"] == from_hf["tokens"] and from_run["text"] == from_hf["text"]
-    if sampling:  # the same seed again gives the same tokens; another seed others
+    if "--seed" in sampling:  # the same seed again gives the same tokens; another seed others
         assert _json(capsys, ["generate", str(run_dir), *args])["tokens"] == from_run["tokens"]
         other = _json(capsys, ["generate", str(run_dir), *args[:-1], "4"])
         assert other["tokens"] != from_run["tokens"]
 
 
-def test_train_ends_with_the_greedy_sample_of_its_checkpoint(run, capsys):
+def test_train_ends_with_samples_that_generate_repeats_by_default(run, capsys):
+    """Issue 39: sampled (greedy decoding repeats one token), seeds 0, 1, 2, each repeated by `generate --seed`."""
     run_dir, _, stdout, _ = run
-    greedy = _json(capsys, ["generate", str(run_dir), "--prompt", PROMPT, "--json"])
-    assert f"sample: {PROMPT!r} → {greedy['text']!r}" in stdout.splitlines()
+    m = MetricsConfig()
+    settings = f"temperature {m.sample_temperature:g}, top-k {m.sample_top_k}"
+    for seed in range(3):
+        out = _json(capsys, ["generate", str(run_dir), "--prompt", PROMPT, "--seed", str(seed), "--json"])
+        text = out["text"]
+        assert f"sample (seed {seed}, {settings}): {PROMPT!r} → {text!r}" in stdout.splitlines()
+    kept = RunDir(run_dir).read_samples()
+    assert [(s["seed"], s["prompt"]) for s in kept] == [(0, PROMPT), (1, PROMPT), (2, PROMPT)]
 
 
 def test_eval_of_the_hf_export_equals_transformers_loss_and_the_run_eval(run, capsys):
