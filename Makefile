@@ -76,7 +76,7 @@ compat-run:
 	$(COMPAT_ENV) python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 	$(COMPAT_ENV) $(FSDP_RUN) --training.steps 10
 	$(COMPAT_ENV) $(FSDP_RUN) --training.steps 20 --run.accept_changes training.steps
-	$(COMPAT_ENV) python -c "import sys; from scaletrain.rundir import RunDir; e = RunDir.at(sys.argv[1]).read_events(); \
+	$(COMPAT_ENV) python -c "import sys; from scaletrain.run.directory import RunDir; e = RunDir.at(sys.argv[1]).read_events(); \
 		got = [x['step'] for x in e if x['kind'] == 'checkpoint_loaded']; assert got == [10], got; print('fsdp x2 resumed from', got)" $(COMPAT_OUT)/fsdp
 	$(COMPAT_ENV) DEVICE=cpu PRESET=debug OUT=$(COMPAT_OUT)/gpu_check bash benchmarks/gpu_check.sh
 

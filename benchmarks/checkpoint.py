@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from scaletrain.checkpoint import CheckpointManager, ModelState, TrainState
 from scaletrain.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from scaletrain.models import build_meta_model, resolve_model_args
-from scaletrain.optim import Optimizers, build_optimizer
+from scaletrain.optim.optimizers import Optimizers, build_optimizer
 
 
 def build(preset: str):

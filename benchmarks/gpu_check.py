@@ -338,7 +338,7 @@ def throughput(c: Check, name: str, compiled: bool) -> None:
 
 def phase_checkpoint(c: Check) -> None:
     """Async saves, a SIGKILL as soon as one is committed, then the same command: it must resume from there."""
-    from scaletrain.rundir import RunDir
+    from scaletrain.run.directory import RunDir
 
     t0 = time.monotonic()
     s, run_dir = c.sizes, c.scratch / "ckpt-run"
@@ -442,7 +442,7 @@ def phase_fp8(c: Check) -> None:
     if c.left() < 100:
         c.record("fp8", "skipped", 0, f"time budget: {c.left():.0f} s left")
         return
-    from scaletrain.rundir import RunDir
+    from scaletrain.run.directory import RunDir
 
     figures, problems = {}, []
     for precision in ("bf16", "fp8"):

@@ -23,7 +23,7 @@ gathered units are the transient buffers the ZeRO paper counts apart; they are s
 Activations are not counted there (the model's matrices dwarf a 2 x 16-token batch anyway).
 
 --activations measures them instead, on one process: the bytes a forward leaves for its backward under each
-memory.recompute policy (scaletrain.memory.measure: every storage an op made during forward that is still alive
+memory.recompute policy (scaletrain.metrics.memory: every storage an op made during forward that is still alive
 after it), beside the formula derived in docs/memory.md, the forward+backward time relative to no recompute in
 the same run, and the process's peak RSS; for the debug and a ~30M model at seq 256 and 1024.
 
@@ -54,13 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaletrain.config import OptimizerConfig  # noqa: E402
 from scaletrain.hardware import cpu_features  # noqa: E402
-from scaletrain.memory.measure import saved_activation_bytes  # noqa: E402
+from scaletrain.metrics.memory import saved_activation_bytes  # noqa: E402
 from scaletrain.models import ModelArgs, build_meta_model, build_model  # noqa: E402
 from scaletrain.models.loss import cross_entropy  # noqa: E402
-from scaletrain.optim import build_optimizer, build_zero1_optimizer  # noqa: E402
+from scaletrain.optim.optimizers import build_optimizer, build_zero1_optimizer  # noqa: E402
 from scaletrain.parallel.data_parallel import apply_ddp, apply_fsdp  # noqa: E402
 from scaletrain.parallel.recompute import apply_recompute  # noqa: E402
-from scaletrain.step import StepRunner  # noqa: E402
+from scaletrain.parallel.step import StepRunner  # noqa: E402
 from tests.distributed.spawn import spawn  # noqa: E402
 
 MODES = ("ddp", "zero1", "zero2", "fsdp")

@@ -28,12 +28,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scaletrain.hardware import cuda_available, usable_cpus  # noqa: E402
-from scaletrain.host import run_from_small_parent  # noqa: E402
+from scaletrain.hardware import (  # noqa: E402
+    cuda_available,
+    run_from_small_parent,  # noqa: E402
+    usable_cpus,
+)
 from scaletrain.parallel.layout import Layout  # noqa: E402
-from scaletrain.plan.commands import plan_one  # noqa: E402
-from scaletrain.planner.inputs import parse_unvalidated  # noqa: E402
-from scaletrain.planner.search import overhead_of  # noqa: E402
+from scaletrain.planning.commands import plan_one  # noqa: E402
+from scaletrain.planning.estimators.inputs import parse_unvalidated  # noqa: E402
+from scaletrain.planning.estimators.search import overhead_of  # noqa: E402
 
 CONFIG = str(ROOT / "configs" / "debug.toml")
 D256 = ["--model.dim", "256", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2"]
@@ -132,9 +135,9 @@ def published() -> None:
         ParallelConfig,
         TrainingConfig,
     )
-    from scaletrain.planner.hardware import GPUS
-    from scaletrain.planner.inputs import model_args
-    from scaletrain.planner.search import estimate, search
+    from scaletrain.planning.estimators.hardware import GPUS
+    from scaletrain.planning.estimators.inputs import model_args
+    from scaletrain.planning.estimators.search import estimate, search
 
     runs = [
         # Llama 3 405B (Dubey et al. 2024, table 4): 16,384 H100, seq 8192, 16M tokens per batch, TP8 CP1 PP16
@@ -246,7 +249,7 @@ def main() -> None:
 def _gpu_kind() -> str:
     import torch
 
-    from scaletrain.plan.calibrate_gpu import gpu_kind
+    from scaletrain.planning.calibrate_gpu import gpu_kind
 
     if not cuda_available():
         sys.exit("--gpu: torch sees no CUDA device here")

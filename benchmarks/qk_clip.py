@@ -1,4 +1,4 @@
-"""QK-clip's cost and effect (optimizer.qk_clip, scaletrain/qk_clip.py) on one process: the median time of a training
+"""QK-clip's cost and effect (optimizer.qk_clip, scaletrain/optim/qk_clip.py) on one process: the median time of a training
 step (forward, backward, optimizer step) with QK-clip off, measuring only (τ too high to clip) and clipping, the
 three alternated step by step so that a machine shared with other jobs moves them alike; and the largest logit of
 each step without the clip and with it, from the same initial weights and batches.

@@ -43,7 +43,7 @@ from scaletrain.checkpoint.memory_tier import MemoryTier, default_root, file_crc
 from scaletrain.checkpoint.safe_load import make_reader, read_metadata
 from scaletrain.config import CheckpointConfig, ModelConfig, OptimizerConfig
 from scaletrain.models import build_meta_model, resolve_model_args
-from scaletrain.optim import Optimizers, build_optimizer
+from scaletrain.optim.optimizers import Optimizers, build_optimizer
 
 TARGET_RATIO = 10.0
 LAYOUT = make_layout_key(1, "single process")

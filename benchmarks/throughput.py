@@ -31,7 +31,7 @@ from scaletrain.data import build_loader, load_tokenizer
 from scaletrain.hardware import cpu_features, gpu_peak_flops
 from scaletrain.metrics.mfu import flops_per_token
 from scaletrain.models import build_meta_model, build_model, count_parameters, resolve_model_args
-from scaletrain.rundir import RunDir
+from scaletrain.run.directory import RunDir
 from scaletrain.train import train
 from scaletrain.validate import load_config
 

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from scaletrain import __version__
-from scaletrain.bench import results_json, run_bench
-from scaletrain.checkpoint.hf import EXPORT_DTYPES
+from scaletrain.checkpoint.convert import from_hf, parse_size, to_hf, to_quantized
+from scaletrain.checkpoint.hf.files import EXPORT_DTYPES
+from scaletrain.compare.bench import results_json, run_bench
+from scaletrain.compare.parity import run_parity
 from scaletrain.config import Config, MetricsConfig
-from scaletrain.config_io import all_keys, help_text, to_dict
-from scaletrain.convert import from_hf, parse_size, to_hf, to_quantized
+from scaletrain.config.io import all_keys, help_text, to_dict
 from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.data.sources import Skipped, embedded_corpus_files, list_files, read_documents
 from scaletrain.data.tokenizer import train_bpe
@@ -40,13 +41,12 @@ from scaletrain.inference.generate import (
 )
 from scaletrain.inference.loader import load_model
 from scaletrain.launch import install_stack_dump, launch_local, run_training, under_torchrun
-from scaletrain.parity import run_parity
-from scaletrain.plan.calibrate import run_calibrate
-from scaletrain.plan.commands import auto_overrides, dry_run, run_plan
+from scaletrain.planning.calibrate import run_calibrate
+from scaletrain.planning.commands import auto_overrides, dry_run, run_plan
 from scaletrain.precision.qat import WEIGHT_DTYPES
 from scaletrain.report import write_report
 from scaletrain.resilience.preemption import follow_agent
-from scaletrain.rundir import RunDir, continue_command, default_run_dir, find_run, shown
+from scaletrain.run.directory import RunDir, continue_command, default_run_dir, find_run, shown
 from scaletrain.validate import load_config
 
 USAGE = """\
@@ -251,7 +251,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.dry_run:
         print(dry_run(cfg, world))
         return 0
-    # No --run.dir: the run this same command trained before, else a new directory (scaletrain.rundir), loaded
+    # No --run.dir: the run this same command trained before, else a new directory (scaletrain.run.directory), loaded
     # again so that every check sees it. Under an outside torchrun every rank finds the same earlier run, and a new
     # directory is rank 0's to make (train.build).
     run = None if cfg.run.dir else (find_run if under else default_run_dir)(cfg.run.name, to_dict(cfg))

@@ -1,10 +1,12 @@
 """Errors a user can act on, and the exit status of each. The CLI prints them as plain messages, never as
-tracebacks; the launcher's diagnosis reads the statuses back (scaletrain.resilience.diagnose)."""
+tracebacks; the launcher's diagnosis reads the statuses back (scaletrain.resilience.diagnose). Also why a path
+cannot be written, in words (`unwritable`), for the messages of those errors."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 USER_ERROR_EXIT_CODE = 1
 """A UserError: bad input or environment, printed as one "error: ..." line."""
@@ -48,3 +50,14 @@ def report_errors(command: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted (Ctrl-C); nothing already written was removed", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+
+
+def unwritable(path: Path, error: OSError) -> str:
+    """Why `path` could not be created or written, in words: a parent that is a regular file is named (the OS says
+    only "File exists" or "Not a directory")."""
+    for parent in [path, *path.parents]:
+        if parent.exists():
+            if not parent.is_dir() and parent != path:
+                return f"{parent} is a file, not a directory"
+            break
+    return error.strerror or str(error)

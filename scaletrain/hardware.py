@@ -1,6 +1,7 @@
 """Device facts, the ground floor the rest of scaletrain reads them from: whether a run uses CUDA (the one place
 that asks torch), the GPU table (datasheet peaks per precision, memory, bandwidths) with the one way a device name is
-matched to it, the CPUs this process may use and their flags, and the one best-of-N timer.
+matched to it, the CPUs this process may use and their flags, the one best-of-N timer, and a child process whose
+peak memory is its own.
 
 It imports only torch and the standard library, so every layer (metrics, planner, validation, training) may import it.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import math
 import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -261,3 +264,11 @@ def best_time(
         best = min(best, time.perf_counter() - t)
         n += 1
     return best
+
+
+def run_from_small_parent(cmd: list[str], env: dict, **kw) -> subprocess.CompletedProcess:
+    """Run `cmd` as the grandchild of a bare interpreter. Linux folds the parent's peak RSS into a child's
+    ru_maxrss across fork and exec, so a run started straight from a process that holds torch would report at least
+    that process's memory; a bare interpreter in between (its own peak ~10 MiB) leaves the run's figure its own."""
+    hop = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+    return subprocess.run([sys.executable, "-S", "-c", hop, *cmd], env=env, **kw)

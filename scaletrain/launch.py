@@ -50,7 +50,7 @@ from scaletrain.resilience.membership import record_lost_peer
 from scaletrain.resilience.preemption import Lifelines, follow_launcher
 from scaletrain.resilience.sdc import excluded_here
 from scaletrain.resilience.timelimit import JOB_START_ENV
-from scaletrain.rundir import EVENTS, LOGS, RunDir, read_jsonl
+from scaletrain.run.directory import EVENTS, LOGS, RunDir, read_jsonl
 from scaletrain.train import train
 from scaletrain.validate import load_config
 
@@ -153,7 +153,7 @@ def launch_local(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
-    run_dir = Path(cfg.run.dir)  # the CLI resolved it (scaletrain.rundir)
+    run_dir = Path(cfg.run.dir)  # the CLI resolved it (scaletrain.run.directory)
     prepare_data(cfg.data, load_tokenizer(cfg.data.tokenizer), log=log.info)
     worker_args = [*overrides, "--run.dir", str(run_dir)]
     if cfg.run.name:

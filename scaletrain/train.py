@@ -17,20 +17,21 @@ import torch
 
 from scaletrain import metrics
 from scaletrain.checkpoint import CheckpointManager, LoaderState, ModelState, TrainState, build_checkpointing
-from scaletrain.checkpoint.hf_sharded import load_hf_sharded
+from scaletrain.checkpoint.hf.sharded import load_hf_sharded
 from scaletrain.config import Config, MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
-from scaletrain.config_io import to_dict
+from scaletrain.config.io import to_dict
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
 from scaletrain.data.ramp import BatchRamp
 from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
 from scaletrain.models import Transformer, build_meta_model, count_parameters, resolve_model_args
-from scaletrain.optim import Optimizers, RoutingBias, optimizer_builder
+from scaletrain.optim.optimizers import Optimizers, RoutingBias, optimizer_builder
+from scaletrain.optim.qk_clip import QKClip
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.layout import Layout, updates_each_replica
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
 from scaletrain.parallel.parallelize import ParallelModel, parallelize
+from scaletrain.parallel.step import StepRunner, build_step_runner, evaluate
 from scaletrain.precision import Precision, resolve_precision
-from scaletrain.qk_clip import QKClip
 from scaletrain.resilience import fault_tolerance
 from scaletrain.resilience.fault_tolerance import NoReplicaGroup, ReplicaGroup
 from scaletrain.resilience.faults import FaultInjector
@@ -39,8 +40,7 @@ from scaletrain.resilience.guard import Guard
 from scaletrain.resilience.membership import RankLease, node_of_each_rank
 from scaletrain.resilience.preemption import Preemption
 from scaletrain.resilience.timelimit import JobLimits
-from scaletrain.rundir import RunDir, open_run_dir
-from scaletrain.step import StepRunner, build_step_runner, evaluate
+from scaletrain.run.directory import RunDir, open_run_dir
 
 log = logging.getLogger("scaletrain")
 
@@ -249,7 +249,7 @@ def build(cfg: Config) -> Job:
 
     # -- Model: built on meta and parallelised there; each rank then materialises only its share, with the
     # single-process values for the seed (parallel/materialize.py). An HF import then overwrites each rank's share
-    # with the rows it holds, read from the safetensors files (checkpoint/hf_sharded.py): no rank loads the whole.
+    # with the rows it holds, read from the safetensors files (checkpoint/hf/sharded.py): no rank loads the whole.
     args = resolve_model_args(cfg.model, tokenizer.vocab_size, cfg.data.seq_len, moe=cfg.moe)
     model = build_meta_model(args)
     n_params = count_parameters(model)

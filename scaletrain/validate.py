@@ -16,7 +16,7 @@ from pathlib import Path
 import fsspec
 import torch
 
-from scaletrain.checkpoint.hf import hf_dir_problems
+from scaletrain.checkpoint.hf.core import hf_dir_problems
 from scaletrain.checkpoint.manager import has_committed_checkpoint
 from scaletrain.config import (
     CheckpointConfig,
@@ -30,7 +30,7 @@ from scaletrain.config import (
     RunConfig,
     TrainingConfig,
 )
-from scaletrain.config_io import fields_typed, parse_config, resolve_paths, saved_config, to_dict
+from scaletrain.config.io import fields_typed, parse_config, resolve_paths, saved_config, to_dict
 from scaletrain.data.sources import list_files
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
@@ -40,6 +40,7 @@ from scaletrain.metrics.writer import wandb_problem
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.moe import is_moe_layer
 from scaletrain.models.presets import PRESETS, resolve_model_args
+from scaletrain.optim.qk_clip import qk_clip_problems
 from scaletrain.parallel.layout import (
     Layout,
     attention_problems,
@@ -48,15 +49,14 @@ from scaletrain.parallel.layout import (
     rank_problems,
 )
 from scaletrain.parallel.offload import offload_problems
-from scaletrain.planner.memory import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, memory_problem
+from scaletrain.planning.estimators.memory import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, memory_problem
 from scaletrain.precision.policy import precision_problems
 from scaletrain.precision.qat import qat_problems
-from scaletrain.qk_clip import qk_clip_problems
 from scaletrain.resilience import fault_tolerance
 from scaletrain.resilience.faults import validate_specs
 from scaletrain.resilience.timelimit import limit_problems
-from scaletrain.resume import resume_problems
-from scaletrain.rundir import RunDir
+from scaletrain.run.directory import RunDir
+from scaletrain.run.resume import resume_problems
 
 
 def load_config(
@@ -75,7 +75,7 @@ def load_config(
     run = RunDir.at(cfg.run.dir) if cfg.run.dir else None
     if not problems and check_run_dir and run is not None and run.started():
         # A start in a run directory that trained continues that run: it must be the same run.
-        problems += resume_problems(saved_config(run), to_dict(cfg), cfg.run.accept_changes)
+        problems += resume_problems(saved_config(run.config), to_dict(cfg), cfg.run.accept_changes)
     if problems:
         raise ConfigError(problems)
     return cfg

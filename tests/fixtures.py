@@ -16,7 +16,7 @@ from scaletrain.checkpoint import CheckpointManager, LoaderState, ModelState, Tr
 from scaletrain.config import CheckpointConfig, OptimizerConfig
 from scaletrain.models import ModelArgs, Transformer, build_meta_model
 from scaletrain.models.moe import MoE
-from scaletrain.optim import Optimizers, build_optimizer
+from scaletrain.optim.optimizers import Optimizers, build_optimizer
 from scaletrain.resilience.faults import FaultInjector
 
 # ------------------------------------------------------------------------------------------------ dense model

@@ -44,7 +44,7 @@ from scaletrain.checkpoint.safe_load import make_reader, read_metadata
 from scaletrain.config import CheckpointConfig
 from scaletrain.errors import UserError
 from scaletrain.parallel.mesh import any_rank, broadcast_object
-from scaletrain.rundir import RunDir
+from scaletrain.run.directory import RunDir
 
 log = logging.getLogger("scaletrain")
 # What a failed write raises: OSError from our own file operations, CheckpointException (a BaseException) from

@@ -21,11 +21,11 @@ from scaletrain.checkpoint.integrity import COMMIT, newest_intact, step_path, ve
 from scaletrain.checkpoint.safe_load import make_reader
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import Config, translate_renamed
-from scaletrain.config_io import read_toml, to_dataclass
+from scaletrain.config.io import absolute, read_toml, to_dataclass
 from scaletrain.data import Tokenizer, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models import ModelArgs, Transformer, build_meta_model, resolve_model_args
-from scaletrain.rundir import CONFIG, RunDir, absolute
+from scaletrain.run.directory import CONFIG, RunDir
 
 log = logging.getLogger("scaletrain")
 _STEP_DIR = re.compile(r"step-\d+")

@@ -1,6 +1,6 @@
 """Stateful wrappers: everything that resumes, as tensors only (so loading needs no unpickling), keyed by
 fully-qualified parameter names (so a checkpoint loads into any parallel layout). The optimizers and their LR
-schedule are `scaletrain.optim.Optimizers`."""
+schedule are `scaletrain.optim.optimizers.Optimizers`."""
 
 from __future__ import annotations
 

@@ -38,9 +38,8 @@ from scaletrain.data.sources import (
     resolve_format,
 )
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer, fingerprint
-from scaletrain.errors import UserError
+from scaletrain.errors import UserError, unwritable
 from scaletrain.hardware import usable_cpus
-from scaletrain.host import unwritable
 
 logger = logging.getLogger("scaletrain")
 

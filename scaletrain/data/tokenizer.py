@@ -10,8 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from scaletrain.errors import UserError
-from scaletrain.host import unwritable
+from scaletrain.errors import UserError, unwritable
 
 # Looked up in this order; the first one present in the vocabulary ends each document.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")

@@ -17,7 +17,7 @@ from scaletrain.inference.loader import LoadedModel, load_model
 from scaletrain.metrics.writer import append_line
 from scaletrain.models import Transformer
 from scaletrain.models.kv_cache import KVCache
-from scaletrain.rundir import RunDir
+from scaletrain.run.directory import RunDir
 
 SAMPLE_TOKENS = 64
 """New tokens of each sample `scaletrain train` ends with, and `scaletrain generate`'s --max-new-tokens default."""

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.checkpoint.hf import args_from_hf_config, hf_dir_problems
-from scaletrain.checkpoint.hf_sharded import load_hf_sharded
+from scaletrain.checkpoint.hf.core import args_from_hf_config, hf_dir_problems
+from scaletrain.checkpoint.hf.sharded import load_hf_sharded
 from scaletrain.checkpoint.run_model import is_checkpoint_dir, load_run_model
 from scaletrain.data import Tokenizer, load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.hardware import cuda_available, uses_cuda
 from scaletrain.models import ModelArgs, Transformer, build_meta_model
 from scaletrain.models.attention import AttentionKernel
-from scaletrain.rundir import CONFIG
+from scaletrain.run.directory import CONFIG
 
 # LlamaConfig's default, for a config.json that names no context length.
 _HF_DEFAULT_CONTEXT = 2048

@@ -1,6 +1,6 @@
 """Mixture-of-experts bookkeeping after each optimizer step: the experts' load summed over the data-parallel ranks,
 the moe_* metrics and the `moe_imbalance` event (docs/moe.md). It only reads the model (and clears the load buffers
-it has read); the routing-bias update, a training rule, is scaletrain.optim.RoutingBias."""
+it has read); the routing-bias update, a training rule, is scaletrain.optim.optimizers.RoutingBias."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class MoEMonitor:
     """After each optimizer step (`step_done`): read and reset every MoE layer's load buffers, sum them over the
     data-parallel (and context-parallel) ranks, keep the figures for `metrics()` and watch for a layer that stays
     imbalanced. Stateful: the imbalance streaks resume. The routing biases were moved by `Optimizers.step` from the
-    same buffers just before (scaletrain.optim.RoutingBias).
+    same buffers just before (scaletrain.optim.optimizers.RoutingBias).
 
     Under pipeline parallel each stage holds only its own layers; their rows are summed over the pp ranks too
     (every other stage contributes zeros), so every rank, rank 0 included, reports and watches every layer.

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from scaletrain.rundir import CONFIG, EVENTS, METRICS, RUN_ID
+from scaletrain.run.directory import CONFIG, EVENTS, METRICS, RUN_ID
 
 if sys.version_info >= (3, 11):
     import tomllib

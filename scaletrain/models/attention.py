@@ -133,7 +133,7 @@ def max_logits(
     batch and every pair the layer lets attend: causal for mask None, else the boolean mask or the block mask's
     rule. q: [batch, heads, seq, head_dim], k: [batch, kv_heads, seq, head_dim], the same positions (training, not
     decoding); grouped-query: query head h reads kv head h // (heads / kv_heads), as SDPA's enable_gqa. Returns
-    [heads] in fp32. For QK-clip (scaletrain/qk_clip.py).
+    [heads] in fp32. For QK-clip (scaletrain/optim/qk_clip.py).
 
     Chunked over the queries so that at most _MAX_LOGIT_CHUNK scores exist at once, never the whole
     [batch, heads, seq, seq] matrix; every mask here is causal, so a chunk reads only the keys up to its last query

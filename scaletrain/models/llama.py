@@ -131,7 +131,7 @@ class Attention(nn.Module):
         # The attention kernel, a plain callable (not a module): context parallel swaps in ring attention, which
         # takes no mask (validate refuses document masking and the window under cp).
         self.sdpa = AttentionKernel(args.attention)
-        # QK-clip (optimizer.qk_clip, scaletrain/qk_clip.py) sets this to a [local heads] tensor: training forwards
+        # QK-clip (optimizer.qk_clip, scaletrain/optim/qk_clip.py) sets this to a [local heads] tensor: training forwards
         # then raise it to each head's largest attention logit; None (the default) measures nothing.
         self.max_logits: torch.Tensor | None = None
 

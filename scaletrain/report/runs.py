@@ -13,8 +13,8 @@ from pathlib import Path
 
 from scaletrain.errors import UserError
 from scaletrain.resilience.goodput import compute_goodput
-from scaletrain.resume import flatten
-from scaletrain.rundir import CONFIG, EVENTS, METRICS, SAMPLES, RunDir
+from scaletrain.run.directory import CONFIG, EVENTS, METRICS, SAMPLES, RunDir
+from scaletrain.run.resume import flatten
 
 RUN_FILES = (CONFIG, METRICS, EVENTS)
 

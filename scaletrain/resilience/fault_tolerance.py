@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.config import CheckpointConfig, Config, FaultToleranceConfig
 from scaletrain.metrics.writer import append_event
-from scaletrain.rundir import EVENTS, read_jsonl
+from scaletrain.run.directory import EVENTS, read_jsonl
 
 if TYPE_CHECKING:
     from scaletrain.parallel import DistEnv

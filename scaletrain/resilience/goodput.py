@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scaletrain.rundir import RunDir
+from scaletrain.run.directory import RunDir
 
 # Events after which the segment has stopped training; the time from the earliest one to the next `start` is
 # restart time.

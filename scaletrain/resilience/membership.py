@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from scaletrain.errors import UserError
 from scaletrain.metrics.writer import append_event
-from scaletrain.rundir import RunDir
+from scaletrain.run.directory import RunDir
 
 log = logging.getLogger("scaletrain")
 

@@ -21,11 +21,11 @@ from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.data.ramp import BatchRamp
 from scaletrain.models import ModelArgs, Transformer, build_model
-from scaletrain.optim import Optimizers
+from scaletrain.optim.optimizers import Optimizers
 from scaletrain.parallel.data_parallel import full_state_dict
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
 from scaletrain.parallel.parallelize import ParallelModel
-from scaletrain.step import StepRunner
+from scaletrain.parallel.step import StepRunner
 from scaletrain.train import build_core
 from tests.distributed.spawn import spawn
 

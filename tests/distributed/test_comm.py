@@ -282,7 +282,7 @@ def test_comm_problems_refuse_what_is_not_supported_with_the_fix():
 
 def test_reshard_after_forward_parses_int_bool_and_auto():
     from scaletrain.config import Config
-    from scaletrain.config_io import parse_overrides, to_dataclass
+    from scaletrain.config.io import parse_overrides, to_dataclass
 
     for text, value in (("2", 2), ("true", True), ("false", False), ("auto", "auto")):
         raw: dict = {}
@@ -296,7 +296,7 @@ def test_reshard_after_forward_parses_int_bool_and_auto():
 
 
 def test_resume_refuses_switching_powersgd_on_or_its_rank_but_not_off():
-    from scaletrain.resume import resume_problems
+    from scaletrain.run.resume import resume_problems
 
     def cfg(kind: str, rank: int = 1) -> dict:
         return {"parallel": {"grad_compression": kind, "powersgd_rank": rank}}

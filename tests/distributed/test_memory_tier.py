@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from scaletrain.checkpoint import LoaderState, ModelState, TrainState, memory_tier
 from scaletrain.checkpoint.memory_tier import TENSORS, MemoryTier, make_layout_key
 from scaletrain.config import ParallelConfig
-from scaletrain.optim import Optimizers, build_optimizer
+from scaletrain.optim.optimizers import Optimizers, build_optimizer
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from tests.distributed.reference import OPT, full_model, tiny_args

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from scaletrain.config import MoEConfig
 from scaletrain.metrics.moe import MoEMonitor
-from scaletrain.optim import RoutingBias
+from scaletrain.optim.optimizers import RoutingBias
 from tests.distributed.spawn import spawn
 from tests.fixtures import fill_load, moe_layer, moe_model
 

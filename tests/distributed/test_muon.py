@@ -1,4 +1,4 @@
-"""Muon (optimizer.name = "muon", scaletrain/muon.py) in the layouts the validator accepts, each trained 10 steps in
+"""Muon (optimizer.name = "muon", scaletrain/optim/muon.py) in the layouts the validator accepts, each trained 10 steps in
 fp32 against the single-process Muon run (losses, grad norms, every final parameter; tests/distributed/reference.py),
 its data-parallel replicas bitwise equal: ddp, zero1 (each rank orthogonalises its share), zero2, fsdp, hsdp, tp x
 fsdp with sequence parallel, pipeline x fsdp, context x fsdp, and a MoE model's 3-D experts under expert parallel
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from scaletrain import muon
 from scaletrain.config import OptimizerConfig, ParallelConfig, TrainingConfig
-from scaletrain.muon import Muon
+from scaletrain.optim import muon
+from scaletrain.optim.muon import Muon
 from scaletrain.parallel.mesh import ParallelDims
 from tests.distributed.reference import (
     PARAM_ATOL,

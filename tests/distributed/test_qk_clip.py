@@ -1,4 +1,4 @@
-"""QK-clip (optimizer.qk_clip, scaletrain/qk_clip.py) in the layouts the validator accepts, each trained 4 steps in fp32
+"""QK-clip (optimizer.qk_clip, scaletrain/optim/qk_clip.py) in the layouts the validator accepts, each trained 4 steps in fp32
 with τ low enough to clip heads at every step, against the single-process clipped run (losses, grad norms, every
 final parameter; tests/distributed/reference.py), its data-parallel replicas bitwise equal, and the same heads
 clipped at every step: ddp, zero1, fsdp (also with full recompute), hsdp, tp x zero2, tp x fsdp with sequence

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from scaletrain.parity import final_params, param_diff
+from scaletrain.compare.parity import final_params, param_diff
 from tests.helpers import events, per_step, train_cli
 
 SEQ_LEN = 64  # configs/debug.toml

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from scaletrain.checkpoint.hf import INDEX_FILE, hf_tensor_files
+from scaletrain.checkpoint.hf.files import INDEX_FILE, hf_tensor_files
 from scaletrain.checkpoint.run_model import load_run_model
 from tests.helpers import ROOT, per_step, read_jsonl, run_cli, train_args, train_cli
 

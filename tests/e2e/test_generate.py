@@ -13,7 +13,7 @@ import torch
 from scaletrain.cli import main
 from scaletrain.config import MetricsConfig
 from scaletrain.data import ByteTokenizer
-from scaletrain.rundir import RunDir
+from scaletrain.run.directory import RunDir
 from tests.helpers import train_cli
 
 PROMPT = "def "

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from scaletrain.parity import ParityResult, compare_run, format_result, param_diff
+from scaletrain.compare.parity import ParityResult, compare_run, format_result, param_diff
 from tests.helpers import DEBUG, run_cli
 
 # Through the real CLI on the debug config (its data, tokenizer and checkpoints): three dimensions at once, and zero2

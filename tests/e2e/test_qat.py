@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from scaletrain.checkpoint.convert import load_quantized
 from scaletrain.cli import main
 from scaletrain.config import Config
-from scaletrain.config_io import read_toml, to_dataclass
-from scaletrain.convert import load_quantized
+from scaletrain.config.io import read_toml, to_dataclass
 from scaletrain.data import build_loader, load_tokenizer
 from scaletrain.errors import CONFIG_EXIT_CODE
 from scaletrain.precision.qat import mean_loss

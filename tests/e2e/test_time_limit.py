@@ -4,7 +4,7 @@ committed checkpoint, and the job continued to its end reproduces the golden (un
 import functools
 
 from scaletrain.errors import STOPPED_EXIT_CODE
-from scaletrain.rundir import RunDir
+from scaletrain.run.directory import RunDir
 from tests.golden.record import COMMON, golden_problem
 from tests.helpers import events, per_step, train_cli
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.cli import main
-from scaletrain.config_io import read_toml
+from scaletrain.config.io import read_toml
 from scaletrain.errors import INTERRUPTED_EXIT_CODE
 from tests.helpers import DEBUG, QUICK, ROOT, run_cli
 

@@ -13,7 +13,7 @@ import pytest
 
 from scaletrain.cli import _overrides_only, build_parser
 from scaletrain.config import Config
-from scaletrain.config_io import all_keys
+from scaletrain.config.io import all_keys
 from scaletrain.errors import STOPPED_EXIT_CODE
 from tests.helpers import DEBUG, QUICK, ROOT, events, losses, run_cli, start_cli
 

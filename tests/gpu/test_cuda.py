@@ -31,7 +31,7 @@ from scaletrain.config import (
     TrainingConfig,
 )
 from scaletrain.metrics.memory import peak_memory_mib
-from scaletrain.optim import Optimizers, build_optimizer, optimizer_builder
+from scaletrain.optim.optimizers import Optimizers, build_optimizer, optimizer_builder
 from scaletrain.parallel.data_parallel import apply_fsdp, full_state_dict
 from scaletrain.parallel.expert_parallel import apply_ep
 from scaletrain.parallel.mesh import (
@@ -44,9 +44,9 @@ from scaletrain.parallel.mesh import (
     setup_process,
 )
 from scaletrain.parallel.parallelize import ParallelModel, parallelize
+from scaletrain.parallel.step import build_step_runner
 from scaletrain.precision import apply_fp8, resolve_precision
 from scaletrain.resilience.preemption import Preemption
-from scaletrain.step import build_step_runner
 from tests.distributed.reference import OPT, STEPS, full_model, global_batches, reference_run, tiny_args
 from tests.distributed.spawn import spawn
 from tests.helpers import DEBUG, QUICK, events, free_port, read_jsonl, run_cli
@@ -609,8 +609,8 @@ def test_calibrate_measures_this_gpu(tmp_path):
     same code on gloo under an H200's name). Here: the local GPU's measured bf16 matmul rate and AdamW bandwidth are
     plausible shares of its datasheet figures, and the profile is saved under its kind for `--device KIND` plans.
     One device: NCCL's all-reduce needs two GPUs, so the NVLink figure stays the datasheet's."""
-    from scaletrain.plan.calibrate_gpu import calibrate_gpu, gpu_kind
-    from scaletrain.planner.hardware import ACHIEVABLE_HBM, GPUS, load_profile
+    from scaletrain.planning.calibrate_gpu import calibrate_gpu, gpu_kind
+    from scaletrain.planning.estimators.hardware import ACHIEVABLE_HBM, GPUS, load_profile
 
     kind = gpu_kind(torch.cuda.get_device_name(CUDA))
     lines: list[str] = []

@@ -21,7 +21,7 @@ from scaletrain.models.attention import (
 )
 from scaletrain.models.llama import ModelArgs, Transformer
 from scaletrain.models.loss import cross_entropy
-from scaletrain.step import StepRunner
+from scaletrain.parallel.step import StepRunner
 from scaletrain.validate import load_config
 
 EOD = 3  # any id works; the byte tokenizer's is 256

@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from scaletrain.checkpoint.hf import hf_dir_problems, load_hf_weights
+from scaletrain.checkpoint.convert import from_hf
+from scaletrain.checkpoint.hf.core import hf_dir_problems, load_hf_weights
 from scaletrain.config import DataConfig, ModelConfig, SourceConfig
-from scaletrain.config_io import read_toml
-from scaletrain.convert import from_hf
+from scaletrain.config.io import read_toml
 from scaletrain.data.prepare import prepare_data
 from scaletrain.data.sources import Skipped, read_documents
 from scaletrain.data.tokenizer import ByteTokenizer

@@ -30,11 +30,11 @@ from scaletrain.errors import ConfigError
 from scaletrain.metrics.meter import StepMeter
 from scaletrain.models.loss import cross_entropy
 from scaletrain.models.presets import resolve_model_args
-from scaletrain.optim import Optimizers, build_optimizer
+from scaletrain.optim.optimizers import Optimizers, build_optimizer
 from scaletrain.parallel.layout import Layout, batch_problems
-from scaletrain.planner.hardware import GPUS
-from scaletrain.planner.search import search
-from scaletrain.step import StepRunner
+from scaletrain.parallel.step import StepRunner
+from scaletrain.planning.estimators.hardware import GPUS
+from scaletrain.planning.estimators.search import search
 from scaletrain.validate import load_config
 from tests.fixtures import tiny
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.bench import PLAIN, aggregate, format_table, parse_variant, run_bench, run_figures, schedule
+from scaletrain.compare.bench import (
+    PLAIN,
+    aggregate,
+    format_table,
+    parse_variant,
+    run_bench,
+    run_figures,
+    schedule,
+)
 from scaletrain.errors import ConfigError
 from tests.helpers import DEBUG, QUICK
 

@@ -16,14 +16,14 @@ import tomli_w
 import torch
 import torch.distributed.checkpoint as dcp
 
-from scaletrain import bench, parity
-from scaletrain.checkpoint.hf import export_hf
+from scaletrain.checkpoint.convert import to_hf
+from scaletrain.checkpoint.hf.core import export_hf
 from scaletrain.checkpoint.integrity import write_commit
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.cli import main
+from scaletrain.compare import bench, parity
 from scaletrain.config import Config, DataConfig, SourceConfig
-from scaletrain.config_io import to_dict
-from scaletrain.convert import to_hf
+from scaletrain.config.io import to_dict
 from scaletrain.data import TokenShards, load_tokenizer, prepare
 from scaletrain.data.tokenizer import ByteTokenizer, train_bpe
 from scaletrain.errors import ConfigError

@@ -4,7 +4,7 @@ import pytest
 
 from scaletrain.cli import main
 from scaletrain.config import Config
-from scaletrain.config_io import field_docs, help_text, to_dict, write_toml
+from scaletrain.config.io import field_docs, help_text, to_dict, write_toml
 from scaletrain.errors import ConfigError
 from scaletrain.validate import load_config
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from scaletrain.config import Config, DataConfig, SourceConfig
-from scaletrain.config_io import to_dataclass
+from scaletrain.config.io import to_dataclass
 from scaletrain.data import ByteTokenizer, TokenShards, prepare_data
 from scaletrain.data.sources import list_files, read_documents
 from scaletrain.errors import UserError

@@ -17,11 +17,11 @@ import scaletrain.parallel.mesh as mesh_module
 from scaletrain.checkpoint.manager import staging_options
 from scaletrain.config import OptimizerConfig, ResilienceConfig
 from scaletrain.metrics.memory import peak_memory_mib
-from scaletrain.optim import build_optimizer
+from scaletrain.optim.optimizers import build_optimizer
 from scaletrain.parallel.mesh import DistEnv, ParallelDims, init_distributed, setup_process
+from scaletrain.parallel.step import autocast
 from scaletrain.resilience.busy import EventClock, ProcessClock
 from scaletrain.resilience.guard import Guard
-from scaletrain.step import autocast
 from tests.fixtures import kept_process_settings, tiny
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)

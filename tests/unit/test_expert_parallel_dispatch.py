@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from scaletrain.config import OptimizerConfig
-from scaletrain.optim import build_optimizer
+from scaletrain.optim.optimizers import build_optimizer
 from scaletrain.parallel.expert_parallel import _by_local_expert, group_by_mesh, meshes_mixed
 from tests.distributed.reference import full_model, tiny_args
 

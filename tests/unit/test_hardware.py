@@ -19,7 +19,7 @@ from scaletrain.hardware import (
     uses_cuda,
 )
 from scaletrain.metrics.mfu import device_peak_flops
-from scaletrain.planner.hardware import GPUS, gpu_kind, load_profile, local_gpu_profile
+from scaletrain.planning.estimators.hardware import GPUS, gpu_kind, load_profile, local_gpu_profile
 from scaletrain.precision.policy import mfu_precision
 
 PACKAGE = Path(__file__).resolve().parents[2] / "scaletrain"

@@ -7,7 +7,7 @@ import argparse
 
 from scaletrain.cli import USAGE, build_parser
 from scaletrain.models.presets import PRESETS
-from scaletrain.planner.hardware import GPUS
+from scaletrain.planning.estimators.hardware import GPUS
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:

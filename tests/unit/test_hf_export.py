@@ -12,9 +12,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from scaletrain.checkpoint.hf import INDEX_FILE, export_hf, hf_tensor_files, write_hf
+from scaletrain.checkpoint.convert import _check_export, parse_size
+from scaletrain.checkpoint.hf.core import export_hf, write_hf
+from scaletrain.checkpoint.hf.files import INDEX_FILE, hf_tensor_files
 from scaletrain.config import ModelConfig
-from scaletrain.convert import _check_export, parse_size
 from scaletrain.errors import UserError
 from scaletrain.models import build_model, resolve_model_args
 

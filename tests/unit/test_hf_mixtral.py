@@ -17,7 +17,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from scaletrain.checkpoint.hf import (
+from scaletrain.checkpoint.convert import from_hf, to_hf
+from scaletrain.checkpoint.hf.core import (
     args_from_hf_config,
     export_hf,
     hf_dir_problems,
@@ -27,8 +28,7 @@ from scaletrain.checkpoint.hf import (
 from scaletrain.checkpoint.integrity import write_commit
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import Config, ModelConfig, MoEConfig
-from scaletrain.config_io import read_toml, to_dict
-from scaletrain.convert import from_hf, to_hf
+from scaletrain.config.io import read_toml, to_dict
 from scaletrain.data import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models import ModelArgs, build_model, resolve_model_args
@@ -144,7 +144,7 @@ def test_transformers_mixtral_imports_with_equal_logits(tmp_path, fused):
         1,
         "softmax",
     )
-    # router_aux_loss_coef 0.02 x top_k 2 / 2 layers: the same balance-loss weight (hf_moe.aux_coef_from_hf).
+    # router_aux_loss_coef 0.02 x top_k 2 / 2 layers: the same balance-loss weight (mixtral.aux_coef_from_hf).
     assert moe["aux_loss_coef"] == pytest.approx(0.02)
     a = model.args
     assert (a.window, a.rope_theta, a.tie_embeddings) == (8, 1e6, fused)

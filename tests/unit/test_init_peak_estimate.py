@@ -11,7 +11,7 @@ from scaletrain.config import MemoryConfig, ModelConfig, ParallelConfig, Trainin
 from scaletrain.models.init import WHOLE_PARAM_COPIES, trunc_normal_
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.presets import build_meta_model, resolve_model_args
-from scaletrain.planner.memory import PARTS, GiB, init_draw_bytes, memory_problem, per_rank_bytes
+from scaletrain.planning.estimators.memory import PARTS, GiB, init_draw_bytes, memory_problem, per_rank_bytes
 
 T = TrainingConfig(micro_batch=1)
 

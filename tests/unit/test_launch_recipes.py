@@ -16,7 +16,7 @@ from torch.distributed.run import get_args_parser
 
 from scaletrain.cli import _overrides_only, build_parser
 from scaletrain.config import Config
-from scaletrain.config_io import all_keys, parse_overrides, read_toml, to_dataclass
+from scaletrain.config.io import all_keys, parse_overrides, read_toml, to_dataclass
 from scaletrain.errors import STOPPED_EXIT_CODE, ConfigError
 from scaletrain.resilience.timelimit import limit_problems
 

@@ -11,12 +11,12 @@ import torch
 import scaletrain.validate as validate
 from scaletrain.config import MemoryConfig, ModelConfig, ParallelConfig, TrainingConfig
 from scaletrain.errors import ConfigError
-from scaletrain.memory.measure import saved_activation_bytes
+from scaletrain.metrics.memory import saved_activation_bytes
 from scaletrain.models.llama import ModelArgs, count_parameters
 from scaletrain.models.loss import cross_entropy
 from scaletrain.models.presets import build_meta_model, build_model, resolve_model_args
 from scaletrain.parallel.recompute import apply_recompute
-from scaletrain.planner.memory import (
+from scaletrain.planning.estimators.memory import (
     GiB,
     block_parameters,
     layer_activation_bytes,

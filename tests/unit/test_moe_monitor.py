@@ -15,7 +15,7 @@ from torch import nn
 from scaletrain.config import MoEConfig, OptimizerConfig
 from scaletrain.metrics.moe import MoEMonitor, moe_layers
 from scaletrain.models.llama import ModelArgs
-from scaletrain.optim import Optimizers, RoutingBias, build_optimizer
+from scaletrain.optim.optimizers import Optimizers, RoutingBias, build_optimizer
 from tests.fixtures import MOE_EXPERTS as E
 from tests.fixtures import fill_load, moe_layer, moe_model
 from tests.helpers import QUICK, ROOT, events, read_jsonl
@@ -192,7 +192,7 @@ def test_aux_losses_weigh_the_same_whatever_the_micro_batch_count(scaled, monkey
     import contextlib
 
     from scaletrain.models.presets import build_model
-    from scaletrain.step import StepRunner
+    from scaletrain.parallel.step import StepRunner
 
     if not scaled:  # what the step would do without it: the aux losses weighed n times
         monkeypatch.setattr(StepRunner, "_scale_aux_losses", lambda self, n: None)

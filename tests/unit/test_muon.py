@@ -1,4 +1,4 @@
-"""Muon on one process (scaletrain/muon.py): Newton-Schulz against the SVD's orthogonal factor, the update
+"""Muon on one process (scaletrain/optim/muon.py): Newton-Schulz against the SVD's orthogonal factor, the update
 against torch.optim.Muon's, which parameters go to Muon and which stay on AdamW, and the state round trip."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from scaletrain.config import Config, OptimizerConfig
-from scaletrain.config_io import to_dict
-from scaletrain.muon import Muon, hidden_matrices, newton_schulz, update_scale
-from scaletrain.optim import Optimizers, build_optimizer
-from scaletrain.resume import resume_problems
+from scaletrain.config.io import to_dict
+from scaletrain.optim.muon import Muon, hidden_matrices, newton_schulz, update_scale
+from scaletrain.optim.optimizers import Optimizers, build_optimizer
+from scaletrain.run.resume import resume_problems
 from scaletrain.validate import validate
 from tests.fixtures import tiny
 

@@ -3,7 +3,7 @@ import math
 import torch
 
 from scaletrain.config import OptimizerConfig
-from scaletrain.optim import Optimizers, build_optimizer, lr_factor
+from scaletrain.optim.optimizers import Optimizers, build_optimizer, lr_factor
 from tests.fixtures import tiny
 
 

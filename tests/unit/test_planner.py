@@ -1,4 +1,4 @@
-"""The planner (scaletrain/planner): the ZeRO paper's model-state figures, collective and bubble formulas on
+"""The planner (scaletrain/planning/estimators): the ZeRO paper's model-state figures, collective and bubble formulas on
 constructed cases, the time model's recompute and overlap terms, device profiles, the search (refusals with the
 reason, ranked plans that validate), `plan --config --json`, `train --dry-run` and parallel.auto."""
 
@@ -23,17 +23,23 @@ from scaletrain.models.llama import count_parameters
 from scaletrain.models.presets import build_meta_model, resolve_model_args
 from scaletrain.parallel.layout import Layout, layout_problems
 from scaletrain.parallel.mesh import ParallelDims
-from scaletrain.plan import commands
-from scaletrain.planner.hardware import GPUS, UNCALIBRATED, DeviceProfile, load_profile, save_profile
-from scaletrain.planner.memory import (
+from scaletrain.planning import commands
+from scaletrain.planning.estimators.hardware import (
+    GPUS,
+    UNCALIBRATED,
+    DeviceProfile,
+    load_profile,
+    save_profile,
+)
+from scaletrain.planning.estimators.memory import (
     ZERO_PAPER_BYTES,
     GiB,
     model_state_bytes,
     per_rank_bytes,
     root_unit_bytes,
 )
-from scaletrain.planner.search import search
-from scaletrain.planner.time import (
+from scaletrain.planning.estimators.search import search
+from scaletrain.planning.estimators.time import (
     Link,
     _links,
     all_gather_s,
@@ -172,7 +178,7 @@ def test_fp8_speeds_the_block_linears_only_and_mfu_is_against_the_bf16_peak():
 
 def _attention_share(args) -> float:
     """The share of one block's forward FLOP-time that is attention on an H100 (bf16 at GPU_ATTENTION_SHARE)."""
-    from scaletrain.planner.time import GPU_ATTENTION_SHARE, _matmuls, _Shape
+    from scaletrain.planning.estimators.time import GPU_ATTENTION_SHARE, _matmuls, _Shape
 
     flops = _matmuls(_Shape(8192, 8192, args.dim, args.n_heads * args.head_dim,
                             args.n_kv_heads * args.head_dim, args.ffn_hidden))  # fmt: skip
@@ -210,7 +216,7 @@ def test_cpu_ranks_beyond_the_cores_share_them():
     assert four["forward_s"] == pytest.approx(2 * two["forward_s"])
     assert four["overhead_s"] == pytest.approx(2 * two["overhead_s"])
     # Memory on a CPU: the host's over every process.
-    from scaletrain.planner.search import device_bytes
+    from scaletrain.planning.estimators.search import device_bytes
 
     assert device_bytes(CPU2, 8) == CPU2.memory_bytes // 8
 
@@ -232,7 +238,7 @@ def test_a_cpu_pipeline_bubble_is_idle_time_only_when_every_process_has_a_core()
 
 
 def test_calibrated_call_costs_scale_with_the_ranks_sharing_the_cores():
-    from scaletrain.planner.time import _call_s
+    from scaletrain.planning.estimators.time import _call_s
 
     prof = dataclasses.replace(CPU2, call_by_ranks={"2": 2e-3, "4": 8e-3})
     assert _call_s(prof, 1, 1.0) == 0.0  # nothing to call
@@ -274,8 +280,8 @@ def test_tp_sp_cp_and_selective_constants_land_where_they_belong():
 
 
 def test_a_cpus_allocator_slack_is_a_share_of_the_activations():
-    from scaletrain.planner.inputs import parse_unvalidated
-    from scaletrain.planner.search import estimate
+    from scaletrain.planning.estimators.inputs import parse_unvalidated
+    from scaletrain.planning.estimators.search import estimate
 
     cfg = parse_unvalidated(None, ["--model.dim", "64", "--model.n_layers", "2", "--data.seq_len", "128"])
     args = resolve_model_args(cfg.model, None, 128)
@@ -289,9 +295,9 @@ def test_a_cpus_allocator_slack_is_a_share_of_the_activations():
 
 
 def test_calibration_fits_the_constant_that_reproduces_the_measured_step():
-    from scaletrain.plan.calibrate import TINY, _fit
-    from scaletrain.planner.inputs import model_args, parse_unvalidated
-    from scaletrain.planner.search import estimate
+    from scaletrain.planning.calibrate import TINY, _fit
+    from scaletrain.planning.estimators.inputs import model_args, parse_unvalidated
+    from scaletrain.planning.estimators.search import estimate
 
     cfg = parse_unvalidated(None, [*TINY, "--parallel.tp", "2", "--model.n_kv_heads", "2"])
     truth = dataclasses.replace(CPU2, call_by_ranks={"2": 2e-3}, tp_block_s=0.0123)
@@ -321,7 +327,7 @@ def test_gpu_calibration_measures_in_place_of_the_datasheet_fractions(tmp_path):
     # The GPU path of `plan --calibrate` on this CPU (gloo, small shapes) under an H200's name: what it measures
     # replaces the datasheet's stated fractions, the rest (peaks, inter-node links) is the datasheet's, and the
     # profile is saved as the h200's without touching the CPU's. tests/gpu/test_cuda.py runs it on a GPU.
-    from scaletrain.plan.calibrate_gpu import calibrate_gpu, gpu_kind
+    from scaletrain.planning.calibrate_gpu import calibrate_gpu, gpu_kind
 
     lines: list[str] = []
     prof, path = calibrate_gpu(tmp_path, 2, lines.append, device="cpu", name="NVIDIA H200")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from scaletrain.parallel.layout import Layout
-from scaletrain.plan import calibrate, commands
-from scaletrain.planner.hardware import DEFAULT_CPU, UNCALIBRATED_BAND, load_profile, save_profile
-from scaletrain.planner.inputs import model_args, parse_unvalidated
-from scaletrain.planner.search import estimate
+from scaletrain.planning import calibrate, commands
+from scaletrain.planning.estimators.hardware import DEFAULT_CPU, UNCALIBRATED_BAND, load_profile, save_profile
+from scaletrain.planning.estimators.inputs import model_args, parse_unvalidated
+from scaletrain.planning.estimators.search import estimate
 from scaletrain.validate import load_config
 from tests.helpers import DEBUG
 

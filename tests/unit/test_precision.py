@@ -18,7 +18,7 @@ from scaletrain.config import (
     ResilienceConfig,
     TrainingConfig,
 )
-from scaletrain.config_io import to_dict
+from scaletrain.config.io import to_dict
 from scaletrain.errors import ConfigError
 from scaletrain.models import ModelArgs, build_model
 from scaletrain.parallel.mesh import DistEnv, ParallelDims
@@ -32,7 +32,7 @@ from scaletrain.precision import (
     resolve_precision,
 )
 from scaletrain.resilience.guard import Guard
-from scaletrain.resume import resume_problems
+from scaletrain.run.resume import resume_problems
 from scaletrain.train import build_core
 from scaletrain.validate import load_config
 

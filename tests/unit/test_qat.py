@@ -22,7 +22,7 @@ from scaletrain.precision.qat import (
     qat_problems,
     save_quantized,
 )
-from scaletrain.resume import resume_problems
+from scaletrain.run.resume import resume_problems
 from scaletrain.validate import load_config
 
 pytest.importorskip("torchao", reason="QAT needs torchao: the fp8 extra")

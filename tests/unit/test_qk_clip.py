@@ -1,4 +1,4 @@
-"""QK-clip on one process (optimizer.qk_clip, scaletrain/qk_clip.py): the per-head logit maximum against the whole
+"""QK-clip on one process (optimizer.qk_clip, scaletrain/optim/qk_clip.py): the per-head logit maximum against the whole
 logit matrix under every mask, the clip of a crafted model (exactly the heads over τ rescaled to τ, the others bit for
 bit untouched, for multi-head and grouped-query attention), skipped steps, evaluation, the off default, the
 refusals, and the measuring memory the memory estimate counts."""
@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from scaletrain.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.models import attention
 from scaletrain.models.attention import _block_mask, _bool_mask, max_logits, max_logits_bytes
+from scaletrain.optim.qk_clip import QKClip, attention_layers, head_scales, qk_clip_problems
 from scaletrain.parallel.mesh import ParallelDims
-from scaletrain.planner.memory import per_rank_bytes
-from scaletrain.qk_clip import QKClip, attention_layers, head_scales, qk_clip_problems
+from scaletrain.planning.estimators.memory import per_rank_bytes
 from scaletrain.train import build_core
 from tests.fixtures import tiny
 

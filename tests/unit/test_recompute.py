@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.errors import ConfigError
-from scaletrain.memory.measure import saved_activation_bytes
+from scaletrain.metrics.memory import saved_activation_bytes
 from scaletrain.models.loss import cross_entropy
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.offload import apply_activation_offload, fsdp_offload_policy, offload_problems

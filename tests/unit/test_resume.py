@@ -1,8 +1,8 @@
 """The resume rules on two resolved configs: refused, accepted with run.accept_changes, or free."""
 
 from scaletrain.config import Config, SourceConfig
-from scaletrain.config_io import to_dict, with_defaults
-from scaletrain.resume import resume_problems
+from scaletrain.config.io import to_dict, with_defaults
+from scaletrain.run.resume import resume_problems
 
 
 def _changed(**sections) -> dict:
@@ -66,7 +66,7 @@ def test_a_run_directory_saved_with_old_keys_resumes_as_the_same_run(tmp_path):
     """A run trained, then its config.toml rewritten as a release before the renames wrote it: the same command
     continues it from its checkpoint (the resume check sees the same run), and the run's config is the new form."""
     from scaletrain.config import RENAMED_KEYS
-    from scaletrain.config_io import read_toml, write_toml
+    from scaletrain.config.io import read_toml, write_toml
     from scaletrain.train import train
     from scaletrain.validate import load_config
     from tests.helpers import DEBUG, QUICK, events

@@ -1,9 +1,9 @@
-"""The run directory's owner (scaletrain.rundir): where a command without --run.dir goes, what a start finds there,
+"""The run directory's owner (scaletrain.run.directory): where a command without --run.dir goes, what a start finds there,
 the JSONL records read and appended past a torn line, and paths stored resolved (issue 21: 3, 10, 11, 13)."""
 
-from scaletrain.config_io import resolve_paths, to_dict
+from scaletrain.config.io import resolve_paths, to_dict
 from scaletrain.metrics.writer import append_event
-from scaletrain.rundir import RunDir, continue_command, default_run_dir, read_jsonl
+from scaletrain.run.directory import RunDir, continue_command, default_run_dir, read_jsonl
 from scaletrain.validate import load_config
 
 

@@ -13,7 +13,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.inference.generate import SAMPLE_TOKENS, Sample, generate_text, take_samples, write_samples
 from scaletrain.inference.loader import LoadedModel
 from scaletrain.report import write_report
-from scaletrain.rundir import RunDir
+from scaletrain.run.directory import RunDir
 from scaletrain.validate import load_config
 from tests import fixtures
 

@@ -11,10 +11,10 @@ import torch
 
 from scaletrain.config import ResilienceConfig
 from scaletrain.parallel.mesh import DistEnv
+from scaletrain.parallel.step import StepRunner
 from scaletrain.resilience.busy import EventClock, ProcessClock
 from scaletrain.resilience.guard import Guard
 from scaletrain.resilience.straggler import slow_ranks
-from scaletrain.step import StepRunner
 from tests.fixtures import tiny
 
 

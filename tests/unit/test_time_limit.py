@@ -12,8 +12,8 @@ from scaletrain.config import RunConfig
 from scaletrain.errors import STOPPED_EXIT_CODE, ConfigError
 from scaletrain.resilience import timelimit
 from scaletrain.resilience.timelimit import MARGIN_S, JobLimits, limit_problems, parse_duration
-from scaletrain.resume import resume_problems
-from scaletrain.rundir import RunDir
+from scaletrain.run.directory import RunDir
+from scaletrain.run.resume import resume_problems
 from scaletrain.validate import load_config
 
 

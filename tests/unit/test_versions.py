@@ -16,7 +16,7 @@ import torch
 
 import scaletrain
 from scaletrain.config import ModelConfig, PrecisionConfig
-from scaletrain.config_io import read_toml
+from scaletrain.config.io import read_toml
 from scaletrain.errors import UserError
 from scaletrain.models.presets import resolve_model_args
 from scaletrain.precision import _torchao

@@ -19,7 +19,7 @@ from scaletrain.parallel.pipeline import (
     reshards_after_forward,
     stages_per_rank,
 )
-from scaletrain.planner.moe import ffn_shape
+from scaletrain.planning.estimators.moe import ffn_shape
 
 GiB = 2**30
 # CUDA context (~0.5 GiB), NCCL buffers and caching-allocator fragmentation: what a GPU rank loses before the

@@ -25,8 +25,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from scaletrain.config import OptimizerConfig
 from scaletrain.data.ramp import BatchRamp
 from scaletrain.models.moe import MoE
-from scaletrain.muon import MUON_KEYS, Muon, hidden_matrices
-from scaletrain.qk_clip import QKClip
+from scaletrain.optim.muon import MUON_KEYS, Muon, hidden_matrices
+from scaletrain.optim.qk_clip import QKClip
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from scaletrain.errors import ConfigError
-from scaletrain.host import run_from_small_parent
-from scaletrain.rundir import RunDir
+from scaletrain.hardware import run_from_small_parent
+from scaletrain.run.directory import RunDir
 
 
 def run_train(args: list[str], nproc: int, run_dir: Path) -> list[dict]:

@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
 import sys
 import types
 import typing
@@ -23,7 +24,6 @@ import tomli_w
 
 from scaletrain.config import RENAMED_KEYS, Config, SourceConfig, translate_renamed
 from scaletrain.errors import ConfigError
-from scaletrain.rundir import RunDir, absolute
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,11 +65,16 @@ def resolve_paths(cfg: Config) -> None:
         cfg.model.init_from = "hf:" + local(cfg.model.init_from[3:])
 
 
-def saved_config(run: RunDir) -> dict:
-    """The resolved config a run last started with, with today's defaults for keys it lacks and its paths made
-    absolute (a run saved before paths were stored resolved named them relative to the directory it ran from,
-    which a continuing command is typed from too)."""
-    saved = with_defaults(read_toml(str(run.config)))
+def absolute(path: str | Path) -> Path:
+    """A path as the user typed it, made absolute against the working directory (links are kept as typed)."""
+    return Path(os.path.abspath(os.path.expanduser(str(path))))
+
+
+def saved_config(path: Path) -> dict:
+    """The resolved config a run last started with (its config.toml at `path`), with today's defaults for keys it
+    lacks and its paths made absolute (a run saved before paths were stored resolved named them relative to the
+    directory it ran from, which a continuing command is typed from too)."""
+    saved = with_defaults(read_toml(str(path)))
     cfg, problems = to_dataclass(Config, saved)
     if problems:
         return saved  # resume_problems names what differs

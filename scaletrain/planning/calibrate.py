@@ -19,15 +19,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scaletrain.data import resolve_cache_dir
-from scaletrain.hardware import best_time, cpu_model_name, cuda_available, gpu_count, usable_cpus
-from scaletrain.host import run_from_small_parent
+from scaletrain.hardware import (
+    best_time,
+    cpu_model_name,
+    cuda_available,
+    gpu_count,
+    run_from_small_parent,
+    usable_cpus,
+)
 from scaletrain.parallel.layout import Layout
-from scaletrain.plan.calibrate_gpu import calibrate_gpu
-from scaletrain.plan.measure import fit_line, measure_adam_bandwidth, measure_cast, measure_matmul
-from scaletrain.planner.hardware import DEFAULT_CPU, REDO, DeviceProfile, gpu_kind, save_profile
-from scaletrain.planner.inputs import model_args, parse_unvalidated
-from scaletrain.planner.search import estimate
-from scaletrain.planner.time import ADAM_TRAFFIC
+from scaletrain.planning.calibrate_gpu import calibrate_gpu
+from scaletrain.planning.estimators.hardware import DEFAULT_CPU, REDO, DeviceProfile, gpu_kind, save_profile
+from scaletrain.planning.estimators.inputs import model_args, parse_unvalidated
+from scaletrain.planning.estimators.search import estimate
+from scaletrain.planning.estimators.time import ADAM_TRAFFIC
+from scaletrain.planning.measure import fit_line, measure_adam_bandwidth, measure_cast, measure_matmul
 
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
 
@@ -42,8 +48,8 @@ def measure_block(matmul: tuple[float, float]) -> tuple[float, float, float, flo
     from scaletrain.models.llama import ModelArgs
     from scaletrain.models.presets import build_model
     from scaletrain.parallel.recompute import apply_recompute
-    from scaletrain.planner.memory import layer_activation_bytes
-    from scaletrain.planner.time import ELEMENTWISE_TRAFFIC, _matmuls, _Shape
+    from scaletrain.planning.estimators.memory import layer_activation_bytes
+    from scaletrain.planning.estimators.time import ELEMENTWISE_TRAFFIC, _matmuls, _Shape
 
     args = ModelArgs(
         dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=704, vocab_size=64, max_seq_len=512

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from scaletrain.hardware import best_time
-from scaletrain.plan.measure import fit_line, measure_adam_bandwidth, measure_matmul
-from scaletrain.planner.hardware import GPUS, DeviceProfile, gpu_kind, save_profile
-from scaletrain.planner.time import ADAM_TRAFFIC
+from scaletrain.planning.estimators.hardware import GPUS, DeviceProfile, gpu_kind, save_profile
+from scaletrain.planning.estimators.time import ADAM_TRAFFIC
+from scaletrain.planning.measure import fit_line, measure_adam_bandwidth, measure_matmul
 
 # Square matmul sizes and all-reduce bytes: from launch-bound to rate-bound on a GPU; small enough for CI on a CPU.
 SHAPES = {"cuda": (1024, 2048, 4096, 8192), "cpu": (64, 128, 256)}

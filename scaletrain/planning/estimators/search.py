@@ -15,9 +15,9 @@ from scaletrain.errors import ConfigError
 from scaletrain.models.llama import ModelArgs
 from scaletrain.parallel.layout import Layout, global_batch_sequences, layout_problems
 from scaletrain.parallel.pipeline import SCHEDULES
-from scaletrain.planner.hardware import DeviceProfile
-from scaletrain.planner.memory import PARTS, GiB, pp_rank_bytes
-from scaletrain.planner.time import step_time
+from scaletrain.planning.estimators.hardware import DeviceProfile
+from scaletrain.planning.estimators.memory import PARTS, GiB, pp_rank_bytes
+from scaletrain.planning.estimators.time import step_time
 
 MODES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 POLICIES = ("none", "selective", "full")

@@ -19,24 +19,20 @@ from pathlib import Path
 import tomli_w
 import torch
 
-from scaletrain.checkpoint.hf import (
-    EXPORT_DTYPES,
-    SHARD_BYTES,
+from scaletrain.checkpoint.hf.core import (
     architecture,
     args_from_hf_config,
     hf_dir_problems,
     quiet_torchao,
-    read_hf_config,
-    umask_permissions,
     verify_with_transformers,
     write_hf,
 )
-from scaletrain.checkpoint.hf_moe import config_sections
+from scaletrain.checkpoint.hf.files import EXPORT_DTYPES, SHARD_BYTES, read_hf_config, umask_permissions
+from scaletrain.checkpoint.hf.mixtral import config_sections
 from scaletrain.checkpoint.run_model import load_run_model, open_run_checkpoint, run_config
-from scaletrain.config_io import to_dict
+from scaletrain.config.io import to_dict
 from scaletrain.data import build_loader, load_tokenizer
-from scaletrain.errors import ConfigError, UserError
-from scaletrain.host import unwritable
+from scaletrain.errors import ConfigError, UserError, unwritable
 from scaletrain.models import ModelArgs, Transformer, build_meta_model, resolve_model_args
 from scaletrain.precision.qat import (
     WEIGHTS_FILE,
@@ -47,7 +43,7 @@ from scaletrain.precision.qat import (
     qat_problems,
     save_quantized,
 )
-from scaletrain.rundir import CONFIG
+from scaletrain.run.directory import CONFIG
 
 log = logging.getLogger("scaletrain")
 

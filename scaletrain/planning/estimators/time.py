@@ -12,9 +12,9 @@ from scaletrain.metrics.mfu import flops_per_token
 from scaletrain.models.llama import ModelArgs
 from scaletrain.parallel.layout import Layout, resolve_microbatches
 from scaletrain.parallel.pipeline import stages_per_rank
-from scaletrain.planner.hardware import DeviceProfile
-from scaletrain.planner.memory import block_parameters, compute_bytes_of, layer_activation_bytes
-from scaletrain.planner.moe import dispatch_bytes, ffn_shape
+from scaletrain.planning.estimators.hardware import DeviceProfile
+from scaletrain.planning.estimators.memory import block_parameters, compute_bytes_of, layer_activation_bytes
+from scaletrain.planning.estimators.moe import dispatch_bytes, ffn_shape
 from scaletrain.precision.policy import mfu_precision
 
 # Share of a block's element-wise forward that selective recompute runs again in backward: the norms, RoPE,

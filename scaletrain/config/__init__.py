@@ -1,7 +1,8 @@
 """The one typed config tree: a dataclass per section, loaded from TOML plus dotted CLI overrides.
 
-Each component receives only its own section. This module is a leaf of plain dataclasses: loading, overrides and
-validation live in scaletrain.config_io (`load_config`), which reports every problem at once as a `ConfigError`.
+Each component receives only its own section. This module is a leaf of plain dataclasses: reading TOML, overrides
+and the type checks live beside it in config/io.py (`parse_config`), validation in scaletrain/validate.py
+(`load_config`), which reports every problem at once as a `ConfigError`.
 """
 
 from __future__ import annotations

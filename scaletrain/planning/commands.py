@@ -1,6 +1,6 @@
 """What `scaletrain plan`, `train --dry-run` and `--parallel.auto` do, for cli.py to call: the search over layouts,
 the estimate of one layout, and the layout parallel.auto applies before validation (`plan --calibrate` is
-plan/calibrate.py's run_calibrate). The estimators they call are in scaletrain/planner/."""
+plan/calibrate.py's run_calibrate). The estimators they call are in scaletrain/planning/estimators/."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import sys
 import torch
 
 from scaletrain.config import Config
-from scaletrain.config_io import fields_typed, parse_config
+from scaletrain.config.io import fields_typed, parse_config
 from scaletrain.data import resolve_cache_dir
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import gpu_count, uses_cuda
 from scaletrain.parallel.layout import Layout, layout_problems
-from scaletrain.planner.hardware import (
+from scaletrain.planning.estimators.hardware import (
     GPUS,
     KINDS,
     DeviceProfile,
@@ -24,9 +24,9 @@ from scaletrain.planner.hardware import (
     local_gpu_profile,
     profile_caveat,
 )
-from scaletrain.planner.inputs import model_args, parse_unvalidated
-from scaletrain.planner.memory import PARTS, GiB
-from scaletrain.planner.search import (
+from scaletrain.planning.estimators.inputs import model_args, parse_unvalidated
+from scaletrain.planning.estimators.memory import PARTS, GiB
+from scaletrain.planning.estimators.search import (
     Plan,
     device_bytes,
     estimate,

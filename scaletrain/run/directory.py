@@ -24,8 +24,9 @@ from typing import Any
 import tomli_w
 
 from scaletrain.config import CheckpointConfig, translate_renamed
+from scaletrain.config.io import absolute
 from scaletrain.errors import STOPPED_EXIT_CODE
-from scaletrain.resume import resume_problems
+from scaletrain.run.resume import resume_problems
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,11 +69,6 @@ def read_jsonl(path: str | Path, skipped: list[int] | None = None) -> list[dict[
 def shown(path: Path) -> str:
     """A path as the working directory sees it: relative below it, else absolute."""
     return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
-
-
-def absolute(path: str | Path) -> Path:
-    """A path as the user typed it, made absolute against the working directory (links are kept as typed)."""
-    return Path(os.path.abspath(os.path.expanduser(str(path))))
 
 
 @dataclass(frozen=True)
@@ -185,7 +181,7 @@ _DEFAULT_NAME = re.compile(r"-(\d{8}-\d{6})(?:-(\d+))?$")
 
 def find_run(name: str, resolved: dict, root: str | Path = RUNS_ROOT) -> RunDir | None:
     """The newest runs/<name>-<date>-<time>[-n] whose run the config `resolved` continues (the same run by
-    scaletrain.resume's rules: typing the command again, with or without run.stop_at_step or in another layout,
+    scaletrain.run.resume's rules: typing the command again, with or without run.stop_at_step or in another layout,
     continues its run), None when there is none."""
     name, root = name or "run", absolute(root)
     accepted = resolved.get("run", {}).get("accept_changes", [])

@@ -4,7 +4,7 @@ devices that are not this machine's) and the model shape it resolves to."""
 from __future__ import annotations
 
 from scaletrain.config import Config
-from scaletrain.config_io import parse_config
+from scaletrain.config.io import parse_config
 from scaletrain.data import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.llama import ModelArgs

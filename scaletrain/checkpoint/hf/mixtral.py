@@ -1,5 +1,5 @@
-"""Hugging Face Mixtral interchange: the mixture-of-experts half of checkpoint/hf.py (which keeps the attention,
-norm and embedding names and the file handling). A Mixtral block is our Llama block with `feed_forward` an MoE:
+"""The Mixtral state-dict adapter: the mixture-of-experts half of a Mixtral (llama.py maps the attention, norm
+and embedding names; files.py the files). A Mixtral block is our Llama block with `feed_forward` an MoE:
 softmax router, top-k weights renormalised, no shared experts, dropless, and on every layer.
 
 Names on disk: every Hub checkpoint, and what `save_pretrained` writes by default, keep one 2-D tensor per expert

@@ -1,6 +1,6 @@
 """Hugging Face import into an already parallelised model (issue 23 item 3): each rank reads from the safetensors
 files only the rows and columns its own parameters hold (safe_open's lazy slices), so no rank holds a full copy of
-the model at any time. Names and layouts are those of checkpoint/hf.py and hf_moe.py; the values loaded equal
+the model at any time. Names and layouts are the family adapters' (llama.py, mixtral.py); the values loaded equal
 load_hf_weights' on the whole model bit for bit (tests/distributed/test_hf_sharded.py)."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scaletrain.checkpoint import hf_moe
-from scaletrain.checkpoint.hf import hf_tensor_files, import_problems, read_hf_config, to_hf_name
+from scaletrain.checkpoint.hf import llama, mixtral
+from scaletrain.checkpoint.hf.core import import_problems
+from scaletrain.checkpoint.hf.files import hf_tensor_files, read_hf_config
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.llama import ModelArgs
 
@@ -52,14 +53,14 @@ def _targets(part: nn.Module) -> dict[str, _Target]:
 
 
 def _source(name: str, files: dict[str, Path], args: ModelArgs) -> tuple[list[str], int]:
-    """(HF names, chunk) of one of our entries, as hf_moe.import_source says for the MoE ones."""
-    moe = hf_moe.import_source(name, files, args.n_experts) if args.n_experts else None
+    """(HF names, chunk) of one of our entries, as mixtral.import_source says for the MoE ones."""
+    moe = mixtral.import_source(name, files, args.n_experts) if args.n_experts else None
     if moe is not None:
         return moe
     if name == "output.weight" and args.tie_embeddings:
         # Tied: the embedding is the one weight; a saved copy of it as lm_head is not read (as load_hf_weights).
         return ["model.embed_tokens.weight"], -1
-    return [to_hf_name(name)], -1
+    return [llama.to_hf_name(name)], -1
 
 
 def _check_shapes(
@@ -82,7 +83,7 @@ def _check_shapes(
 
 
 def _read(handles: dict[str, object], target: _Target, names: list[str], chunk: int) -> torch.Tensor:
-    """This rank's block of one of our tensors, read from the HF tensors `names` (see hf_moe.import_source)."""
+    """This rank's block of one of our tensors, read from the HF tensors `names` (see mixtral.import_source)."""
     region = [slice(o, o + n) for o, n in zip(target.offset, target.local.shape, strict=True)]
     if not names:
         return torch.zeros(target.local.shape)

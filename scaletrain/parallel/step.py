@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,21 @@ from scaletrain.parallel.pipeline import clip_grad_norm_pp
 from scaletrain.parallel.tensor_parallel import loss_context
 from scaletrain.precision.policy import Precision, resolve_precision
 from scaletrain.precision.scaler import LossScaler
-from scaletrain.resilience.busy import BusyClock, ProcessClock
+
+
+class ComputeClock(Protocol):
+    """What the step brackets its compute with: resilience/busy.py's BusyClock, or nothing."""
+
+    def compute_start(self) -> None: ...
+    def compute_end(self) -> None: ...
+
+
+class _NoClock:
+    def compute_start(self) -> None:
+        pass
+
+    def compute_end(self) -> None:
+        pass
 
 
 @dataclass
@@ -49,8 +64,9 @@ class StepRunner:
     eod_id: int | None = None
     scaler: LossScaler | None = None  # fp16: the loss scaled before backward, the gradients unscaled in clip
     comm: CommMeter = field(default_factory=CommMeter)  # data-parallel bytes sent per step (comm_bytes)
-    # Straggler detection's busy clock (the guard's): the step's compute is bracketed on it (CUDA events on a GPU).
-    clock: BusyClock = field(default_factory=ProcessClock)
+    # Straggler detection's busy clock (the guard's, resilience/busy.py): the step's compute is bracketed on it
+    # (CUDA events on a GPU). Handed in, so that parallelism imports nothing of resilience.
+    clock: ComputeClock = field(default_factory=_NoClock)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss over this rank's share of the global batch, gradients accumulated into .grad.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.metrics import cpu_features
-from scaletrain.runs import run_train
+from scaletrain.run.child import run_train
 from scaletrain.validate import check_configs
 
 PLAIN = "plain"

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from scaletrain.checkpoint.run_model import load_run_model
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.parallel.mesh import MESH_DIMS
-from scaletrain.runs import run_train
+from scaletrain.run.child import run_train
 from scaletrain.validate import check_configs
 
 # Every run ends with one synchronous save into its own run directory, whatever the user's overrides say (they
