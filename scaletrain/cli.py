@@ -40,7 +40,7 @@ from scaletrain.inference.generate import (
 )
 from scaletrain.inference.loader import load_model
 from scaletrain.launch import install_stack_dump, launch_local, run_training, under_torchrun
-from scaletrain.parity import run_parity
+from scaletrain.parity import ATOL, RTOL, run_parity
 from scaletrain.plan.calibrate import run_calibrate
 from scaletrain.plan.commands import auto_overrides, dry_run, run_plan
 from scaletrain.precision.qat import WEIGHT_DTYPES
@@ -118,11 +118,11 @@ def build_parser() -> _Parser:
     parity.add_argument(
         "--rtol",
         type=float,
-        default=1e-5,
+        default=RTOL,
         help="largest relative difference of losses and grad norms accepted",
     )
     parity.add_argument(
-        "--atol", type=float, default=2e-5, help="largest absolute difference of final parameters accepted"
+        "--atol", type=float, default=ATOL, help="largest absolute difference of final parameters accepted"
     )
     parity.set_defaults(run=_parity)
 
