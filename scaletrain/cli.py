@@ -23,7 +23,7 @@ from scaletrain import __version__
 from scaletrain.checkpoint.convert import from_hf, parse_size, to_hf, to_quantized
 from scaletrain.checkpoint.hf.files import EXPORT_DTYPES
 from scaletrain.compare.bench import results_json, run_bench
-from scaletrain.compare.parity import run_parity
+from scaletrain.compare.parity import ATOL, RTOL, run_parity
 from scaletrain.config import Config, MetricsConfig
 from scaletrain.config.io import all_keys, help_text, to_dict
 from scaletrain.data import load_tokenizer, prepare_data
@@ -118,11 +118,11 @@ def build_parser() -> _Parser:
     parity.add_argument(
         "--rtol",
         type=float,
-        default=1e-5,
+        default=RTOL,
         help="largest relative difference of losses and grad norms accepted",
     )
     parity.add_argument(
-        "--atol", type=float, default=2e-5, help="largest absolute difference of final parameters accepted"
+        "--atol", type=float, default=ATOL, help="largest absolute difference of final parameters accepted"
     )
     parity.set_defaults(run=_parity)
 

@@ -32,6 +32,26 @@ FINAL_SAVE = [
     "false",
     "--checkpoint.storage=",
 ]
+RTOL, ATOL = 1e-5, 2e-5  # the accepted differences (run_parity's docstring says why atol); the CLI's defaults
+
+
+def run_settings(steps: int) -> list[str]:
+    """What every run of a comparison is given after the user's overrides: the final save, `steps` steps, fp32, a
+    metrics record every step, no evaluation, one thread. Only the parallel layout differs between runs."""
+    return (
+        FINAL_SAVE
+        + ["--training.steps", str(steps), "--precision.compute", "fp32", "--training.eval_interval", "0"]
+        + ["--metrics.log_interval", "1", "--metrics.progress", "false", "--metrics.tensorboard", "false"]
+        + ["--training.threads", "1"]
+    )
+
+
+def single_process() -> list[str]:
+    """The reference layout: every mesh dim of size 1 (dp_shard -1 is the one process), plain DDP."""
+    single = ["--parallel.data_parallel", "ddp"]
+    for dim in MESH_DIMS:
+        single += [f"--parallel.{dim}", "-1" if dim == "dp_shard" else "1"]
+    return single
 
 
 @dataclass
@@ -159,19 +179,10 @@ def run_parity(
         raise ConfigError(
             f"parity needs --steps >= 1, --rtol >= 0, --atol >= 0 (got {steps}, {rtol}, {atol})"
         )
-    settings = (
-        overrides
-        + FINAL_SAVE
-        + ["--training.steps", str(steps), "--precision.compute", "fp32", "--training.eval_interval", "0"]
-        + ["--metrics.log_interval", "1", "--metrics.progress", "false", "--metrics.tensorboard", "false"]
-        + ["--training.threads", "1"]
-    )
+    settings = overrides + run_settings(steps)
     base = (["--config", config] if config else []) + settings
     parsed = [(layout, *parse_layout(layout)) for layout in layouts]
-    # The reference: every mesh dim of size 1 (dp_shard -1 is the one process), plain DDP.
-    single = ["--parallel.data_parallel", "ddp"]
-    for dim in MESH_DIMS:
-        single += [f"--parallel.{dim}", "-1" if dim == "dp_shard" else "1"]
+    single = single_process()
     runs = [("reference", settings + single, 1)] + [
         (f"layout {lay!r}", settings + a, n) for lay, n, a in parsed
     ]

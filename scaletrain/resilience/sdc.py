@@ -146,12 +146,15 @@ def attribute_by_replay(suspect: Finding, reports: list[Report]) -> Finding:
     between the original steps and their replay (same weights from the snapshot, same batches: a healthy rank
     reproduces its own bits) are named. A rank's logits depend on its own weights and its batch before any gradient
     is averaged, so the one that computed with corrupted weights diverges first; in HSDP its shard group peers
-    diverge with it, which is why only the suspects (holders of the differing slice) are named."""
+    diverge with it, which is why only the suspects (holders of the differing slice) are named. Every suspect
+    diverging at the same first step tells them apart no better than the finding did: on a GPU without
+    training.deterministic the replay's first update can already differ on every rank (non-deterministic kernels, then
+    averaged gradients), so a healthy replica diverges too; the finding then stays unattributed."""
     first = min((r.diverged for r in reports if r.diverged is not None), default=None)
     diverged = {r.rank for r in reports if first is not None and r.diverged == first}
     named = {r: n for r, n in suspect.params.items() if r in diverged}
-    if not named:
-        return suspect  # nothing in the replay differed: still unattributed
+    if not named or named.keys() == suspect.params.keys():
+        return suspect  # nothing in the replay differed, or every suspect did at once: still unattributed
     return Finding(suspect.step, named, {r: "replay" for r in named}, suspect.hosts, True, suspect.where)
 
 

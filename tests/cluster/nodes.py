@@ -275,10 +275,15 @@ NODE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "et
 
 
 def torchrun(
-    nnodes: str, nproc: int, *train_args: str, max_restarts: int = 0, rdzv_id: str = "job"
+    nnodes: str,
+    nproc: int,
+    *train_args: str,
+    max_restarts: int = 0,
+    rdzv_id: str = "job",
+    config: str = "configs/debug.toml",
 ) -> list[str]:
-    """`torchrun ... -m scaletrain train --config configs/debug.toml ARGS` for one node of a simulated cluster."""
+    """`torchrun ... -m scaletrain train --config CONFIG ARGS` for one node of a simulated cluster."""
     return [str(Path(sys.executable).parent / "torchrun"), "--nnodes", nnodes, "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", rdzv_id,
-            "--max-restarts", str(max_restarts), "-m", "scaletrain", "train", "--config", "configs/debug.toml",
+            "--max-restarts", str(max_restarts), "-m", "scaletrain", "train", "--config", config,
             "--metrics.progress", "false", *train_args]  # fmt: skip

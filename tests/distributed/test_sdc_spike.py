@@ -16,9 +16,16 @@ from tests.distributed.spawn import spawn
 
 
 class _Ckpt:
+    """A snapshot of step 5 taken when the loader's next sample was 100: restoring it restores that position too, as
+    the checkpoint manager restores every Stateful; the guard then decides whether to skip the batches since."""
+
     last_source = "memory"
 
+    def __init__(self, loader: _Loader) -> None:
+        self.loader = loader
+
     def load_latest(self) -> int:
+        self.loader.load_state_dict({"next_sample": 100})
         return 5
 
 
@@ -59,8 +66,9 @@ def _ranks(rank: int, world_size: int) -> None:
     assert events[1][1] == dict(step=13, spike="loss_spike", cause="data", replayed=False)  # no Transformer
     loader = _Loader()
     loader.next_sample = 140
-    assert guard.rollback(13, _Ckpt(), loader) == 5
+    assert guard.rollback(13, _Ckpt(loader), loader) == 5
     assert events[-1][1]["skipped_batches"] == 8 and "reason" not in events[-1][1]
+    assert loader.next_sample == 140  # the snapshot's weights, the data from where the spike left it: skipped
 
     events.clear()
     if rank == 1:  # a faulty device: one low mantissa bit of one weight
@@ -74,11 +82,9 @@ def _ranks(rank: int, world_size: int) -> None:
     assert found["rank"] == 1 and found["params"] == {"1": ["0.weight"]} and found["how"] == {"1": "replica"}
     assert found["where"] == "loss_spike"
     loader.next_sample = 160
-    assert guard.rollback(17, _Ckpt(), loader) == 5
+    assert guard.rollback(17, _Ckpt(loader), loader) == 5
     assert events[-1][1]["reason"] == "sdc" and events[-1][1]["skipped_batches"] == 0
-    assert (
-        loader.next_sample == 160
-    )  # untouched: the checkpoint manager's restore sets the snapshot's position
+    assert loader.next_sample == 100  # the snapshot's position: the batches since are trained again
 
 
 def test_a_spike_is_blamed_on_the_device_only_when_the_replicas_differ():
@@ -138,7 +144,10 @@ def _replay_ranks(rank: int, world_size: int) -> None:
     found = events[-1][1]
     assert found["ranks"] == [1] and found["how"] == {"1": "replay"} and found["where"] == "loss_spike", found
     assert found["params"] == {"1": ["logits"]} and found["attributed"], found
-    assert guard.rollback(15, _Ckpt(), _Loader()) == 5 and events[-1][1]["reason"] == "sdc"
+    loader = _Loader()
+    loader.next_sample = 150  # where step 15 left it
+    assert guard.rollback(15, _Ckpt(loader), loader) == 5 and events[-1][1]["reason"] == "sdc"
+    assert loader.next_sample == 100
     events.clear()
     fault.update(on=True, once=False)  # a device wrong every time: its own replay agrees with it
     assert step(16, 3.0, 9.0) == "rollback"
