@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.layout import Layout, updates_each_replica
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
 from scaletrain.parallel.parallelize import ParallelModel, parallelize
-from scaletrain.parallel.step import StepRunner, build_step_runner, evaluate
+from scaletrain.parallel.step import Evaluation, StepRunner, build_step_runner
 from scaletrain.precision import Precision, resolve_precision
 from scaletrain.resilience import fault_tolerance
 from scaletrain.resilience.fault_tolerance import NoReplicaGroup, ReplicaGroup
@@ -77,7 +77,7 @@ def train(cfg: Config) -> dict:
                     job.meter.reset()
                     continue
                 job.step_done(step, sequences)
-                if step % cfg.metrics.log_interval == 0 or step == end or _is_eval_step(step, t):
+                if step % cfg.metrics.log_interval == 0 or step == end or job.eval.due(step):
                     last = _log(job, step, loss, grad_norm, lr)
                 progress.update(step, last.get("loss", math.nan), last.get("tokens_per_s", 0.0), lr,
                                 last.get("mfu"), job.writer.last_event)  # fmt: skip
@@ -135,7 +135,7 @@ class Job:
     # fault_tolerance: this rank's replica group (resilience/fault_tolerance); NoReplicaGroup without
     ft: ReplicaGroup | NoReplicaGroup
     lease: RankLease  # this process's hold on its rank in the run directory
-    evals: dict[int, float] = field(default_factory=dict)
+    eval: Evaluation  # training.eval_interval: validation with the step's forward, each result kept by step
 
     def tokens(self, step: int) -> int:
         """Tokens trained by steps 1..step."""
@@ -149,7 +149,7 @@ class Job:
         self.ft.begin(start)
         self.writer.event("start", step=start, resumed=start > 0, restart=restart, **self.info)
         if self.cfg.training.eval_interval and start == 0:
-            self.evaluate(0)
+            self.eval(0)
         return start
 
     def step_done(self, step: int, sequences: int) -> None:
@@ -180,16 +180,6 @@ class Job:
         self.guard.close()
         self.preemption.close()
         self.lease.close()
-
-    def evaluate(self, step: int) -> float:
-        t0 = time.perf_counter()
-        val = evaluate(self.runner, self.loader, self.cfg.training, self.dims, self.env.device)
-        self.evals[step] = val
-        duration = time.perf_counter() - t0
-        self.meter.exclude(duration)  # evaluation is not training time
-        ppl = math.exp(min(val, 50))
-        self.writer.event("eval", step=step, val_loss=val, val_ppl=ppl, duration_s=duration)
-        return val
 
 
 def build_core(
@@ -287,16 +277,13 @@ def build(cfg: Config) -> Job:
     runner.clock = guard.clock  # the step brackets its compute for straggler detection (CUDA events on a GPU)
 
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).
-    cache = resolve_cache_dir(cfg.data)
-    peak, peak_source = first(lambda: metrics.device_peak_flops(env.device, precision.mfu_peak,
-                                                                cfg.metrics.peak_tflops, cache))  # fmt: skip
-    flops_tok = metrics.flops_per_token(n_params["active"], args.n_layers, args.dim, cfg.data.seq_len)
-    over_peak = metrics.over_peak_action(writer.event, env.device, precision.mfu_peak, cfg.metrics.peak_tflops,
-                                         cache)  # fmt: skip
-    tokens_per_step = layout.tokens_per_step
-    meter = StepMeter(tokens_per_step, flops_tok, peak * env.world_size, env.device, cfg.training.compile,
-                      over_peak)  # fmt: skip
-    metrics.announce(cfg, env, n_params, described, global_batch, tokens_per_step, peak_source, precision)
+    meter, peak_source = StepMeter.for_job(cfg.metrics, precision, args, n_params["active"], cfg.data.seq_len,
+                                           layout.tokens_per_step, env.world_size, env.device, cfg.training.compile,
+                                           resolve_cache_dir(cfg.data), writer.event, first)  # fmt: skip
+    metrics.announce(
+        cfg, env, n_params, described, global_batch, layout.tokens_per_step, peak_source, precision
+    )
+    evaluation = Evaluation(runner, loader, cfg.training, dims, env.device, writer.event, meter.exclude)
     parts = (cfg, env, dims, run, writer, loader, runner, optimizers, train_state, ckpt, guard)
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)
     # fault_tolerance: what a healing group receives from a peer (the loader as saved, without the fault hooks)
@@ -306,11 +293,7 @@ def build(cfg: Config) -> Job:
                 parameters=n_params["total"], peak_flops_source=peak_source,
                 nodes=node_of_each_rank(dims.control), **batches.announce(cfg.training.batch_ramp),
                 **ft.describe())  # fmt: skip
-    return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe, ft, lease)
-
-
-def _is_eval_step(step: int, t: TrainingConfig) -> bool:
-    return bool(t.eval_interval) and (step % t.eval_interval == 0 or step == t.steps)
+    return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe, ft, lease, evaluation)
 
 
 def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict:
@@ -328,8 +311,8 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
         # QK-clip (optimizer.qk_clip): the step's max_attn_logit and qk_clipped_heads
         **(job.optimizers.qk_clip.metrics() if job.optimizers.qk_clip else {}),
     }
-    if _is_eval_step(step, job.cfg.training):
-        val = job.evaluate(step)
+    if job.eval.due(step):
+        val = job.eval(step)
         record.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
     job.writer.log(step, record)
     log.info(metrics.log_line(step, job.cfg.training.steps, record))
@@ -339,9 +322,9 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
 def _finish(job: Job, step: int, last: dict, wall: float, stopped: str | None) -> dict:
     """The summary at the stop step, the end event, the printed table; rank 0 reads the run's records back for what
     this start lacks (every start's validation losses, the stop step's record, goodput over the whole job)."""
-    evals, goodput = job.evals, None
+    evals, goodput = job.eval.results, None
     if job.env.is_main:
-        evals = {**metrics.recorded_evals(job.run.read_events()), **job.evals}
+        evals = {**metrics.recorded_evals(job.run.read_events()), **job.eval.results}
         last = last or metrics.record_at(job.run.read_metrics(), step)
         goodput = final_goodput(job.run.path)
     summary = metrics.run_summary(step, job.tokens(step), last, evals, goodput=goodput, wall_s=wall,

@@ -14,7 +14,8 @@ import torch
 
 from scaletrain.config import DataConfig
 from scaletrain.data.prepare import prepare_data
-from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer
+from scaletrain.data.sources import list_files
+from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from scaletrain.errors import UserError
 
 
@@ -294,3 +295,36 @@ def build_loader(
             "data-parallel ranks; add data, raise data.val_fraction, or set data.val_fraction = 0"
         )
     return DataLoader(mixture, global_batch, dp_rank, dp_size)
+
+
+def tokenizer_vocab(spec: str) -> int | None:
+    """The tokenizer's vocabulary, or None when it does not load (data_problems reports why)."""
+    try:
+        return load_tokenizer(spec).vocab_size
+    except UserError:
+        return None
+
+
+def data_problems(d: DataConfig) -> list[str]:
+    problems = []
+    if d.seq_len < 2:
+        problems.append(f"data.seq_len must be >= 2, got {d.seq_len}")
+    if not 0 <= d.val_fraction < 1:
+        problems.append(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    if d.workers < 0:
+        problems.append("data.workers must be >= 0 (0 = one per core)")
+    for i, src in enumerate(d.sources):
+        if src.weight <= 0:
+            problems.append(f"data.sources[{i}].weight must be > 0, got {src.weight}")
+        if not src.path:
+            problems.append(f"data.sources[{i}].path is empty; give a file, a directory or a glob")
+            continue
+        try:
+            list_files(src, i)
+        except UserError as e:
+            problems.append(str(e))
+    try:
+        load_tokenizer(d.tokenizer)
+    except UserError as e:
+        problems.append(str(e))
+    return problems

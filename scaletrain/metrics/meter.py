@@ -6,11 +6,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from scaletrain.config import MetricsConfig
 from scaletrain.metrics.memory import peak_memory_mib
-from scaletrain.metrics.mfu import mfu
+from scaletrain.metrics.mfu import device_peak_flops, flops_per_token, mfu, over_peak_action
+from scaletrain.models.llama import ModelArgs
+from scaletrain.precision.policy import Precision
 
 log = logging.getLogger("scaletrain")
 
@@ -40,6 +44,31 @@ class StepMeter:
         # Once an MFU went above 100%, the peak every later MFU divides by is suspect.
         self.peak_suspect = False
         self.reset()
+
+    @classmethod
+    def for_job(
+        cls,
+        metrics: MetricsConfig,
+        precision: Precision,
+        args: ModelArgs,
+        active_params: int,
+        seq_len: int,
+        tokens_per_step: int,
+        world_size: int,
+        device: torch.device,
+        compile: bool,
+        cache_dir: Path,
+        event: Callable[..., None],
+        first: Callable[[Callable[[], tuple[float, str]]], tuple[float, str]],
+    ) -> tuple[StepMeter, str]:
+        """A job's meter, and where its MFU peak came from: the peak is measured once per machine (`first`: rank 0
+        first, the others then read its cache)."""
+        peak, source = first(
+            lambda: device_peak_flops(device, precision.mfu_peak, metrics.peak_tflops, cache_dir)
+        )
+        flops_tok = flops_per_token(active_params, args.n_layers, args.dim, seq_len)
+        over_peak = over_peak_action(event, device, precision.mfu_peak, metrics.peak_tflops, cache_dir)
+        return cls(tokens_per_step, flops_tok, peak * world_size, device, compile, over_peak), source
 
     def reset(self) -> None:
         """Start a new window now (also after a rollback: the steps replayed are not throughput)."""

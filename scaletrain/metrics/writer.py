@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from scaletrain.config import MetricsConfig
 from scaletrain.run.directory import CONFIG, EVENTS, METRICS, RUN_ID
 
 if sys.version_info >= (3, 11):
@@ -320,3 +321,18 @@ def _wandb_event(kind: str, step: int | None, fields: dict[str, Any], run: Any) 
     run.log({**({} if step is None else {"step": step}), f"events/{kind}": 1, **numbers})
     if kind == "end":
         run.summary.update(_numbers(fields))
+
+
+def metrics_problems(m: MetricsConfig) -> list[str]:
+    """metrics.*: the log interval, the W&B project, the samples' settings."""
+    problems = [] if m.log_interval >= 1 else ["metrics.log_interval must be >= 1"]
+    problems += [p for p in [wandb_problem(m.wandb_project)] if p]
+    if not m.sample_temperature >= 0:
+        problems.append(f"metrics.sample_temperature {m.sample_temperature} must be >= 0 (0: greedy)")
+    if m.sample_top_k < 0:
+        problems.append(f"metrics.sample_top_k {m.sample_top_k} must be >= 0 (0: the whole vocabulary)")
+    if m.sample_count < 1:
+        problems.append(
+            f'metrics.sample_count {m.sample_count} must be >= 1 (no samples: metrics.sample_prompt "")'
+        )
+    return problems

@@ -6,11 +6,13 @@ Large presets are only ever built on the meta device (to count parameters); noth
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 import torch
 
 from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.models.llama import ModelArgs, Transformer
+from scaletrain.models.moe import is_moe_layer
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, rope_scaling="llama3")
 
@@ -146,3 +148,132 @@ def build_model(args: ModelArgs, seed: int, device: torch.device | str) -> Trans
     torch.manual_seed(seed)
     model.init_weights(device)
     return model
+
+
+# -- checks before launch (validate composes them) ------------------------------------------------------------
+
+_SIZE_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden",
+    "vocab_size",
+    "rope_original_max_len",
+)
+
+
+def resolvable(m: ModelConfig) -> bool:
+    return m.preset in PRESETS and all(getattr(m, n) is None or getattr(m, n) >= 1 for n in _SIZE_FIELDS)
+
+
+def model_problems(m: ModelConfig) -> list[str]:
+    """The model.* fields on their own (model.init_from: checkpoint/hf/core.py's init_from_problems); the shape they
+    resolve to is checked by model_shape_problems."""
+    if m.preset not in PRESETS:
+        near = difflib.get_close_matches(m.preset, list(PRESETS), n=1, cutoff=0.3)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        return [f"model.preset '{m.preset}' is unknown{hint}; choose one of {', '.join(PRESETS)}"]
+    problems = [
+        f"model.{name} must be >= 1, got {getattr(m, name)}"
+        for name in _SIZE_FIELDS
+        if getattr(m, name) is not None and getattr(m, name) < 1
+    ]
+    for name in ("rope_theta", "rope_scaling_factor", "norm_eps", "init_std"):
+        v = getattr(m, name)
+        if v is not None and v <= 0:
+            problems.append(f"model.{name} must be > 0, got {v}")
+    return problems
+
+
+def model_shape_problems(args: ModelArgs, m: ModelConfig, tokenizer_vocab: int | None) -> list[str]:
+    """The resolved shape against what attention, RoPE and the embedding need; each message names the field to
+    change and says when its value came from the preset rather than from the config."""
+
+    def field(name: str) -> str:
+        origin = "" if getattr(m, name) is not None else f" (from model.preset '{m.preset}')"
+        return f"model.{name} {getattr(args, name)}{origin}"
+
+    problems = []
+    dim, heads, kv = args.dim, args.n_heads, args.n_kv_heads
+    if dim % heads:
+        problems.append(
+            f"{field('dim')} is not divisible by {field('n_heads')}: each head gets dim / n_heads channels; "
+            f"set model.n_heads to one of {_divisors_near(dim, heads, even_quotient=True)} or change model.dim"
+        )
+    elif (dim // heads) % 2:
+        problems.append(
+            f"the head size {field('dim')} / {field('n_heads')} = {dim // heads} is odd, and RoPE rotates "
+            f"pairs of channels; set model.n_heads to one of {_divisors_near(dim, heads, even_quotient=True)}"
+        )
+    if heads % kv:
+        problems.append(
+            f"{field('n_heads')} is not divisible by {field('n_kv_heads')} (grouped-query attention shares each "
+            f"key/value head among n_heads / n_kv_heads query heads); set model.n_kv_heads to one of "
+            f"{_divisors_near(heads, kv)}"
+        )
+    if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab:
+        problems.append(
+            f"{field('vocab_size')} is smaller than the tokenizer's {tokenizer_vocab} tokens, so some token ids "
+            f"have no embedding row; set model.vocab_size >= {tokenizer_vocab}, or leave it unset with a preset "
+            "that takes the tokenizer's (debug)"
+        )
+    return problems
+
+
+_MOE_SHAPE = ("top_k", "hidden", "shared_experts", "router", "norm_topk", "every", "first_dense")
+
+
+def moe_problems(moe: MoEConfig, args: ModelArgs, preset: str) -> list[str]:
+    """The MoE shape as resolved (moe.* over the preset) and the MoE training knobs."""
+
+    def field(name: str, value: object) -> str:
+        origin = "" if getattr(moe, name) is not None else f" (from model.preset '{preset}')"
+        return f"moe.{name} {value}{origin}"
+
+    problems = [
+        f"moe.{name} must be >= 0, got {getattr(moe, name)}"
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate")
+        if getattr(moe, name) < 0
+    ]
+    e, k = args.n_experts, args.top_k
+    if e < 0:
+        return problems + [f"moe.n_experts must be >= 0 (0: a dense model), got {e}"]
+    if e == 0:
+        # Refused rather than ignored: a knob that silently does nothing hides a typo'd preset or a lost line.
+        unused = [f"moe.{n}" for n in _MOE_SHAPE if getattr(moe, n) is not None]
+        unused += ["moe.capacity_factor"] if moe.capacity_factor > 0 else []
+        unused += ["moe.bias_update_rate"] if moe.bias_update_rate > 0 else []
+        if unused:
+            one = len(unused) == 1
+            presets = ", ".join(p for p in PRESETS if p != "debug" and PRESETS[p].get("n_experts"))
+            problems.append(
+                f"{', '.join(unused)} {'is' if one else 'are'} set, but the model is dense "
+                f"({field('n_experts', 0)}), so {'it has' if one else 'they have'} no effect; set "
+                f"moe.n_experts > 0 or a MoE preset ({presets}), or remove {'it' if one else 'them'}"
+            )
+        return problems
+    if k < 1 or k > e:
+        problems.append(
+            f"{field('top_k', k)} must be between 1 and {field('n_experts', e)}: each token goes to top_k "
+            f"distinct experts; set moe.top_k to at most {e}"
+        )
+    for name, value in (("hidden", args.moe_hidden), ("every", args.moe_every)):
+        if value < 1 and getattr(moe, name) is not None:
+            problems.append(f"{field(name, value)} must be >= 1")
+    for name, value in (("shared_experts", args.shared_experts), ("first_dense", args.first_dense)):
+        if value < 0:
+            problems.append(f"{field(name, value)} must be >= 0")
+    if args.moe_every >= 1 and not any(is_moe_layer(args, i) for i in range(args.n_layers)):
+        problems.append(
+            f"no block is MoE: {field('first_dense', args.first_dense)} and {field('every', args.moe_every)} "
+            f"leave all {args.n_layers} blocks dense; lower moe.first_dense or moe.every, or set moe.n_experts 0"
+        )
+    return problems
+
+
+def _divisors_near(n: int, near: int, even_quotient: bool = False) -> str:
+    """Up to three divisors of `n` closest to `near` (with `even_quotient`: only those d with n / d even), for a
+    message that suggests values that work."""
+    ok = [d for d in range(1, n + 1) if n % d == 0 and (not even_quotient or (n // d) % 2 == 0)]
+    return ", ".join(map(str, sorted(sorted(ok, key=lambda d: (abs(d - near), d))[:3]))) or "none"

@@ -286,3 +286,29 @@ class Optimizers(Stateful):
             for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
             sched._last_lr = lrs
+
+
+def optimizer_problems(o: OptimizerConfig) -> list[str]:
+    """optimizer.* on their own: the LR schedule's and Muon's knobs."""
+    problems = []
+    if o.lr <= 0:
+        problems.append(f"optimizer.lr must be > 0, got {o.lr}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        problems.append(f"optimizer.betas must be two numbers in [0, 1), got {o.betas}")
+    if o.eps <= 0 or o.weight_decay < 0:
+        problems.append("optimizer.eps must be > 0 and optimizer.weight_decay >= 0")
+    if o.warmup_steps < 0:
+        problems.append("optimizer.warmup_steps must be >= 0")
+    if not 0 <= o.min_lr_ratio <= 1:
+        problems.append(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if not 0 < o.decay_fraction <= 1:
+        problems.append(f"optimizer.decay_fraction must be in (0, 1], got {o.decay_fraction}")
+    if o.muon_lr is not None and o.muon_lr <= 0:
+        problems.append(f"optimizer.muon_lr must be > 0 (or unset: optimizer.lr), got {o.muon_lr}")
+    if o.muon_weight_decay is not None and o.muon_weight_decay < 0:
+        problems.append(f"optimizer.muon_weight_decay must be >= 0, got {o.muon_weight_decay}")
+    if not 0 <= o.muon_momentum < 1:
+        problems.append(f"optimizer.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    if not 1 <= o.muon_ns_steps < 100:
+        problems.append(f"optimizer.muon_ns_steps must be in [1, 99], got {o.muon_ns_steps}")
+    return problems

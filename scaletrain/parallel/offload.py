@@ -72,3 +72,14 @@ def apply_activation_offload(model: nn.Module, device: torch.device) -> nn.Modul
     model.forward = forward
     log.info("applied activation offload: saved activations go to pinned host memory during forward")
     return model
+
+
+def memory_problems(m: MemoryConfig, device: str, data_parallel: str, fsdp_applied: bool) -> list[str]:
+    """memory.*: recompute's k, and offload only where there is a separate device memory and (for the optimizer)
+    FSDP to carry it."""
+    problems = []
+    if m.recompute == "every_k" and m.recompute_every < 1:
+        problems.append(
+            f"memory.recompute_every must be >= 1 with recompute every_k, got {m.recompute_every}"
+        )
+    return problems + offload_problems(m, device, data_parallel, fsdp_applied)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -242,3 +244,31 @@ def evaluate(
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (a loss or norm under TP/FSDP) as a plain tensor."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class Evaluation:
+    """Validation during training (training.eval_interval) with the step's own forward: each result kept by step,
+    its time excluded from throughput (`exclude`), an `eval` event written (`event`)."""
+
+    runner: StepRunner
+    loader: object
+    training: TrainingConfig
+    dims: ParallelDims
+    device: torch.device
+    event: Callable[..., None]
+    exclude: Callable[[float], None]
+    results: dict[int, float] = field(default_factory=dict)
+
+    def due(self, step: int) -> bool:
+        t = self.training
+        return bool(t.eval_interval) and (step % t.eval_interval == 0 or step == t.steps)
+
+    def __call__(self, step: int) -> float:
+        t0 = time.perf_counter()
+        val = evaluate(self.runner, self.loader, self.training, self.dims, self.device)
+        self.results[step] = val
+        duration = time.perf_counter() - t0
+        self.exclude(duration)  # evaluation is not training time
+        self.event("eval", step=step, val_loss=val, val_ppl=math.exp(min(val, 50)), duration_s=duration)
+        return val

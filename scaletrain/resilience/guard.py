@@ -18,7 +18,7 @@ from scaletrain.config import ResilienceConfig
 from scaletrain.errors import UserError
 from scaletrain.parallel.mesh import DistEnv
 from scaletrain.resilience.busy import BusyClock, clock_for
-from scaletrain.resilience.faults import FaultInjector
+from scaletrain.resilience.faults import FaultInjector, validate_specs
 from scaletrain.resilience.health import Decision, NanGuard, SpikeDetector
 from scaletrain.resilience.sdc import Finding, SdcCheck, exclude_hosts
 from scaletrain.resilience.straggler import StragglerMonitor
@@ -285,3 +285,15 @@ class Guard:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
+
+
+def resilience_problems(r: ResilienceConfig, world_size: int) -> list[str]:
+    """resilience.*: the fault specs, restarts, the hang timeout and the straggler factor."""
+    problems = validate_specs(r.inject, world_size)
+    if min(r.max_restarts, r.hang_timeout_s) < 0:
+        problems.append("resilience.max_restarts and hang_timeout_s must be >= 0")
+    if r.straggler_factor and r.straggler_factor <= 1:
+        problems.append(
+            "resilience.straggler_factor must be > 1 (a multiple of the median step time), or 0 (off)"
+        )
+    return problems

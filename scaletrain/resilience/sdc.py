@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from scaletrain.config import CheckpointConfig, Config, ResilienceConfig
 from scaletrain.models.llama import Transformer
 
 log = logging.getLogger("scaletrain")
@@ -451,3 +452,46 @@ def excluded_here(run_dir: Path, host: str | None = None) -> str | None:
         f"(resilience.sdc_exclude; {Path(run_dir) / EXCLUDED_FILE}). Start the run on other hosts, or, once the "
         "host is repaired or replaced, remove it from that file"
     )
+
+
+def sdc_problems(r: ResilienceConfig, c: CheckpointConfig) -> list[str]:
+    """resilience.sdc_interval: a finding rolls back to the newest snapshot, which must hold verified weights: the
+    periodic snapshots fall on check steps (each is taken after its step's check passed)."""
+    n = r.sdc_interval
+    if n < 0:
+        return [f"resilience.sdc_interval must be >= 0 (0: off), got {n}"]
+    if n == 0:
+        return ["resilience.sdc_exclude needs resilience.sdc_interval > 0"] if r.sdc_exclude else []
+    sources = [("checkpoint.snapshot_interval", c.snapshot_interval)]
+    if c.enabled and isinstance(c.interval, int):
+        sources.append(("checkpoint.interval", c.interval))
+    on = [(key, v) for key, v in sources if v > 0]
+    if not on:
+        return [
+            f"resilience.sdc_interval {n} needs a snapshot to roll back to: set checkpoint.snapshot_interval (the "
+            f"memory tier) or checkpoint.interval to a multiple of {n}; without one a finding could only stop the "
+            "run, the corrupted weights kept"
+        ]
+    return [
+        f"{key} {v} must be a multiple of resilience.sdc_interval {n}: a snapshot between two checks could hold "
+        "corrupted weights that a rollback would restore"
+        for key, v in on
+        if v % n
+    ]
+
+
+def sdc_layout_problems(cfg: Config) -> list[str]:
+    """resilience.sdc_interval runs where it is tested (tests/e2e/test_sdc.py): one process and every data-parallel
+    mode (ddp, zero1, zero2, fsdp, hsdp)."""
+    p = cfg.parallel
+    if cfg.resilience.sdc_interval <= 0:
+        return []
+    untested = [f"parallel.{k} {getattr(p, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(p, k) > 1]
+    if cfg.fault_tolerance.enabled:
+        untested.append("fault_tolerance.enabled")
+    if not untested:
+        return []
+    return [
+        f"resilience.sdc_interval is tested with data parallelism only (ddp, zero1, zero2, fsdp, hsdp), not with "
+        f"{', '.join(untested)}: use one of those layouts, or resilience.sdc_interval 0"
+    ]

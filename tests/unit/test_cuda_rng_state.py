@@ -64,7 +64,7 @@ def test_the_cuda_rng_state_round_trips_through_a_dcp_checkpoint(tmp_path, fake_
 def test_nproc_above_the_gpu_count_is_refused_before_launch(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "gpu_count", lambda: 1)
     monkeypatch.setattr(validate_module, "cuda_available", lambda: True)
-    monkeypatch.setattr(validate_module, "_fits_in_memory", lambda *a: [])  # no device to ask
+    monkeypatch.setattr(validate_module, "fits_in_memory_problems", lambda *a: [])  # no device to ask
     monkeypatch.setattr(cli, "uses_cuda", lambda device: device in ("cuda", "auto"))
     launched = []
     monkeypatch.setattr(cli, "launch_local", lambda *a, **k: launched.append(a) or 0)

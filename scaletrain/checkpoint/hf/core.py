@@ -343,3 +343,20 @@ def verify_with_transformers(model: Transformer, out: Path, atol: float = 1e-5) 
     if diff > atol:
         raise UserError(f"exported model's logits differ from ours by {diff:.2e} (> {atol}); export is wrong")
     return diff
+
+
+def init_from_problems(init_from: str) -> list[str]:
+    """model.init_from: a Hugging Face directory that would import as the model it holds, checked before launch, not
+    at the first rank's build."""
+    if not init_from:
+        return []
+    hf = Path(init_from[3:])
+    if not init_from.startswith("hf:"):
+        return [
+            f"model.init_from '{init_from}' is not understood; write hf:DIR for a Hugging Face Llama directory"
+        ]
+    if not (hf / "config.json").is_file() or not any(hf.glob("*.safetensors")):
+        return [
+            f"model.init_from: '{hf}' needs config.json and .safetensors weights (pickle files are never loaded)"
+        ]
+    return hf_dir_problems(hf)

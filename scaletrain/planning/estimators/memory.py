@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
-from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
+import torch
+
+from scaletrain.config import Config, MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.errors import ConfigError
+from scaletrain.hardware import uses_cuda
 from scaletrain.models.attention import max_logits_bytes
 from scaletrain.models.init import WHOLE_PARAM_COPIES
 from scaletrain.models.llama import ModelArgs
@@ -388,3 +392,36 @@ def _more_ranks(p: ParallelConfig, t: TrainingConfig, world_size: int, device_by
         if e is not None and e["total"] <= device_bytes:
             return f"more devices: fsdp over {world_size * k} ranks with --training.micro_batch 1 ({e['total'] / GiB:.1f} GiB)"
     return "more devices or a smaller model.preset: not even fsdp over 64x the ranks fits"
+
+
+def fits_in_memory_problems(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
+    """Refuse a layout whose fullest rank cannot hold its share of the model (ZeRO sharding, tp and pp splits),
+    its activations at the configured micro-batch and the logits, instead of dying in the allocator minutes later;
+    the message says by how much and which knob would fit (the estimate: per_rank_bytes)."""
+    have, where, overhead = device_memory(cfg, layout.world_size)
+    problem = memory_problem(
+        args,
+        cfg.parallel,
+        cfg.training,
+        cfg.data.seq_len,
+        layout.world_size,
+        device_bytes=have,
+        where=where,
+        local_batch=layout.local_batch,
+        overhead_bytes=overhead,
+        memory=cfg.memory,
+        precision=cfg.precision.compute,
+        qk_clip=cfg.optimizer.qk_clip > 0,
+    )
+    return [f"model.preset '{cfg.model.preset}': {problem}"] if problem else []
+
+
+def device_memory(cfg: Config, world_size: int) -> tuple[int, str, int]:
+    """(bytes one process may use, what they are, the framework overhead to count): a GPU's total memory, or on
+    CPU this process's share of the host memory (the node's processes share it)."""
+    cuda = uses_cuda(cfg.training.device)
+    if cuda:
+        return torch.cuda.get_device_properties(0).total_memory, "GPU", GPU_OVERHEAD_BYTES
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(local, 1), "host memory share", CPU_OVERHEAD_BYTES
