@@ -535,8 +535,8 @@ def parse_batch_ramp(spec: str) -> tuple[int, int]:
 
 
 # Keys that moved, old dotted name -> new: a run saved before the move resumes with its values under the new names
-# (config_io.with_defaults, RunDir.saved_config), and a config or override that still uses an old name is refused
-# with the new one (config_io's unknown-key message).
+# (config/io.py with_defaults, RunDir.saved_config), and a config or override that still uses an old name is refused
+# with the new one (config/io.py's unknown-key message).
 RENAMED_KEYS: dict[str, str] = {
     "training.precision": "precision.compute",
     "training.mixed_precision": "precision.mechanism",

@@ -1,6 +1,6 @@
 """`scaletrain plan --calibrate` (run_calibrate): measure this CPU for the planner — matmul rates at a few shapes (fp32, bf16), the
 time of a real block's forward and backward, AdamW's pass over memory, gloo collectives over N local ranks, and a
-process's memory before the model — and save the profile (planner/hardware.py) that later plans use."""
+process's memory before the model — and save the profile (planning/estimators/hardware.py) that later plans use."""
 
 from __future__ import annotations
 

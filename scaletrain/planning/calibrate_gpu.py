@@ -1,6 +1,6 @@
 """`scaletrain plan --calibrate` on a GPU host: measure the local GPUs for the planner — matmul rates at
 transformer-sized shapes (bf16, fp32), HBM bandwidth through AdamW's pass, and NCCL all-reduce over the local GPUs —
-and save a profile of the GPU's kind: its datasheet profile (planner/hardware.py) with the measured figures in
+and save a profile of the GPU's kind: its datasheet profile (planning/estimators/hardware.py) with the measured figures in
 place of the stated fractions. Links between nodes cannot be measured from one node and keep the datasheet's.
 
 The same code runs on a CPU (gloo, small shapes), which is how CI tests it; only the GPU gives figures to plan by."""

@@ -1,6 +1,6 @@
 """What `scaletrain plan`, `train --dry-run` and `--parallel.auto` do, for cli.py to call: the search over layouts,
 the estimate of one layout, and the layout parallel.auto applies before validation (`plan --calibrate` is
-plan/calibrate.py's run_calibrate). The estimators they call are in scaletrain/planning/estimators/."""
+calibrate.py's run_calibrate). The estimators they call are in scaletrain/planning/estimators/."""
 
 from __future__ import annotations
 

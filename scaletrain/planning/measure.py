@@ -1,4 +1,4 @@
-"""Measurements both calibrations share (a CPU's, plan/calibrate.py, and a GPU host's, plan/calibrate_gpu.py): a
+"""Measurements both calibrations share (a CPU's, calibrate.py, and a GPU host's, calibrate_gpu.py): a
 least-squares line, the matmul rate and AdamW's pass over memory; a CPU's autocast casts."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def measure_cast(shapes: tuple[tuple[int, int, int], ...] = CAST_SHAPES) -> tupl
     """(seconds per cast call, bytes/s) of autocast's casts on this CPU: what an fp32 Linear under bf16 autocast
     takes beyond the same Linear on bf16 tensors (its weight's and input's casts, and whatever per-call work
     autocast adds), fitted to 2 t0 + bytes / bw with 6 bytes per element cast (read 4, write 2). Slope 0 (noise):
-    bandwidth 0, the profile's memory bandwidth in its place (planner/time.cast_rate)."""
+    bandwidth 0, the profile's memory bandwidth in its place (estimators/time.cast_rate)."""
     xs, ys = [], []
     for m, k, n in shapes:
         linear, x = torch.nn.Linear(k, n, bias=False), torch.randn(m, k)

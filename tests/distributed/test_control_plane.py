@@ -43,7 +43,7 @@ def _watch(found: list[str]) -> None:
             where = ours[-1].filename.split("/scaletrain/")[-1] if ours else ""
             # The world group explicitly is still wrong for the control plane (checkpoints, resilience, the run
             # directory, the loop): their tensors are on the CPU, which the world's NCCL backend cannot carry.
-            control = where.startswith(("checkpoint/", "resilience/", "rundir", "train.py"))
+            control = where.startswith(("checkpoint/", "resilience/", "run/", "train.py"))
             if ours and (group is None or (group is dist.group.WORLD and control)):
                 found.append(f"{_name} from {where}:{ours[-1].lineno}")
             return _fn(*args, **kwargs)

@@ -1,5 +1,5 @@
 """Device profiles for the planner: the GPUs we plan for, from the hardware table (scaletrain/hardware.py) and a CPU
-profile measured on this machine by `scaletrain plan --calibrate` (plan/calibrate.py), saved as JSON."""
+profile measured on this machine by `scaletrain plan --calibrate` (planning/calibrate.py), saved as JSON."""
 
 from __future__ import annotations
 
@@ -74,12 +74,12 @@ class DeviceProfile:
     selective_share: float = (
         0.0  # share of the element-wise forward selective recompute re-runs (0: the model's)
     )
-    # A cast of fp32 to 16 bits (autocast's, planner/time.py CAST_BYTES): seconds per call and bytes/s, measured by
+    # A cast of fp32 to 16 bits (autocast's, estimators/time.py CAST_BYTES): seconds per call and bytes/s, measured by
     # a CPU's calibration; 0 where not measured (a GPU, a CPU profile saved before it): the memory bandwidth's.
     cast_t0_s: float = 0.0
     cast_bw: float = 0.0
     # Why the calibration's machine was busy ("" when it was not): its figures are then a share of the cores, and
-    # every plan that uses the profile says so (plan/calibrate.busy_reason).
+    # every plan that uses the profile says so (planning/calibrate.busy_reason).
     busy: str = ""
     cores: int = 0  # CPU cores shared by the local processes (0: a GPU, one device per process)
     threads: int = (

@@ -199,7 +199,7 @@ def _block_times(
 
 
 def cast_rate(profile: DeviceProfile) -> tuple[float, float]:
-    """(seconds per cast call, bytes/s) of a cast to 16 bits: calibrated on a CPU (plan/measure.measure_cast);
+    """(seconds per cast call, bytes/s) of a cast to 16 bits: calibrated on a CPU (planning/measure.measure_cast);
     a profile without it (a GPU's, a CPU profile saved before the measurement) casts at its memory bandwidth with
     no fixed cost."""
     return profile.cast_t0_s, profile.cast_bw or profile.memory_bw
