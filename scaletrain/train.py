@@ -24,8 +24,7 @@ from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
 from scaletrain.data.ramp import BatchRamp
 from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
 from scaletrain.models import Transformer, build_meta_model, count_parameters, resolve_model_args
-from scaletrain.optim.optimizers import Optimizers, RoutingBias, optimizer_builder
-from scaletrain.optim.qk_clip import QKClip
+from scaletrain.optim.optimizers import Optimizers
 from scaletrain.parallel import DistEnv, ParallelDims, init_distributed
 from scaletrain.parallel.layout import Layout, updates_each_replica
 from scaletrain.parallel.mesh import all_reduce_mean, broadcast_object, main_first, setup_process
@@ -202,14 +201,11 @@ def build_core(
     and the tests that train a layout call this, so that what they check is what runs. `precision` None: fp32.
     `init_seed`: `model` is on meta and each rank materialises only its share (parallelize); None: materialised.
     `ramp`: training.batch_ramp's batches, which the LR schedule then counts in tokens; None: no ramp."""
-    n_experts = model.args.n_experts
+    args = model.args
     pm = parallelize(model, dims, parallel, device=device, n_microbatches=n_microbatches, memory=memory,
                      compile=training.compile, precision=precision, init_seed=init_seed)  # fmt: skip
-    dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, MoE load summed
-    make_optimizer = optimizer_builder(optimizer, parallel.data_parallel, dp_cp, device)
-    bias = RoutingBias.for_model(pm.parts, n_experts, routing_bias_rate, dp_cp)  # MoE balancing
-    clip = QKClip.for_model(pm.parts, model.args, optimizer.qk_clip, dims, device)  # optimizer.qk_clip
-    optimizers = Optimizers(pm.parts, make_optimizer, optimizer, training.steps, bias, ramp, clip)
+    optimizers = Optimizers.for_model(pm.parts, args, optimizer, parallel.data_parallel, dims, device,
+                                      training.steps, routing_bias_rate, ramp)  # fmt: skip
     runner = build_step_runner(pm, dims, parallel, training, device, eod, precision)
     return pm, optimizers, runner
 

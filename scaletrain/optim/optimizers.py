@@ -24,9 +24,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from scaletrain.config import OptimizerConfig
 from scaletrain.data.ramp import BatchRamp
+from scaletrain.models.llama import ModelArgs
 from scaletrain.models.moe import MoE
 from scaletrain.optim.muon import MUON_KEYS, Muon, hidden_matrices
 from scaletrain.optim.qk_clip import QKClip
+from scaletrain.parallel.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +243,27 @@ class Optimizers(Stateful):
         self.optimizers = [build(part) for part in parts]
         self.schedulers = [build_lr_scheduler(o, cfg, total_steps, ramp) for o in self.optimizers]
         self.routing_bias = routing_bias
+
+    @classmethod
+    def for_model(
+        cls,
+        parts: list[nn.Module],
+        args: ModelArgs,
+        cfg: OptimizerConfig,
+        data_parallel: str,
+        dims: ParallelDims,
+        device: torch.device,
+        total_steps: int,
+        routing_bias_rate: float = 0.0,
+        ramp: BatchRamp | None = None,
+    ) -> Optimizers:
+        """The optimizers of a parallelised model's `parts` as every run builds them: AdamW or Muon (ZeRO-1's sharded
+        over the data-parallel ranks), the MoE routing-bias update and QK-clip where they are on."""
+        dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: optimizer shards, MoE load summed
+        make_optimizer = optimizer_builder(cfg, data_parallel, dp_cp, device)
+        bias = RoutingBias.for_model(parts, args.n_experts, routing_bias_rate, dp_cp)  # MoE balancing
+        clip = QKClip.for_model(parts, args, cfg.qk_clip, dims, device)  # optimizer.qk_clip
+        return cls(parts, make_optimizer, cfg, total_steps, bias, ramp, clip)
 
     @property
     def lr(self) -> float:
