@@ -36,7 +36,7 @@ from scaletrain.resilience.fault_tolerance import NoReplicaGroup, ReplicaGroup
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.goodput import final_goodput
 from scaletrain.resilience.guard import Guard
-from scaletrain.resilience.membership import RankLease, node_of_each_rank
+from scaletrain.resilience.membership import RankLease, host_of_each_rank, node_of_each_rank
 from scaletrain.resilience.preemption import Preemption
 from scaletrain.resilience.timelimit import JobLimits
 from scaletrain.run.directory import RunDir, open_run_dir
@@ -258,8 +258,10 @@ def build(cfg: Config) -> Job:
     state = dict(model=ModelState(pm.parts), optimizer=optimizers, data=LoaderState(loader), train=train_state,
                  **runner.resumable(), **moe.resumable(), comm=pm.comm)  # fmt: skip
     described = dims.describe(cfg.parallel)
+    nodes = node_of_each_rank(dims.control)  # address and ranks of each node: start event, replicas
     ckpt = build_checkpointing(fault_tolerance.group_checkpoint(cfg.checkpoint), run, run_id, state, env,
-                               dims.control, described, writer.event, start_over=cfg.run.start_over)  # fmt: skip
+                               dims.control, described, writer.event, start_over=cfg.run.start_over,
+                               hosts=host_of_each_rank(nodes))  # fmt: skip
 
     # -- Resilience: faults attach where each failure happens (loader, output layer, storage writer, commit).
     faults = None
@@ -287,7 +289,7 @@ def build(cfg: Config) -> Job:
     ft = fault_tolerance.replica_group(cfg.fault_tolerance, env, held, writer.event, cfg.training.steps)
     info = dict(world_size=env.world_size, precision=cfg.precision.compute, device=env.device.type, layout=described,
                 parameters=n_params["total"], peak_flops_source=peak_source,
-                nodes=node_of_each_rank(dims.control), **batches.announce(cfg.training.batch_ramp),
+                nodes=nodes, **batches.announce(cfg.training.batch_ramp),
                 **ft.describe())  # fmt: skip
     return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe, ft, lease, evaluation)
 

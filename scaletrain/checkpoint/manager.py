@@ -448,13 +448,13 @@ class CheckpointManager:
 
     def _load_memory(self, step: int) -> int:
         self.memory.restore(step, self.state)
-        self.event(
-            "checkpoint_loaded",
-            step=step,
-            source="memory",
-            from_peer=bool(getattr(self.memory, "restored_from_peer", False)),
-            seconds=self.memory.last_restore_s,
-        )
+        hosts = self.memory.hosts
+        # Where each rank's state came from: its own node's memory, except these, which took their replica from
+        # another node (after a lost node: the survivors' memory).
+        peers = [{"rank": r, "node": hosts[r], "from_rank": h, "from_node": hosts[h]}
+                 for r, h in sorted(self.memory.restored_from.items())]  # fmt: skip
+        self.event("checkpoint_loaded", step=step, source="memory", from_peers=peers,
+                   seconds=self.memory.last_restore_s)  # fmt: skip
         log.info("resumed from the in-memory snapshot of step %d (%.2fs)", step, self.memory.last_restore_s)
         self._last_snapshot = step
         return self._loaded(step, "memory")
@@ -542,10 +542,12 @@ def build_checkpointing(
     layout: str,
     event: Callable[..., None],
     start_over: bool = False,
+    hosts: list[str] | None = None,
 ) -> CheckpointManager:
     """Both tiers for a run: storage (DCP, when checkpoint.enabled) and the in-memory snapshot tier (when
     checkpoint.snapshot_interval > 0). `group` is the CPU control group; memory snapshots and the saving decisions
-    use it, as they run in the training thread between steps. `start_over`: run.start_over."""
+    use it, as they run in the training thread between steps. `start_over`: run.start_over. `hosts`: each rank's node,
+    where the memory tier places each rank's replica on another."""
     memory = None
     if cfg.snapshot_interval > 0:
         memory = MemoryTier(
@@ -554,6 +556,7 @@ def build_checkpointing(
             group=group,
             max_bytes=cfg.snapshot_max_mb << 20,
             ttl_s=cfg.snapshot_ttl_hours * 3600,
+            hosts=hosts,
         )
     return CheckpointManager(
         cfg,

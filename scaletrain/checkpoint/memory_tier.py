@@ -1,13 +1,13 @@
 """In-memory checkpoint tier (Gemini, Wang et al. SOSP 2023): a cheap snapshot every few steps kept in node-local
-shared memory (/dev/shm, so it outlives a worker restart) and replicated to the next rank's slot over
-torch.distributed point-to-point (so it would cross nodes on a cluster): losing one worker, or one node, is
-recovered from memory instead of storage. Only safetensors and JSON are read back: nothing is ever unpickled.
+shared memory (/dev/shm, so it outlives a worker restart) and replicated over torch.distributed point-to-point to a
+rank on another node (replica_offset): losing one worker, or one whole node with its shared memory, is recovered from
+memory instead of storage. Only safetensors and JSON are read back: nothing is ever unpickled.
 
 Layout: <root>/<job_key>/rank<r>/step-NNNNNNNN/{tensors.safetensors, meta.json, COMPLETE} holds rank r's own
-snapshot and <root>/<job_key>/replica-of-<r-1>/... the copy of rank r-1's (mod W), both in rank r's slot family.
-A snapshot counts once its COMPLETE marker exists (written last, by rename); each slot keeps only the newest.
-Before a snapshot is restored its bytes are checked against the CRC32s taken when it was written; a copy that fails
-is deleted, so the ranks use its replica or else storage (docs/checkpointing.md has the measured cost).
+snapshot and <root>/<job_key>/replica-of-<r-k>/... the copy of rank r-k's (mod W, k the offset), both in rank r's
+slot family. A snapshot counts once its COMPLETE marker exists (written last, by rename); each slot keeps only the
+newest. Before a snapshot is restored its bytes are checked against the CRC32s taken when it was written; a copy that
+fails is deleted, so the ranks use its replica or else storage (docs/checkpointing.md has the measured cost).
 Shared memory is small in containers (Docker's default /dev/shm is 64 MiB): a snapshot that does not fit, or whose
 write fails, turns the tier off on every rank alike (SnapshotFailed) and training goes on with storage checkpoints.
 """
@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 import zlib
 from collections.abc import Iterator
@@ -72,6 +73,19 @@ def make_layout_key(world_size: int, layout: str) -> str:
     """What a snapshot must match to be restored: the world size and the parallel layout string. A snapshot of
     another layout holds other shards, so it is never used (storage, which reshards, is the fallback)."""
     return f"world={world_size}|{layout}"
+
+
+def replica_offset(hosts: list[str]) -> int:
+    """How far along the ranks each rank's replica goes (rank r's to rank r+k, mod W): the smallest k that puts every
+    rank's replica on another node than its own. torchrun numbers a node's ranks contiguously, so with L workers on
+    every node that is L (the plain ring, k = 1, would keep L-1 of each node's L replicas at home, and a dead node
+    would take both copies). 1 where there is one node, or where no offset separates every pair (nodes of unequal
+    sizes); the caller warns then."""
+    w = len(hosts)
+    for k in range(1, w):
+        if all(hosts[(r + k) % w] != hosts[r] for r in range(w)):
+            return k
+    return 1
 
 
 # -- flattening: nested dicts -> {"a/b/c": tensor} + {"a/b/d": JSON leaf} -------------------------------------------
@@ -272,7 +286,9 @@ class MemoryTier:
         max_bytes: int = 2048 << 20,
         root: str | os.PathLike | None = None,
         ttl_s: float = 0.0,
+        hosts: list[str] | None = None,
     ):
+        """`hosts`: each rank's node (the start event's node table); None: each rank's hostname, gathered here."""
         self.group = group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
@@ -280,12 +296,21 @@ class MemoryTier:
         self.max_bytes = max_bytes
         self.job_dir = private_dir(Path(root) if root is not None else default_root()) / job_key
         self.own = self.job_dir / f"rank{self.rank}"
-        self.prev = (self.rank - 1) % self.world_size  # whose replica this rank holds
-        self.next = (self.rank + 1) % self.world_size  # who holds this rank's replica
+        self.hosts = hosts if hosts is not None else self._gather_hosts()
+        self.offset = replica_offset(self.hosts)
+        self.prev = (self.rank - self.offset) % self.world_size  # whose replica this rank holds
+        self.next = (self.rank + self.offset) % self.world_size  # who holds this rank's replica
+        w, home = self.world_size, self.hosts
+        shared = [r for r in range(w) if home[(r + self.offset) % w] == home[r]] if len(set(home)) > 1 else []
+        if self.rank == 0 and shared:
+            log.warning("memory tier: nodes of unequal sizes (%s): the replicas of ranks %s share their owner's "
+                        "node, whose loss then sends the job to storage", home, shared)  # fmt: skip
         self.replica = self.job_dir / f"replica-of-{self.prev}" if self.world_size > 1 else None
         self.last_snapshot_s = 0.0
         self.last_restore_s = 0.0
         self.restored_from_peer = False
+        # The last restore's ranks that took their replica: {rank: the rank holding it}.
+        self.restored_from: dict[int, int] = {}
         self.closed = False
         self.off: str | None = None  # why the tier turned itself off (no room, a failed write); None: on
         self._checked: dict[
@@ -294,10 +319,29 @@ class MemoryTier:
         self._find_s = 0.0  # the last latest_complete_step()'s time (checksums included), part of a restore's
         if ttl_s > 0:
             remove_stale_jobs(self.job_dir.parent, ttl_s, keep=self.job_dir.name)
+        self._adopt_slots()
+
+    def _adopt_slots(self) -> None:
+        """After a re-formed job numbered the nodes otherwise (the rendezvous orders them by hostname, so a
+        replacement node can take the survivor's ranks), this node may hold this rank's snapshot as a replica, and
+        the replica it should hold as the own slot of a rank that now lives elsewhere: rename them into place. Each
+        rank moves only slots that no rank of this node claims, so no two ranks move the same one."""
+        if self.world_size == 1:
+            return
+        here = self.hosts[self.rank]
+        moves = []
+        if self.hosts[self.next] != here:  # replica-of-<rank> is nobody's here: my own copy, when it exists
+            moves.append((self.job_dir / f"replica-of-{self.rank}", self.own))
+        if self.hosts[self.prev] != here:  # rank<prev> is nobody's here: the replica I hold, when it exists
+            moves.append((self.job_dir / f"rank{self.prev}", self.replica))
+        for src, dst in moves:
+            if src.is_dir() and not dst.exists():
+                os.replace(src, dst)
+                log.info("memory tier: rank %d took over %s as %s", self.rank, src.name, dst.name)
 
     # -- snapshot ----------------------------------------------------------------------------------------------
     def snapshot(self, step: int, state: dict) -> bool:
-        """Snapshot every Stateful of `state` at `step` into this rank's slot and the next rank's replica slot;
+        """Snapshot every Stateful of `state` at `step` into this rank's slot and its replica on another node;
         keep only the newest complete one per slot. Returns False (on every rank) when some rank's own copy plus
         the replica it holds would exceed max_bytes: that snapshot is skipped with a warning. Raises SnapshotFailed
         (on every rank) when it does not fit in some node's free shared memory or a write fails: the new step's
@@ -372,7 +416,7 @@ class MemoryTier:
         return True
 
     def _replicate(self, step: int, d: Path) -> None:
-        """Ring: send my snapshot to rank r+1, receive rank r-1's into my replica slot. Sizes (and the checksum of
+        """Send my snapshot to rank r+k on another node, receive rank r-k's into my replica slot. Sizes (and the checksum of
         the metadata, which holds the others) first, then bytes: the replica is checked as the original is."""
         meta_b = (d / META).read_bytes()
         n = (d / TENSORS).stat().st_size
@@ -423,9 +467,9 @@ class MemoryTier:
         return self._all_gather([estimate, *node_room(self.job_dir.parent), _dir_bytes(self.job_dir)])
 
     def _held(self, sizes: list[int]) -> list[int]:
-        """What each rank keeps per snapshot: its own copy and the replica of the rank before it."""
+        """What each rank keeps per snapshot: its own copy and the replica it holds."""
         w = self.world_size
-        return [sizes[r] + (sizes[(r - 1) % w] if w > 1 else 0) for r in range(w)]
+        return [sizes[r] + (sizes[(r - self.offset) % w] if w > 1 else 0) for r in range(w)]
 
     def _shortfall(self, table: torch.Tensor, copies: int) -> str | None:
         rows = table.tolist()
@@ -481,7 +525,7 @@ class MemoryTier:
         return sorted(found, reverse=True)[:_KEEP_STEPS]
 
     def latest_complete_step(self, layout_key: str | None = None) -> int | None:
-        """The newest step every rank can restore intact, from its own slot or else from the replica its next rank
+        """The newest step every rank can restore intact, from its own slot or else from the replica another node
         holds; None when there is none in this layout (the caller then loads from storage). The copies it counts on
         are checked against their checksums here, so a damaged one sends the ranks to its replica or to storage."""
         assert not self.closed, "memory tier used after close()"
@@ -496,7 +540,7 @@ class MemoryTier:
         for r in range(self.world_size):
             mine = set(table[r, :_KEEP_STEPS].tolist())
             if self.world_size > 1:
-                mine |= set(table[(r + 1) % self.world_size, _KEEP_STEPS:].tolist())
+                mine |= set(table[(r + self.offset) % self.world_size, _KEEP_STEPS:].tolist())
             avail.append(mine - {-1})
         # Every rank walks the same candidates (from the gathered table), so the collectives inside line up.
         found = None
@@ -509,14 +553,14 @@ class MemoryTier:
 
     def _intact_everywhere(self, step: int, have_own: bool, have_held: bool) -> bool:
         """Whether every rank has an intact copy of `step`: each checks its own, and only for a rank whose own copy
-        failed does the next rank check the replica it holds (a replica costs a checksum pass only when needed)."""
+        failed does the rank holding its replica check it (a replica costs a checksum pass only when needed)."""
         ok = have_own and self._intact(_step_dir(self.own, step))
         oks = self._all_gather([int(ok)])[:, 0].tolist()
         if all(oks) or self.world_size == 1:
             return all(oks)
         held_ok = not oks[self.prev] and have_held and self._intact(_step_dir(self.replica, step))
         helds = self._all_gather([int(held_ok)])[:, 0].tolist()
-        return all(oks[r] or helds[(r + 1) % self.world_size] for r in range(self.world_size))
+        return all(oks[r] or helds[(r + self.offset) % self.world_size] for r in range(self.world_size))
 
     def _intact(self, d: Path) -> bool:
         """Whether the snapshot in `d` passes its checksums. One that fails is deleted, which turns a damaged copy
@@ -549,6 +593,7 @@ class MemoryTier:
             if missing:  # raised on every rank alike, so none is left waiting in a collective
                 raise FileNotFoundError(f"memory tier: no intact copy of step {step} for ranks {missing}")
         self.restored_from_peer = bool(need[self.rank])
+        self.restored_from = {r: (r + self.offset) % self.world_size for r, n in enumerate(need) if n}
         tensors = load_file(d / TENSORS)
         leaves = dict(meta["leaves"])
         errors: list[str] = []
@@ -576,7 +621,7 @@ class MemoryTier:
         return meta if ok and self._intact(d) else None
 
     def _fetch_from_peer(self, step: int, need: list[int]) -> None:
-        """Ranks r with need[r] receive their snapshot of `step` from rank r+1's replica slot into their own slot:
+        """Ranks r with need[r] receive their snapshot of `step` from the replica slot of the rank holding it:
         a header (found, meta bytes, tensor bytes, meta checksum) first, then the bytes. Only a replica that passes
         its checksums is sent; the receiver checks its copy again before loading it."""
         if self.world_size == 1:
@@ -611,12 +656,8 @@ class MemoryTier:
             (d / META).write_bytes(recvs[0][0].numpy().tobytes())
             del recvs
             _write_marker(d / COMPLETE, {"step": step, "bytes": n, "meta_crc32": meta_crc})
-            log.warning(
-                "memory tier: rank %d restored its snapshot of step %d from rank %d's replica",
-                self.rank,
-                step,
-                self.next,
-            )
+            log.warning("memory tier: rank %d restored its snapshot of step %d from the replica of rank %d on %s",
+                        self.rank, step, self.next, self.hosts[self.next])  # fmt: skip
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
     def bytes_used(self) -> int:
@@ -637,6 +678,13 @@ class MemoryTier:
         self.closed = True
 
     # -- communication -----------------------------------------------------------------------------------------
+    def _gather_hosts(self) -> list[str]:
+        hosts = [socket.gethostname()]
+        if self.group is not None and self.world_size > 1:
+            hosts = [""] * self.world_size
+            dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+        return hosts
+
     def _all_gather(self, values: list[int]) -> torch.Tensor:
         mine = torch.tensor(values, dtype=torch.int64)
         if self.group is None or self.world_size == 1:

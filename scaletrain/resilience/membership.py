@@ -79,6 +79,12 @@ def node_of_each_rank(group: dist.ProcessGroup | None) -> dict[str, dict]:
     return table
 
 
+def host_of_each_rank(nodes: dict[str, dict]) -> list[str]:
+    """The node table (node_of_each_rank) as each rank's hostname, in rank order."""
+    by_rank = {rank: host for host, row in nodes.items() for rank in row["ranks"]}
+    return [by_rank[rank] for rank in sorted(by_rank)]
+
+
 def cluster_address() -> str:
     """This host's address on the route to the rendezvous host (MASTER_ADDR): its address on the cluster network,
     as the peers' sockets see it. A UDP connect sends nothing; it only picks the route."""

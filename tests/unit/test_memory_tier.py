@@ -17,6 +17,7 @@ from scaletrain.checkpoint.memory_tier import (
     flatten_state,
     job_key,
     make_layout_key,
+    replica_offset,
     unflatten_state,
 )
 from tests.fixtures import flip_bit, tiny
@@ -283,3 +284,13 @@ def test_snapshots_of_jobs_idle_past_the_ttl_are_removed_when_a_tier_opens(tmp_p
     MemoryTier("live", LAYOUT, root=tmp_path / "shm", ttl_s=3600)
     MemoryTier("other", LAYOUT, root=tmp_path / "shm", ttl_s=0)
     assert live.latest_complete_step() == 1
+
+
+def test_replica_offset_puts_every_replica_on_another_node():
+    """torchrun numbers a node's ranks contiguously: with L workers a node the replica goes L ranks on (the ring,
+    1, where there is one node or where no offset separates every rank from its replica)."""
+    assert replica_offset(["a", "a", "b", "b"]) == 2
+    assert replica_offset(["a"] * 4 + ["b"] * 4 + ["c"] * 4) == 4
+    assert replica_offset(["a", "b", "a", "b"]) == 1
+    assert replica_offset(["a", "a", "a"]) == replica_offset(["a"]) == 1
+    assert replica_offset(["a", "a", "a", "b"]) == 1  # unequal nodes: no offset works (MemoryTier warns)
