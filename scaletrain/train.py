@@ -220,9 +220,8 @@ def build(cfg: Config) -> Job:
     dims.build_mesh(env.device.type)
     first = partial(main_first, env.is_main, dims.control)  # rank 0 first, then the others
     run, run_id = open_run_dir(to_dict(cfg), env.is_main, partial(broadcast_object, group=dims.control))
-    lease = RankLease(
-        run.path, fault_tolerance.global_rank(env.rank, env.world_size)
-    )  # one live process a rank
+    rank = fault_tolerance.global_rank(env.rank, env.world_size)  # over all replica groups
+    lease = RankLease(run.path, rank)  # one live process a rank
     writer = MetricsWriter(run.path, env.is_main, cfg.metrics.tensorboard, cfg.metrics.wandb_project)
 
     # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
@@ -264,11 +263,8 @@ def build(cfg: Config) -> Job:
                                hosts=host_of_each_rank(nodes))  # fmt: skip
 
     # -- Resilience: faults attach where each failure happens (loader, output layer, storage writer, commit).
-    faults = None
-    if cfg.resilience.inject:
-        rank = fault_tolerance.global_rank(env.rank, env.world_size)  # over all replica groups
-        faults = FaultInjector(cfg.resilience.inject, rank, run.path, writer.event if env.is_main else None)  # fmt: skip
-        loader = faults.attach(loader, pm.parts, ckpt, vocab_size=args.vocab_size)
+    faults, loader = FaultInjector.for_job(cfg.resilience.inject, rank, run.path, writer.event if env.is_main else None,
+                                           loader, pm.parts, ckpt, args.vocab_size)  # fmt: skip
     guard = Guard(cfg.resilience, run.path, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
                   faults, parts=pm.parts,
                   updates_each_replica=updates_each_replica(cfg.parallel.data_parallel))  # fmt: skip

@@ -160,6 +160,25 @@ class FaultInjector:
         # slow fault -> whether this process slows, decided at its first due step (False: an earlier run fired it).
         self._slowing: dict[str, bool] = {}
 
+    @classmethod
+    def for_job(
+        cls,
+        specs: list[FaultConfig],
+        rank: int,
+        run_dir: Path,
+        event: Callable[..., None] | None,
+        loader: Any,
+        parts: list[nn.Module],
+        ckpt: Any,
+        vocab_size: int,
+    ) -> tuple[FaultInjector | None, Any]:
+        """The injector of resilience.inject attached at setup (attach), and the loader to train from; without
+        faults: (None, the loader as it is)."""
+        if not specs:
+            return None, loader
+        faults = cls(specs, rank, run_dir, event)
+        return faults, faults.attach(loader, parts, ckpt, vocab_size=vocab_size)
+
     def _due(self, kinds: tuple[str, ...], step: int) -> list[FaultConfig]:
         return [s for s in self.specs if s.kind in kinds and s.step == step]
 
