@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-import scaletrain.validate as validate
+import scaletrain.planning.estimators.memory as estimated_memory
 from scaletrain.config import MemoryConfig, ModelConfig, ParallelConfig, TrainingConfig
 from scaletrain.errors import ConfigError
 from scaletrain.metrics.memory import saved_activation_bytes
@@ -163,7 +163,7 @@ def test_load_config_debug_passes_on_this_host():
 
 @pytest.fixture
 def gpus_of_80gib(monkeypatch):
-    monkeypatch.setattr(validate, "_device_memory", lambda cfg, world_size: (H100, "GPU", 2 * GiB))
+    monkeypatch.setattr(estimated_memory, "device_memory", lambda cfg, world_size: (H100, "GPU", 2 * GiB))
 
 
 def test_load_config_takes_sharded_8b_and_70b_and_refuses_ddp(gpus_of_80gib):

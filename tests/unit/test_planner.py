@@ -407,9 +407,9 @@ def test_8b_on_8_h100_plans_are_ranked_and_all_validate(monkeypatch):
     for p in plans:
         assert layout_problems(p.cfg, p.layout, ARGS_8B) == [] and p.memory["total"] <= 80 * GiB
     # The best plan passes the whole validation of load_config (on 80 GiB GPUs) as its overrides.
-    import scaletrain.validate as validate
+    import scaletrain.planning.estimators.memory as estimated_memory
 
-    monkeypatch.setattr(validate, "_device_memory", lambda cfg, world: (80 * GiB, "GPU", 2 * GiB))
+    monkeypatch.setattr(estimated_memory, "device_memory", lambda cfg, world: (80 * GiB, "GPU", 2 * GiB))
     base = [
         "--model.preset",
         "8B",
