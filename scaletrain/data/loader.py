@@ -1,5 +1,6 @@
 """Packed training sequences from prepared token shards: a weighted, seeded mixture over sources and a resumable,
-data-parallel batch loader whose global batches do not depend on the number of ranks.
+data-parallel batch loader whose global batches do not depend on the number of ranks; and the checks of data.*
+before launch (data_problems).
 """
 
 from __future__ import annotations

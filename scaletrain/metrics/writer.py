@@ -1,5 +1,5 @@
 """Rank 0's run records: `metrics.jsonl` (one line per logged step), `events.jsonl`, and the same metrics and
-events in TensorBoard and (metrics.wandb_project) Weights & Biases.
+events in TensorBoard and (metrics.wandb_project) Weights & Biases; the checks of metrics.* (metrics_problems).
 
 A record that cannot be written (a full disk, a quota, a W&B login missing) is dropped and counted, with one
 warning: the run's log must never end the run it logs, nor leave a half line that breaks the lines after it.

@@ -1,4 +1,5 @@
-"""Named model shapes, from a ~1M-parameter debug model to Llama 3.1 405B, and their resolution from config.
+"""Named model shapes, from a ~1M-parameter debug model to Llama 3.1 405B, their resolution from config, and the
+checks of model.* and moe.* as they resolve (model_problems, model_shape_problems, moe_problems; validate composes).
 
 Large presets are only ever built on the meta device (to count parameters); nothing here allocates them.
 """

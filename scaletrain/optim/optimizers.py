@@ -1,7 +1,7 @@
 """AdamW with decay only on matrices (whole, or ZeRO-1: its state sharded over the data-parallel ranks), the
 learning-rate schedules (warmup then cosine, linear, WSD, constant), the MoE routing-bias update (`RoutingBias`,
 DeepSeek-V3's auxiliary-loss-free balancing), and `Optimizers`: every part's optimizer and schedule, and the bias
-update, stepped together and checkpointed as one."""
+update, stepped together and checkpointed as one; optimizer_problems checks optimizer.* before launch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Offload to host memory: saved activations (torch.autograd.graph.save_on_cpu into pinned memory) and, through
 FSDP2's CPUOffloadPolicy, parameters, gradients and optimizer state with the optimizer step on the CPU
-(ZeRO-Offload, Ren et al. 2021). Only a CUDA device has a separate memory to offload from."""
+(ZeRO-Offload, Ren et al. 2021). Only a CUDA device has a separate memory to offload from. memory_problems checks
+memory.* (recompute's k too) before launch."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What keeps a step healthy: the hang watchdog, NaN and loss-spike checks with the rollback decision, straggler
 detection, silent-data-corruption checks (resilience/sdc.py), and the per-step hooks of fault injection. The loop
 calls `step_start`, `check`, `after_update`, `step_end`; restoring a snapshot is the checkpoint manager's
-(`load_latest`), deciding to is the guard's."""
+(`load_latest`), deciding to is the guard's. resilience_problems checks resilience.* before launch."""
 
 from __future__ import annotations
 
