@@ -18,7 +18,7 @@ from scaletrain.data import TokenShards, list_files, resolve_cache_dir, split_wi
 from scaletrain.data.prepare import Progress, prepare_source, to_stderr
 from scaletrain.errors import UserError
 from scaletrain.inference.loader import LoadedModel
-from scaletrain.models import Transformer, cross_entropy
+from scaletrain.models import Transformer
 from scaletrain.models.attention import document_ids
 
 
@@ -97,8 +97,7 @@ def mean_loss(
         x = torch.from_numpy(np.stack(rows)).to(device)
         inputs, targets = x[:, :-1], x[:, 1:]
         docs = document_ids(inputs, eod_id) if eod_id is not None else None
-        logits = model(inputs, document_ids=docs)
-        total += float(cross_entropy(logits, targets, reduction="sum").double())
+        total += float(model(inputs, document_ids=docs, targets=targets).double())
         count += targets.numel()
     loss = total / count
     return EvalResult(loss, math.exp(min(loss, 50.0)), count, n, seq_len)

@@ -20,6 +20,7 @@ from torch import nn
 
 from scaletrain.models.attention import AttentionKernel, attention_masks, document_positions, max_logits
 from scaletrain.models.init import trunc_normal
+from scaletrain.models.loss import output_loss
 from scaletrain.models.moe import MoE, is_moe_layer, moe_init_plan
 
 if TYPE_CHECKING:
@@ -245,12 +246,17 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens: [batch, seq] ids (or hidden states on a later pipeline stage). positions: token positions,
         [seq] or [batch, seq], for when a sequence is split (context parallel); default 0..seq-1. document_ids:
         [batch, seq] (`attention.document_ids`) for document masking: a token attends only within its document,
         and its RoPE position counts from the document's first token. cache: a `KVCache` for decoding: `tokens`
-        continue the sequence it holds (positions from cache.pos on), and their keys and values are added to it."""
+        continue the sequence it holds (positions from cache.pos on), and their keys and values are added to it.
+        targets: [batch, seq] next-token ids: the forward then returns the summed cross-entropy (fp32 scalar) instead
+        of the logits, computed in chunks that never hold the whole logits (`loss.output_loss`, issue 40). Inside
+        the forward, so FSDP2's root unit has the output weight gathered around it. A stage without the output
+        ignores them."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if document_ids is not None:
             assert positions is None, "document masking with split sequences (cp) is refused by validate"
@@ -272,7 +278,9 @@ class Transformer(nn.Module):
                 h = layer(h, cos, sin, masks=masks, kv=cache.layers[name])
             cache.advance(h.shape[1])
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if targets is None else output_loss(self.output, h, targets)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from scaletrain.config import MemoryConfig, ParallelConfig
-from scaletrain.models.loss import cross_entropy
+from scaletrain.models.loss import token_mean
 from scaletrain.parallel.comm import CommMeter, apply_comm_hook, count_fsdp
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.layout import fsdp_applies
@@ -127,7 +127,7 @@ def parallelize(
     # reported.
     comm = CommMeter(counted=not (dims.tp_enabled or dims.pp_enabled or dims.cp_enabled or dims.ep_enabled))
     mp_policy = precision.mp_policy() if precision is not None else None
-    loss_fn = precision.loss_fn(cross_entropy) if precision is not None else cross_entropy
+    loss_fn = precision.loss_fn(token_mean) if precision is not None else token_mean
 
     def per_stage(m: nn.Module) -> nn.Module:
         if precision is not None:

@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from scaletrain.models.llama import Transformer, logits_unmeasured
-from scaletrain.models.loss import cross_entropy
+from scaletrain.models.loss import token_mean
 
 log = logging.getLogger(__name__)
 
@@ -290,11 +290,15 @@ def pipeline_step(
             f"a batch of {inputs.shape[0]} sequences does not split into {n} equal micro-batches"
         )
     losses: list[torch.Tensor] | None = [] if is_last else None
+    # The last stage gets the targets twice: as a forward keyword, so its model computes the summed loss without
+    # the whole logits (`Transformer.forward(..., targets=)`, issue 40), and as the schedule's target, from which
+    # loss_fn takes the token count.
     schedule.step(
         *((inputs,) if is_first else ()),
         target=targets if is_last else None,
         losses=losses,
         return_outputs=False,
+        **({"targets": targets} if is_last else {}),
     )
     loss = torch.zeros((), dtype=torch.float32, device=inputs.device)
     if is_last:
@@ -375,10 +379,11 @@ class PipelineParts:
             for s in sorted(modules):
                 if s > 0 and owner[s - 1] != me:
                     h = _recv_activation(owner[s - 1], group, inputs.device)
+                if s == self.n_stages - 1:  # the summed loss, from the targets (no whole logits)
+                    total += modules[s](h, targets=y)
+                    continue
                 h = modules[s](h)
-                if s == self.n_stages - 1:
-                    total += cross_entropy(h, y, reduction="sum")
-                elif owner[s + 1] != me:
+                if owner[s + 1] != me:
                     sends += _send_activation(h, owner[s + 1], group)
         for work, _ in sends:
             work.wait()
@@ -401,7 +406,7 @@ def apply_pp(
     n_microbatches: int,
     virtual_stages: int = 2,
     device: torch.device,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_mean,
     parallelize_fn: Callable[[nn.Module], nn.Module] | None = None,
 ) -> PipelineParts:
     """Split `model` into this rank's stages and build the schedule. `parallelize_fn` (TP, recompute, FSDP) is applied

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletrain.config import ParallelConfig, PrecisionConfig, TrainingConfig
 from scaletrain.models.attention import document_ids
-from scaletrain.models.loss import cross_entropy
+from scaletrain.models.loss import token_mean
 from scaletrain.models.moe import set_aux_loss_scale
 from scaletrain.parallel.comm import CommMeter
 from scaletrain.parallel.context_parallel import cp_shard_batch
@@ -96,7 +96,7 @@ class StepRunner:
         self.clock.compute_start()
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             with self._grad_sync(model, last=i == n - 1), self.loss_context():
-                loss = cross_entropy(self._logits(model, x, positions), y)
+                loss = token_mean(self._loss_sum(model, x, y, positions), y)
                 if (
                     i == n - 1
                 ):  # the last backward's gradient collectives wait for the slowest peer: not busy time
@@ -128,8 +128,12 @@ class StepRunner:
             return inputs, targets, None
         return self.cp_shard(inputs, targets)
 
-    def _logits(self, model: nn.Module, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        kwargs = {}
+    def _loss_sum(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The summed token loss: the model computes it in its forward from the targets (models/loss.py's
+        `output_loss`, which never holds the whole logits)."""
+        kwargs = {"targets": y}
         if positions is not None:
             kwargs["positions"] = positions
         if self.eod_id is not None:
@@ -173,8 +177,7 @@ class StepRunner:
             with self.autocast:
                 return self.pipeline.eval_sum(inputs, targets)
         with self.loss_context():
-            logits = self._logits(self.parts[0], inputs, positions)
-            total = _local(cross_entropy(logits, targets, reduction="sum"))
+            total = _local(self._loss_sum(self.parts[0], inputs, targets, positions))
         return total, targets.numel()
 
 

@@ -15,7 +15,6 @@ from torch import nn
 from scaletrain.config import PrecisionConfig
 from scaletrain.models.attention import document_ids
 from scaletrain.models.llama import ModelArgs
-from scaletrain.models.loss import cross_entropy
 from scaletrain.precision._torchao import import_quietly, torchao_problem
 from scaletrain.precision.policy import Precision
 
@@ -141,7 +140,7 @@ def mean_loss(
     total, n = 0.0, 0
     for x, y in batches:
         kwargs = {"document_ids": document_ids(x, eod_id)} if eod_id is not None else {}
-        total += cross_entropy(model(x, **kwargs), y, reduction="sum").item()
+        total += model(x, targets=y, **kwargs).item()
         n += y.numel()
     model.train(was_training)
     return total / n

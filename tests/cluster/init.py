@@ -38,7 +38,9 @@ def main() -> None:
             signal.pause()
             continue
         if pid == child and args.status:
-            Path(args.status).write_text(str(os.waitstatus_to_exitcode(status)))
+            # Written aside and renamed: a reader that sees the file sees the whole status.
+            Path(args.status + ".tmp").write_text(str(os.waitstatus_to_exitcode(status)))
+            os.replace(args.status + ".tmp", args.status)
 
 
 if __name__ == "__main__":

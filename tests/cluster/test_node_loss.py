@@ -1,14 +1,17 @@
-"""A node lost whole, recovered from the other node's memory (issue 34, item 3), on simulated nodes
-(tests/cluster/nodes.py): 2 nodes x 2 workers, memory snapshots every 2 steps and no storage checkpoint yet. node1
-is killed with its /dev/shm and a replacement boots under the same name: the job must go on from the newest
-snapshot, which only node0's memory still holds (the replicas of node1's ranks), not start over."""
+"""A node lost whole (issue 34, item 3), on simulated nodes (tests/cluster/nodes.py), 2 nodes x 2 workers, memory
+snapshots every 2 steps. The drill: no storage checkpoint yet, node1 is killed with its /dev/shm and a replacement
+boots under the same name; the job must go on from the newest snapshot, which only node0's memory still holds (the
+replicas of node1's ranks), not start over. With --nnodes 1:2: node0 goes on alone, resharded from storage, and
+takes node1 back when it returns."""
 
 from __future__ import annotations
 
 import time
 
+import fsspec
 import pytest
 
+from scaletrain.checkpoint.integrity import committed_steps
 from tests.cluster.nodes import NODE_ENV, Cluster, problem, torchrun
 from tests.helpers import events, read_jsonl
 
@@ -31,6 +34,10 @@ def _wait(what, timeout: float, why: str):
     return value
 
 
+def logged(run, step: int) -> bool:
+    return step in [m["step"] for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
+
+
 def _or_none(what):
     try:
         return what()
@@ -45,8 +52,9 @@ def test_a_node_lost_whole_resumes_from_the_snapshot_in_the_other_nodes_memory(t
         node0, node1 = cluster.nodes
         for node in cluster.nodes:
             node.start(cmd, env=NODE_ENV, log=tmp_path / f"{node.hostname}.log")
-        _wait(lambda: [e for e in events(run, "memory_snapshot") if e["step"] >= 2 * SNAPSHOT], 180,
-              "no memory snapshot at step 4")  # fmt: skip
+        # Killed after the snapshot of step 4 and step 5: mid-interval, so that a step is (usually) trained again.
+        _wait(lambda: [e for e in events(run, "memory_snapshot") if e["step"] >= 2 * SNAPSHOT] and logged(run, 5),
+              180, "no memory snapshot at step 4 and step 5")  # fmt: skip
         killed = time.time()
         node1.kill()  # every process of node1 and its /dev/shm: node1's own snapshots and the replicas it held
         lost = _wait(lambda: events(run, "peer_lost"), 60, "no peer_lost event")
@@ -82,3 +90,57 @@ def test_a_node_lost_whole_resumes_from_the_snapshot_in_the_other_nodes_memory(t
     print(f"kill -> peer_lost {lost[0]['time'] - killed:.1f}s, -> resumed start {starts[1]['time'] - killed:.1f}s "
           f"(restore {loaded['seconds']:.3f}s), -> step {resumed + 1} done "
           f"{starts[1]['time'] + again[0]['step_time_s'] - killed:.1f}s; steps trained twice: {twice}")  # fmt: skip
+
+
+def test_with_nnodes_1_2_the_job_goes_on_alone_resharded_and_takes_the_node_back(tmp_path):
+    """--nnodes 1:2: node1 dies, node0 re-forms alone (2 ranks, resharded from the 4-rank storage checkpoint, the
+    same global batches); node1 comes back and is taken in (4 ranks again, resharded from what node0 saved alone).
+    Two slow faults let the test, not the machine's speed, decide when node1 dies and returns: the first job's rank 1
+    computes 4 times slower (node1 dies after step 5, long before step 9), and the job alone slows
+    from step 9 (after its checkpoint of step 8) until the agent stops it to take node1 in. A fault fires in one
+    job only. (Not a hang: a hung rank ignores the agent's SIGTERM, which then waits 30 s to SIGKILL it.)"""
+    run = tmp_path / "run"
+    faults = '[{kind="slow", rank=1, factor=4}, {kind="slow", rank=0, step=9, factor=10}]'
+    cmd = torchrun("1:2", 2, "--run.dir", str(run), *ARGS, "--checkpoint.interval", "4",
+                   f"--resilience.inject={faults}", max_restarts=2)  # fmt: skip
+    cmd[1:1] = ["--rdzv-conf", "last_call_timeout=1"]  # alone: form after 1 s, not the default 30 s
+
+    def committed(step: int) -> bool:  # read on disk: rank 0 reports a commit only at a later step
+        return step in committed_steps(fsspec.filesystem("file"), str(run / "checkpoints"))
+
+    with Cluster(2) as cluster:
+        node0, node1 = cluster.nodes
+        for node in cluster.nodes:
+            node.start(cmd, env=NODE_ENV, log=tmp_path / f"{node.hostname}.log")
+        _wait(lambda: committed(4) and logged(run, 5), 180, "no checkpoint of step 4 and step 5")
+        node1.kill()  # after step 5, which the job alone trains again
+        _wait(lambda: committed(8) and len(events(run, "start")) == 2, 120, "node0 alone did not save step 8")
+        node1.start(cmd, env=NODE_ENV, log=tmp_path / "node1-again.log")
+        assert node0.wait(180) == 0 and node1.wait(60) == 0
+
+    starts = events(run, "start")
+    loaded = [(e["step"], e["source"]) for e in events(run, "checkpoint_loaded")]
+    back = starts[2][
+        "step"
+    ]  # the newest checkpoint when node1 was taken in: 8, or the save on the agent's SIGTERM
+    assert [(s["step"], s["world_size"]) for s in starts] == [(0, 4), (4, 2), (back, 4)] and 8 <= back < STEPS
+    assert [sorted(s["nodes"]) for s in starts] == [["node0", "node1"], ["node0"], ["node0", "node1"]]
+    assert loaded == [(4, "storage"), (back, "storage")]  # the snapshots are of another world size
+    assert events(run, "end")[-1]["step"] == STEPS
+    # The same global batch in every phase (8 sequences of 64 tokens a step); a step trained in two world sizes
+    # (5, by 4 ranks and then by 2) gives the same loss to the equivalence contract's 1e-5.
+    records = [m for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
+    assert all(m["tokens"] == 512 * m["step"] for m in records)
+    steps = [m["step"] for m in records]
+    twice = sorted({s for s in steps if steps.count(s) == 2})
+    assert 5 in twice
+    assert sorted(set(steps)) == list(range(1, STEPS + 1)) and steps[-(STEPS - back) :] == list(
+        range(back + 1, STEPS + 1)
+    )
+    for step in twice:
+        a, b = [m["loss"] for m in records if m["step"] == step]
+        assert abs(a - b) <= 1e-5 * abs(a), (step, a, b)
+    print(
+        f"alone from step 4 for {starts[2]['time'] - starts[1]['time']:.1f}s, node1 taken in at step {back}; "
+        f"trained in two world sizes: {twice}"
+    )

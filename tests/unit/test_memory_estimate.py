@@ -195,10 +195,11 @@ def test_recompute_shrinks_the_activations_it_drops_and_adds_one_block_back(poli
 
 
 def test_recompute_is_offered_when_activations_do_not_fit():
-    # 8B at seq 16384 on 8 x 80 GiB under fsdp: activations, not state, overflow; full recompute fits.
+    # 8B at seq 16384 on 8 x 80 GiB under fsdp: activations, not state, overflow; recompute fits (selective since
+    # the loss holds one chunk of logits, not 16.8 GB of them: issue 40).
     args, fsdp = preset("8B", 16384), ParallelConfig(data_parallel="fsdp")
     msg = memory_problem(args, fsdp, BIG, 16384, 8, device_bytes=H100, precision=BF16)
-    assert msg is not None and "--memory.recompute full (" in msg
+    assert msg is not None and "--memory.recompute selective (" in msg
     assert (
         memory_problem(
             args,

@@ -15,6 +15,7 @@ from scaletrain.hardware import uses_cuda
 from scaletrain.models.attention import max_logits_bytes
 from scaletrain.models.init import WHOLE_PARAM_COPIES
 from scaletrain.models.llama import ModelArgs
+from scaletrain.models.loss import loss_activation_bytes
 from scaletrain.parallel.layout import Layout, resolve_microbatches
 from scaletrain.parallel.pipeline import (
     layers_per_stage,
@@ -246,8 +247,8 @@ def pp_rank_bytes(
         # QK-clip: its forwards measure the logits, one chunk of a layer's scores at a time (at the peak too).
         if qk_clip and layers:
             part["activations"] += max_logits_bytes(micro, args.n_heads // p.tp, int(seq_len / p.cp), elt)
-        # fp32 logits and the log-softmax saved for backward, split by vocabulary under tp (loss parallel).
-        part["logits"] = last * 2 * micro * (seq_len / p.cp) * args.vocab_size * 4 / p.tp
+        # fp32 logits, one chunk of tokens at a time (issue 40), split by vocabulary under tp (loss parallel).
+        part["logits"] = last * _logits_bytes(args, p, micro, seq_len)
         # DDP's gradients are views into its buckets (gradient_as_bucket_view): one bucket of scratch for the
         # all-reduce in flight, no larger than the gradients it holds. FSDP's reduce-scatter buffers are one
         # block's: counted in "gathered".
@@ -264,6 +265,13 @@ def pp_rank_bytes(
         part["total"] = max(sum(part[k] for k in PARTS), part["init"])
         out.append(part)
     return out
+
+
+def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int) -> float:
+    """The loss's peak on the last stage (models/loss.py's loss_activation_bytes): under sequence parallel its
+    chunks are whole sequences."""
+    sp_rows = seq_len if p.tp > 1 and p.sequence_parallel else 0
+    return loss_activation_bytes(micro * seq_len / p.cp, args.vocab_size, args.dim, p.tp, sp_rows)
 
 
 def root_unit_bytes(args: ModelArgs, tables: int, last: bool, tp: int, elt: int) -> float:
