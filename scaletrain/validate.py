@@ -40,6 +40,7 @@ from scaletrain.metrics.writer import wandb_problem
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.moe import is_moe_layer
 from scaletrain.models.presets import PRESETS, resolve_model_args
+from scaletrain.optim import adamw_implementation
 from scaletrain.parallel.layout import (
     Layout,
     attention_problems,
@@ -48,7 +49,13 @@ from scaletrain.parallel.layout import (
     rank_problems,
 )
 from scaletrain.parallel.offload import offload_problems
-from scaletrain.planner.memory import CPU_OVERHEAD_BYTES, GPU_OVERHEAD_BYTES, memory_problem
+from scaletrain.planner.memory import (
+    CPU_ESTIMATE_ERROR,
+    CPU_OVERHEAD_BYTES,
+    GPU_OVERHEAD_BYTES,
+    memory_problem,
+    per_rank_bytes,
+)
 from scaletrain.precision.policy import precision_problems
 from scaletrain.precision.qat import qat_problems
 from scaletrain.qk_clip import qk_clip_problems
@@ -562,6 +569,28 @@ def _run(r: RunConfig, c: CheckpointConfig) -> list[str]:
     return []
 
 
+def memory_estimate(cfg: Config, world_size: int) -> dict[str, float]:
+    """The estimate _fits_in_memory holds against this host or GPU: per_rank_bytes of the fullest rank, by part,
+    with the CPU's per-process terms where the workers run on this host (benchmarks/memory_matrix.py compares it
+    with the kernel's figures)."""
+    layout = Layout.of(cfg, world_size)
+    args = resolve_model_args(cfg.model, _tokenizer_vocab(cfg.data.tokenizer), cfg.data.seq_len, moe=cfg.moe)
+    _, _, overhead = _device_memory(cfg, world_size)
+    return per_rank_bytes(
+        args,
+        cfg.parallel,
+        cfg.training,
+        cfg.data.seq_len,
+        world_size,
+        local_batch=layout.local_batch,
+        overhead_bytes=overhead,
+        memory=cfg.memory,
+        precision=cfg.precision.compute,
+        qk_clip=cfg.optimizer.qk_clip > 0,
+        foreach_step=_foreach_step(cfg),
+    )
+
+
 def _fits_in_memory(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
     """Refuse a layout whose fullest rank cannot hold its share of the model (ZeRO sharding, tp and pp splits),
     its activations at the configured micro-batch and the logits, instead of dying in the allocator minutes later;
@@ -580,8 +609,16 @@ def _fits_in_memory(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
         memory=cfg.memory,
         precision=cfg.precision.compute,
         qk_clip=cfg.optimizer.qk_clip > 0,
+        foreach_step=_foreach_step(cfg),
+        error=0.0 if where == "GPU" else CPU_ESTIMATE_ERROR,  # measured on a CPU host only
     )
     return [f"model.preset '{cfg.model.preset}': {problem}"] if problem else []
+
+
+def _foreach_step(cfg: Config) -> bool:
+    """AdamW steps with its foreach kernels (what the memory check counts for the step: step_transient_bytes)."""
+    device = "cuda" if uses_cuda(cfg.training.device) else "cpu"
+    return adamw_implementation(cfg.optimizer.implementation, device) == "foreach"
 
 
 def _device_memory(cfg: Config, world_size: int) -> tuple[int, str, int]:
