@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-quick preflight lint bench clean compat compat-run gpu-wheels
+.PHONY: train test test-quick preflight lint bench clean compat compat-run gpu-wheels rehearse
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -40,6 +40,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
+
+# A launch rehearsed on NODES simulated nodes before an allocation is spent on it (root and iproute2; docs/launching.md,
+# Many nodes): CMD runs on every node, with {addr}, {node}, {hostname}, {head} and {is_host} filled in per node.
+NODES ?= 2
+rehearse: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m tests.cluster.nodes --nodes $(NODES) -- $(CMD)
 
 # What the GPU machine's image lacks, as wheels for benchmarks/gpu_check.sh to install without a network: carry
 # .gpu_wheels (git-ignored) with the command (docs/performance.md, GPU check). tomli-w is pure Python (7 KB);

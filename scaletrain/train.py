@@ -267,7 +267,7 @@ def build(cfg: Config) -> Job:
                                            loader, pm.parts, ckpt, args.vocab_size)  # fmt: skip
     guard = Guard(cfg.resilience, run.path, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
                   faults, parts=pm.parts,
-                  updates_each_replica=updates_each_replica(cfg.parallel.data_parallel))  # fmt: skip
+                  updates_each_replica=updates_each_replica(cfg.parallel.data_parallel), nodes=nodes)  # fmt: skip
     runner.clock = guard.clock  # the step brackets its compute for straggler detection (CUDA events on a GPU)
 
     # -- Metrics: the MFU peak is measured once per machine (rank 0 first, then cached).

@@ -21,6 +21,7 @@ NEEDS = (
     ("tc", "iproute2", "tests/cluster slows a node's link"),
     ("unshare", "util-linux", "tests/cluster gives each node its own hostname, /dev/shm and pids"),
     ("nsenter", "util-linux", "tests/cluster runs commands inside a simulated node"),
+    ("mount", "mount", "tests/cluster gives each node a /dev/shm and /etc/hosts of its own"),
     ("taskset", "util-linux", "tests/e2e/test_tools_user_form.py pins a process to one CPU"),
 )
 ALIASES = {"chromium": ("chromium", "chromium-browser")}

@@ -392,8 +392,8 @@ class ResilienceConfig:
     directory and aborts, so the agent restarts the job. 0: off."""
     straggler_factor: float = 0.0
     """Name a rank whose busy time per step (its own work: CPU time on CPU, wall time on GPU) exceeds this multiple of
-    the median (checked every straggler_interval steps).
-    0: off."""
+    the median (checked every straggler_interval steps), with its node; across two nodes or more, also a node whose
+    link takes this multiple of the other nodes' median to send a 4 MiB probe. 0: off."""
     straggler_interval: int = 10
     """Steps between straggler checks (per-rank busy times are gathered then)."""
     sdc_interval: int = 0

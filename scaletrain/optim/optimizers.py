@@ -47,9 +47,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
         for ps, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
         for part in _by_mesh(ps)
     ]
-    impl = cfg.implementation
-    if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+    impl = adamw_implementation(cfg.implementation, device.type)
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"}
     if cfg.name == "muon":
         return _build_muon(groups, hidden, cfg, kwargs)
@@ -111,6 +109,14 @@ def build_zero1_optimizer(
         100 * local / max(total, 1),
     )
     return opt
+
+
+def adamw_implementation(implementation: str, device_type: str) -> str:
+    """optimizer.implementation resolved on a device type: auto picks fused on CUDA and foreach elsewhere (the
+    memory check counts what foreach holds: planner.memory.step_transient_bytes)."""
+    if implementation == "auto":
+        return "fused" if device_type == "cuda" else "foreach"
+    return implementation
 
 
 def optimizer_builder(

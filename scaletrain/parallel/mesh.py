@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scaletrain.config import ParallelConfig
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.hardware import usable_cpus, uses_cuda
+from scaletrain.hardware import pin_mmap_threshold, usable_cpus, uses_cuda
 
 T = TypeVar("T")
 
@@ -72,6 +72,8 @@ def setup_process(env: DistEnv, threads: int, deterministic: bool) -> None:
         force=True,
     )
     torch.set_num_threads(threads or max(1, usable_cpus() // env.local_world_size))
+    if env.device.type == "cpu":
+        pin_mmap_threshold()  # freed tensors leave the resident set: the memory check's model (issue 35)
     if env.world_size == 1:
         # DCP warns on every single-process save and load that it assumes the intent is one process: it is.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

@@ -31,6 +31,7 @@ from scaletrain.planning.estimators.search import (
     device_bytes,
     estimate,
     format_table,
+    memory_error,
     no_plan_message,
     pick,
     search,
@@ -50,7 +51,7 @@ def plan_json(plan: Plan, profile: DeviceProfile) -> dict:
     out.update(
         device=profile.name,
         profile_source=profile.source,
-        fits=bool(plan.memory["total"] <= _have(plan, profile)),
+        fits=_fits(plan, profile),
         caveat=profile_caveat(profile),
     )
     out["device_memory_bytes"] = _have(plan, profile)
@@ -59,6 +60,11 @@ def plan_json(plan: Plan, profile: DeviceProfile) -> dict:
 
 def _have(plan: Plan, profile: DeviceProfile) -> int:
     return device_bytes(profile, plan.world_size)
+
+
+def _fits(plan: Plan, profile: DeviceProfile) -> bool:
+    """As the memory check decides: on a CPU the estimate must fit with its stated error to spare."""
+    return plan.memory["total"] * (1 + memory_error(profile)) <= _have(plan, profile)
 
 
 def describe_estimate(plan: Plan, profile: DeviceProfile) -> str:
@@ -78,7 +84,9 @@ def describe_estimate(plan: Plan, profile: DeviceProfile) -> str:
         )
         if t.get(k)
     )
-    fits = "fits" if m["total"] <= _have(plan, profile) else "DOES NOT FIT"
+    fits = "fits" if _fits(plan, profile) else "DOES NOT FIT"
+    if fits != "fits" and m["total"] <= _have(plan, profile):
+        fits += f" (within the estimate's {100 * memory_error(profile):.0f}% error of the limit)"
     caveat = profile_caveat(profile)
     return (
         f"estimate on {profile.name} ({profile.source}):\n"

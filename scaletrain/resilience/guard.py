@@ -21,7 +21,7 @@ from scaletrain.resilience.busy import BusyClock, clock_for
 from scaletrain.resilience.faults import FaultInjector, validate_specs
 from scaletrain.resilience.health import Decision, NanGuard, SpikeDetector
 from scaletrain.resilience.sdc import Finding, SdcCheck, exclude_hosts
-from scaletrain.resilience.straggler import StragglerMonitor
+from scaletrain.resilience.straggler import StragglerMonitor, describe
 from scaletrain.resilience.watchdog import Watchdog
 
 log = logging.getLogger("scaletrain")
@@ -40,6 +40,7 @@ class Guard:
         clock: BusyClock | None = None,
         parts: list[nn.Module] | None = None,
         updates_each_replica: bool = True,
+        nodes: dict[str, dict] | None = None,
     ):
         rank, device_type = env.rank, env.device.type
         self.cfg = cfg
@@ -53,7 +54,7 @@ class Guard:
         self.nan = NanGuard(cfg.nan_rollback_after) if cfg.nan_check else None
         self.spike = SpikeDetector(cfg.spike_window, cfg.spike_zscore) if cfg.spike_zscore > 0 else None
         self.straggler = (
-            StragglerMonitor(cfg.straggler_factor, cfg.straggler_interval)
+            StragglerMonitor(cfg.straggler_factor, cfg.straggler_interval, nodes)
             if cfg.straggler_factor > 0
             else None
         )
@@ -269,13 +270,7 @@ class Guard:
                 self.straggler.record(seconds)
             for s in self.straggler.check(step, self.group):
                 self.event("straggler", step=step, **s)
-                log.warning(
-                    "straggler: rank %d works %.3fs per step, %.1fx the median %.3fs",
-                    s["rank"],
-                    s["busy_s"],
-                    s["ratio"],
-                    s["median_s"],
-                )
+                log.warning(describe(s))
         if self.watchdog is not None:
             self.watchdog.step_finished()
         self.first_step = False

@@ -7,7 +7,8 @@ namespace, and the nodes' traffic never leaves the namespaces made here. Address
 
 Also a command, to rehearse a launch on N simulated nodes before spending an allocation on it (docs/launching.md):
     python -m tests.cluster.nodes --nodes 2 -- torchrun ... --local-addr {addr} ... -m scaletrain train ...
-`{addr}`, `{node}` (0, 1, ...), `{hostname}` and `{head}` (node 0's address) are filled in per node."""
+`{addr}`, `{node}` (0, 1, ...), `{hostname}`, `{head}` (node 0's address) and `{is_host}` (true on node 0, else
+false: torchrun's --rdzv-conf is_host) are filled in per node."""
 
 from __future__ import annotations
 
@@ -117,7 +118,13 @@ class Node:
         _ip("-n", self.cluster.bridge, "link", "set", self.port, "down")
 
     def mend(self) -> None:
+        """The link is whole again: up (after `cut`), at full rate (after `slow`)."""
         _ip("-n", self.cluster.bridge, "link", "set", self.port, "up")
+        # Not checked: it fails, harmlessly, where no rate was set.
+        subprocess.run(
+            ["ip", "netns", "exec", self.netns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+            capture_output=True,
+        )
 
     def slow(self, rate: str = "2mbit") -> None:
         """A slow link: a token bucket on the node's own end (egress), as a congested or degraded NIC."""
@@ -256,7 +263,8 @@ def main() -> int:
     with Cluster(args.nodes) as cluster:
         head = cluster.nodes[0].address
         for node in cluster.nodes:
-            fill = dict(addr=node.address, node=node.index, hostname=node.hostname, head=head)
+            fill = dict(addr=node.address, node=node.index, hostname=node.hostname, head=head,
+                        is_host=str(node.index == 0).lower())  # fmt: skip
             node.start([a.format(**fill) for a in cmd])
             print(f"{node.hostname}: {node.address}", flush=True)
         try:
@@ -281,9 +289,13 @@ def torchrun(
     max_restarts: int = 0,
     rdzv_id: str = "job",
     config: str = "configs/debug.toml",
+    endpoint: str = "node0:29400",
+    rdzv_conf: str = "",
 ) -> list[str]:
-    """`torchrun ... -m scaletrain train --config CONFIG ARGS` for one node of a simulated cluster."""
+    """`torchrun ... -m scaletrain train --config CONFIG ARGS` for one node of a simulated cluster (`rdzv_conf`:
+    torchrun's --rdzv-conf, e.g. "last_call_timeout=5")."""
+    conf = ["--rdzv-conf", rdzv_conf] if rdzv_conf else []
     return [str(Path(sys.executable).parent / "torchrun"), "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", rdzv_id,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, *conf, "--rdzv-id", rdzv_id,
             "--max-restarts", str(max_restarts), "-m", "scaletrain", "train", "--config", config,
             "--metrics.progress", "false", *train_args]  # fmt: skip

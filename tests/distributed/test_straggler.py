@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import FaultConfig
+from scaletrain.resilience import straggler
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.straggler import StragglerMonitor
 from tests.distributed.spawn import spawn
@@ -73,3 +74,36 @@ def test_one_process_returns_nothing_and_bad_settings_are_refused():
     assert monitor.check(1) == []
     with pytest.raises(ValueError, match="factor must be > 1"):
         StragglerMonitor(factor=1.0, interval=10)
+
+
+def _links(rank: int, world_size: int, out: str, slow_node: str) -> None:
+    # Each rank a node of its own but for "b", which holds two; the slow node's first rank waits before each probe it
+    # sends, as a slow link delays it (the receiver's clock runs from its request).
+    names = ["a", "b", "c", "d"][: world_size - 1]
+    ranks = {"a": [0], "b": [1, 2], "c": [3], "d": [4]}
+    nodes = {n: {"address": f"10.0.0.{i}", "ranks": ranks[n]} for i, n in enumerate(names)}
+    if rank == nodes[slow_node]["ranks"][0]:
+
+        def late(to, group):  # straggler._send_probes, 50 ms late with each probe
+            asked, probe = torch.empty(1), torch.zeros(straggler.LINK_PROBE_BYTES // 4)
+            for _ in range(straggler.LINK_PROBES):
+                dist.recv(asked, src=to, group=group, tag=straggler._ASK)
+                time.sleep(0.05)
+                dist.send(probe, dst=to, group=group, tag=straggler._PROBE)
+
+        straggler._send_probes = late
+    monitor = StragglerMonitor(factor=3.0, interval=1, nodes=nodes)
+    monitor.record(0.01)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(monitor.check(1, dist.group.WORLD)))
+
+
+@pytest.mark.parametrize(("world_size", "slow_node"), [(4, "c"), (5, "a")])
+def test_a_slow_link_names_its_node_and_ranks_on_every_rank(tmp_path, world_size, slow_node):
+    """3 nodes (three turns of the probe) and 4 (two), one of which sends late: every rank names that node and its
+    ranks, with the link as the cause; no link is named but its, no rank as slow in its own work."""
+    spawn(_links, world_size, str(tmp_path), slow_node)
+    ranks = {"a": [0], "b": [1, 2], "c": [3], "d": [4]}[slow_node]
+    for rank in range(world_size):
+        (found,) = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (found["cause"], found["node"], found["ranks"]) == ("link", slow_node, ranks)
+        assert found["link_s"] >= 0.05 and found["ratio"] > 3

@@ -1,6 +1,7 @@
 """Chaos tests: inject each failure into real CLI runs and check the outcome, not only that the job ran."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -51,6 +52,8 @@ def test_a_slowed_rank_is_named_in_lock_step_data_parallel(tmp_path):
     assert [e["step"] for e in named] == [6, 9] and all(e["rank"] == 1 and e["ratio"] > 2 for e in named), (
         named
     )
+    # Named with its node (one here: no link to time), from the table the start event records.
+    assert {(e["cause"], e["node"]) for e in named} == {("compute", socket.gethostname())}, named
 
 
 def test_nan_is_skipped_and_a_failing_save_loses_nothing(tmp_path):

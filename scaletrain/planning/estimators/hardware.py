@@ -11,6 +11,7 @@ from pathlib import Path
 
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import PLANNED_GPUS, GpuSpec, match_gpu, usable_cpus
+from scaletrain.planner.memory import CPU_OVERHEAD_BYTES
 
 GiB = 2**30
 GB = 10**9
@@ -176,7 +177,7 @@ DEFAULT_CPU = DeviceProfile(
     inter_bw=1e9,
     inter_latency=1e-4,
     devices_per_node=usable_cpus(),
-    overhead_bytes=400 * 2**20,
+    overhead_bytes=CPU_OVERHEAD_BYTES,  # the memory check's figure: one definition (issue 35)
     op_overhead_s=1e-3,
     step_overhead_s=5e-3,
     cores=usable_cpus(),

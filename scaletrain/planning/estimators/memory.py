@@ -10,12 +10,15 @@ import os
 import torch
 
 from scaletrain.config import Config, MemoryConfig, ParallelConfig, TrainingConfig
+from scaletrain.data.loader import tokenizer_vocab
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import uses_cuda
 from scaletrain.models.attention import max_logits_bytes
 from scaletrain.models.init import WHOLE_PARAM_COPIES
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.loss import loss_activation_bytes
+from scaletrain.models.presets import resolve_model_args
+from scaletrain.optim.optimizers import adamw_implementation
 from scaletrain.parallel.layout import Layout, resolve_microbatches
 from scaletrain.parallel.pipeline import (
     layers_per_stage,
@@ -33,6 +36,9 @@ GiB = 2**30
 # rough. (The planner takes this constant from the device profile; calibration measures it on a CPU.)
 GPU_OVERHEAD_BYTES = 2 * GiB
 CPU_OVERHEAD_BYTES = 320 * 2**20
+# The memory check's stated error on a CPU host: a layout whose estimate is within it of the host share is refused.
+# The worst case of benchmarks/memory_matrix.py measured below its estimate by at most this (docs/planner.md).
+CPU_ESTIMATE_ERROR = 0.10
 # fp32 AdamW (Rajbhandari et al. 2020, ZeRO): parameters 4 bytes, gradients 4, the moments m and v 8. Our bf16 and
 # fp16 keep exactly these (fp32 master weights, fp32 gradients after the reduce, fp32 moments): the 16-bit copies
 # are transients (autocast's weight cache, FSDP2's gathered parameters), counted in "gathered".
@@ -40,7 +46,17 @@ PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 # The ZeRO paper's mixed-precision Adam: fp16 parameters 2, fp16 gradients 2, and K = 12 bytes of fp32 master
 # weights, m and v: also 16 bytes per parameter in all, split differently (see model_state_bytes).
 ZERO_PAPER_BYTES = (2, 2, 12)
-PARTS = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits", "buckets", "overhead")
+PARTS = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "gathered",
+    "activations",
+    "logits",
+    "buckets",
+    "step",
+    "overhead",
+)
 
 
 def model_state_bytes(
@@ -173,15 +189,18 @@ def per_rank_bytes(
     memory: MemoryConfig | None = None,
     precision: str = "fp32",
     qk_clip: bool = False,
+    foreach_step: bool = False,
 ) -> dict[str, float]:
     """Bytes on the fullest rank, by part (PARTS) and "total"; with optimizer offload, "host" holds what moved to
     host memory (not in the total). `local_batch`: sequences per data-parallel rank per step (sets the pipeline
     micro-batches; None: pp of training.micro_batch each); `precision`: precision.compute; `qk_clip`:
-    optimizer.qk_clip is on (its forwards measure the logits). Raises ConfigError if the sizes do not tile
-    `world_size`, ValueError if the layers cannot fill the pipeline stages."""
+    optimizer.qk_clip is on (its forwards measure the logits); `foreach_step`: AdamW runs its foreach kernels (a
+    CPU's default, see step_transient_bytes). Raises ConfigError if the sizes do not tile `world_size`, ValueError
+    if the layers cannot fill the pipeline stages."""
     ranks = pp_rank_bytes(
         args, parallel, training, seq_len, world_size,
         local_batch=local_batch, overhead_bytes=overhead_bytes, memory=memory, precision=precision, qk_clip=qk_clip,
+        foreach_step=foreach_step,
     )  # fmt: skip
     return max(ranks, key=lambda e: e["total"])
 
@@ -199,6 +218,7 @@ def pp_rank_bytes(
     activation_slack: float = 0.0,
     precision: str = "fp32",
     qk_clip: bool = False,
+    foreach_step: bool = False,
 ) -> list[dict[str, float]]:
     """per_rank_bytes of every pipeline rank, in pp-rank order (one entry without a pipeline)."""
     p, dims, mem = (
@@ -230,16 +250,15 @@ def pp_rank_bytes(
         tables = first + (last and not (args.tie_embeddings and first))
         n = (layers * block_split + tables * vocab_rows) / p.tp + layers * block_rep + last * args.dim
         part = _state_bytes(mode, n, shards, (block_split / p.tp + block_rep), elt)
-        if mode in ("fsdp", "hsdp") and shards > 1:
-            part["gathered"] += root_unit_bytes(args, tables, last, p.tp, elt)
+        if mode in ("fsdp", "hsdp", "zero2") and shards > 1:  # the root unit, under every FSDP2 mode
+            part["gathered"] += root_unit_bytes(args, tables, last, p.tp, elt, mode == "zero2")
         if routed:  # MoE: this rank's experts, sharded by ZeRO over the ranks that hold the same ones
             experts = _state_bytes(mode, layers * routed / ep, max(shards // ep, 1), routed / ep, elt)
             part = {k: part[k] + experts[k] for k in part}
             n += layers * routed / ep
-        sharded = p.data_parallel in ("zero2", "fsdp", "hsdp") and shards > 1
-        if sharded and p.pp == 1 and p.grad_sync == "step":
-            if (local_batch or training.micro_batch) > training.micro_batch:  # accumulating: unsharded grads
-                part["gradients"] += n * GRAD_BYTES
+        if p.data_parallel in ("zero2", "fsdp", "hsdp") and shards > 1:
+            accumulating = (local_batch or training.micro_batch) > training.micro_batch
+            _whole_until_last_microbatch(part, p, mode, n, n_micro, accumulating, elt, block_split)
         per_layer, transient = activation_bytes(
             args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every
         )
@@ -254,17 +273,65 @@ def pp_rank_bytes(
         # block's: counted in "gathered".
         ddp_like = p.data_parallel in ("ddp", "zero1") and dims.dp_size * dims.cp > 1
         part["buckets"] = min(p.ddp_bucket_mb * 2**20, n * GRAD_BYTES) if ddp_like else 0.0
+        part["step"] = step_transient_bytes(part, foreach_step)
         part["overhead"] = overhead_bytes + activation_slack * part["activations"]
         if getattr(mem, "optimizer_offload", False):
-            # FSDP2's CPUOffloadPolicy: sharded parameters, gradients and AdamW state live on the host; the device
-            # keeps the gathered blocks (copied in per block) and the activations.
-            part["host"] = part["parameters"] + part["gradients"] + part["optimizer"]
-            part["parameters"] = part["gradients"] = part["optimizer"] = 0.0
+            _offload_to_host(part)
         # The step's peak, or initialisation's where that is higher (a large vocabulary over many shards).
         part["init"] = init_peak_bytes(part, init_draw_bytes(args), ddp_like)
         part["total"] = max(sum(part[k] for k in PARTS), part["init"])
         out.append(part)
     return out
+
+
+def _whole_until_last_microbatch(
+    part: dict[str, float],
+    p: ParallelConfig,
+    mode: str,
+    n: float,
+    n_micro: int,
+    accumulating: bool,
+    elt: int,
+    block_split: float,
+) -> None:
+    """What a sharded data-parallel mode holds whole until its last micro-batch, added to `part`: the gradients when
+    accumulating without a pipeline (grad_sync "step"), and under a pipeline the stage's gradients and gathered
+    weights."""
+    if p.pp == 1 and p.grad_sync == "step" and accumulating:  # accumulating: unsharded grads
+        part["gradients"] += n * GRAD_BYTES
+    if p.pp > 1 and n_micro > 1:
+        # torch's pipeline stage defers FSDP's reduce-scatter and reshard to the last micro-batch's backward
+        # (set_requires_gradient_sync / set_reshard_after_backward): until then the stage's gradients are whole
+        # and its weights gathered (issue 35: pp 2 x fsdp 2 measured 47-58 MiB above the per-block count).
+        part["gradients"] += n * GRAD_BYTES
+        if mode in ("fsdp", "hsdp"):
+            part["gathered"] = max(part["gathered"], n * elt + block_split / p.tp * GRAD_BYTES)
+
+
+def _offload_to_host(part: dict[str, float]) -> None:
+    """FSDP2's CPUOffloadPolicy: sharded parameters, gradients and AdamW state live on the host; the device keeps
+    the gathered blocks (copied in per block) and the activations."""
+    part["host"] = part["parameters"] + part["gradients"] + part["optimizer"]
+    part["parameters"] = part["gradients"] = part["optimizer"] = 0.0
+
+
+def foreach_step_bytes(part: dict[str, float]) -> float:
+    """What torch's foreach AdamW (a CPU's default) allocates in its step: sqrt(v) of every parameter this rank
+    steps, as one list of new tensors (4 bytes per parameter, half the fp32 optimizer state) before its addcdiv.
+    Measured on 2 gloo ranks, ddp, 16M parameters: 61.9 MiB against 62.0 (tests/distributed/test_step_memory.py);
+    61M parameters: a 1470 MiB peak, 200 MiB above the for-loop AdamW's (issue 35). The fused CUDA kernel holds
+    none."""
+    return part["optimizer"] / 2
+
+
+def step_transient_bytes(part: dict[str, float], foreach_step: bool) -> float:
+    """What the optimizer step adds to the peak beyond the backward's transients, which are freed by then (the
+    step's peak is the state plus foreach_step_bytes; the backward's, the state plus the gathered blocks, the
+    activations, the logits and the buckets): the larger of the two counts once."""
+    if not foreach_step:
+        return 0.0
+    backward = part["gathered"] + part["activations"] + part["logits"] + part["buckets"]
+    return max(0.0, foreach_step_bytes(part) - backward)
 
 
 def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int) -> float:
@@ -274,15 +341,22 @@ def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int) 
     return loss_activation_bytes(micro * seq_len / p.cp, args.vocab_size, args.dim, p.tp, sp_rows)
 
 
-def root_unit_bytes(args: ModelArgs, tables: int, last: bool, tp: int, elt: int) -> float:
+def root_unit_bytes(
+    args: ModelArgs, tables: int, last: bool, tp: int, elt: int, counted: bool = False
+) -> float:
     """What FSDP2's root unit (the embedding, final norm and output of this rank's stages) adds to the gathered
-    blocks: it stays gathered from its forward to the end of backward (FSDP does not reshard the root), and a
-    vocabulary table's gradient is whole until the root's reduce-scatter. 16 ranks of a 0.43B model with a 50k
-    vocabulary: 0.58 GiB, four times the three gathered blocks (benchmarks/init_peak.py --steps)."""
+    blocks, at the largest of three moments: its all-gather (the flat buffer and the weights copied out of it), its
+    backward (still gathered: FSDP does not reshard the root after forward, beside the output's whole gradient),
+    and its reduce-scatter after the last block (resharded by then; every table's whole gradient and the flat fp32
+    copy the reduce-scatter sends). Untied in fp32 that is 4 tables; measured 4.1-4.2 tables above the other
+    terms on 2 and 8 gloo ranks (issue 35, a 31 MiB table). `counted`: the gathered weights are already in
+    "parameters" (zero2 keeps them from forward to backward)."""
     if not tables:
         return 0.0
-    vocab_rows = args.vocab_size * args.dim / tp
-    return (tables * vocab_rows + last * args.dim) * elt + vocab_rows * GRAD_BYTES
+    rows = tables * args.vocab_size * args.dim / tp + last * args.dim
+    gather = 0.0 if counted else 2 * rows * elt
+    backward = 0.0 if counted else rows * elt + args.vocab_size * args.dim / tp * elt
+    return max(gather, backward, rows * (elt + GRAD_BYTES))
 
 
 def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int) -> dict[str, float]:
@@ -290,7 +364,8 @@ def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int
     et al. 2020): ddp replicates all; zero1 shards the optimizer state; zero2 (FSDP2 without resharding after
     forward) also the gradients; fsdp/hsdp also the parameters, plus the transients of the blocks gathered at a
     time: in backward a block's weights, the next one's prefetched and the block's unsharded gradient, in the
-    compute dtype (`elt` bytes; bf16 adds the fp32 copy of that gradient for the fp32 reduce-scatter). Under
+    compute dtype (`elt` bytes; bf16 adds the fp32 copy of that gradient for the fp32 reduce-scatter): 3.0 blocks
+    measured in fp32 on 2 gloo ranks beside the sharded gradients (tests/distributed/test_step_memory.py). Under
     16-bit compute without FSDP, autocast caches a 16-bit copy of every weight it casts (ddp, zero1), and zero2
     keeps the gathered 16-bit parameters: `n` x 2 bytes more."""
     stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(mode, 3)
@@ -326,10 +401,14 @@ def memory_problem(
     memory: MemoryConfig | None = None,
     precision: str = "fp32",
     qk_clip: bool = False,
+    foreach_step: bool = False,
+    error: float = 0.0,
 ) -> str | None:
-    """None if the fullest rank fits in `device_bytes`; else what it needs, by how much that is over, and the
-    single knobs (checked with the same estimate) that would make it fit."""
+    """None if the fullest rank fits in `device_bytes` with its stated `error` to spare (estimate x (1 + error));
+    else what it needs, by how much that is over (or that it is within its error of the limit), and the single
+    knobs (checked with the same estimate and margin) that would make it fit."""
     memory = memory or MemoryConfig()
+    room = device_bytes / (1 + error)  # the largest estimate accepted
 
     def estimate(
         p: ParallelConfig, t: TrainingConfig, world: int = world_size, m: MemoryConfig = memory
@@ -337,7 +416,7 @@ def memory_problem(
         try:
             return per_rank_bytes(
                 args, p, t, seq_len, world, local_batch=local_batch, overhead_bytes=overhead_bytes, memory=m,
-                precision=precision, qk_clip=qk_clip,
+                precision=precision, qk_clip=qk_clip, foreach_step=foreach_step,
             )  # fmt: skip
         except (ConfigError, ValueError):  # a layout that does not tile or split: not a fix
             return None
@@ -345,21 +424,24 @@ def memory_problem(
     need = estimate(parallel, training)
     if need is None:  # the layout itself does not tile: the layout check says why
         return None
-    if need["total"] <= device_bytes:
+    if need["total"] <= room:
         return None
     fixes: dict[str, str] = {}
     for knob, p, t, m in _candidates(args, parallel, training, world_size, memory):
         e = estimate(p, t, world_size, m)
         # The first that fits of each knob: candidates come in the order least change first.
-        if e is not None and e["total"] <= device_bytes and knob.split()[0] not in fixes:
+        if e is not None and e["total"] <= room and knob.split()[0] not in fixes:
             fixes[knob.split()[0]] = f"{knob} ({e['total'] / GiB:.1f} GiB)"
     if not fixes:
-        fixes["more"] = _more_ranks(parallel, training, world_size, device_bytes, estimate)
-    return (
-        f"the fullest rank needs an estimated {describe(need)}, "
-        f"{(need['total'] - device_bytes) / GiB:.1f} GiB more than the {device_bytes / GiB:.1f} GiB {where}; "
-        f"to fit: {'; or '.join(fixes.values())}"
-    )
+        fixes["more"] = _more_ranks(parallel, training, world_size, room, estimate)
+    if need["total"] <= device_bytes:
+        over = (
+            f"within the estimate's stated error ({100 * error:.0f}%, the spread measured by "
+            f"benchmarks/memory_matrix.py) of the {device_bytes / GiB:.2f} GiB {where}, where the kernel may kill it"
+        )
+    else:
+        over = f"{(need['total'] - device_bytes) / GiB:.1f} GiB more than the {device_bytes / GiB:.1f} GiB {where}"
+    return f"the fullest rank needs an estimated {describe(need)}, {over}; to fit: {'; or '.join(fixes.values())}"
 
 
 def _candidates(
@@ -420,8 +502,38 @@ def fits_in_memory_problems(cfg: Config, layout: Layout, args: ModelArgs) -> lis
         memory=cfg.memory,
         precision=cfg.precision.compute,
         qk_clip=cfg.optimizer.qk_clip > 0,
+        foreach_step=_foreach_step(cfg),
+        error=0.0 if where == "GPU" else CPU_ESTIMATE_ERROR,  # measured on a CPU host only
     )
     return [f"model.preset '{cfg.model.preset}': {problem}"] if problem else []
+
+
+def memory_estimate(cfg: Config, world_size: int) -> dict[str, float]:
+    """The estimate fits_in_memory_problems holds against this host or GPU: per_rank_bytes of the fullest rank, by
+    part, with the CPU's per-process terms where the workers run on this host (benchmarks/memory_matrix.py compares
+    it with the kernel's figures)."""
+    layout = Layout.of(cfg, world_size)
+    args = resolve_model_args(cfg.model, tokenizer_vocab(cfg.data.tokenizer), cfg.data.seq_len, moe=cfg.moe)
+    _, _, overhead = device_memory(cfg, world_size)
+    return per_rank_bytes(
+        args,
+        cfg.parallel,
+        cfg.training,
+        cfg.data.seq_len,
+        world_size,
+        local_batch=layout.local_batch,
+        overhead_bytes=overhead,
+        memory=cfg.memory,
+        precision=cfg.precision.compute,
+        qk_clip=cfg.optimizer.qk_clip > 0,
+        foreach_step=_foreach_step(cfg),
+    )
+
+
+def _foreach_step(cfg: Config) -> bool:
+    """AdamW steps with its foreach kernels (what the memory check counts for the step: step_transient_bytes)."""
+    device = "cuda" if uses_cuda(cfg.training.device) else "cpu"
+    return adamw_implementation(cfg.optimizer.implementation, device) == "foreach"
 
 
 def device_memory(cfg: Config, world_size: int) -> tuple[int, str, int]:

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from scaletrain.config import Config, ParallelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.models.llama import ModelArgs
+from scaletrain.optim.optimizers import adamw_implementation
 from scaletrain.parallel.layout import Layout, global_batch_sequences, layout_problems
 from scaletrain.parallel.pipeline import SCHEDULES
 from scaletrain.planning.estimators.hardware import DeviceProfile
-from scaletrain.planning.estimators.memory import PARTS, GiB, pp_rank_bytes
+from scaletrain.planning.estimators.memory import CPU_ESTIMATE_ERROR, PARTS, GiB, pp_rank_bytes
 from scaletrain.planning.estimators.time import step_time
 
 MODES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
@@ -100,6 +101,15 @@ def device_bytes(profile: DeviceProfile, world_size: int) -> int:
     return profile.memory_bytes
 
 
+def _device_type(profile: DeviceProfile) -> str:
+    return "cuda" if profile.kind == "gpu" else "cpu"
+
+
+def memory_error(profile: DeviceProfile) -> float:
+    """The memory estimate's stated error on this device: a plan must fit with it to spare (memory_problem)."""
+    return CPU_ESTIMATE_ERROR if profile.kind == "cpu" else 0.0
+
+
 def overhead_of(profile: DeviceProfile, world_size: int) -> int:
     """The framework's bytes per rank: a CPU's forked workers (world > 1) pay their own calibrated figure."""
     return (
@@ -125,6 +135,7 @@ def estimate(
         activation_slack=profile.activation_slack,
         precision=cfg.precision.compute,
         qk_clip=cfg.optimizer.qk_clip > 0,
+        foreach_step=adamw_implementation(cfg.optimizer.implementation, _device_type(profile)) == "foreach",
     )
     worst = max(ranks, key=lambda e: e["total"])
     time = step_time(
@@ -221,7 +232,7 @@ def search(
             why, detail = _reject(cand, layout, args, gpus_per_node)
             if why is None:
                 plan = estimate(cand, args, layout, profile, gpus_per_node)
-                if plan.memory["total"] > have:
+                if plan.memory["total"] * (1 + memory_error(profile)) > have:
                     why, least = "does not fit in memory", min(least, plan.memory["total"])
                 else:
                     plans.append(plan)
