@@ -34,7 +34,7 @@ from scaletrain.config_io import fields_typed, parse_config, resolve_paths, save
 from scaletrain.data.sources import list_files
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.hardware import cuda_available, uses_cuda
+from scaletrain.hardware import cuda_available, host_memory_bytes, uses_cuda
 from scaletrain.metrics.profile import profile_problems
 from scaletrain.metrics.writer import wandb_problem
 from scaletrain.models.llama import ModelArgs
@@ -628,5 +628,7 @@ def _device_memory(cfg: Config, world_size: int) -> tuple[int, str, int]:
     if cuda:
         return torch.cuda.get_device_properties(0).total_memory, "GPU", GPU_OVERHEAD_BYTES
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # Before launch, what the host has free now; a worker, whose peers already hold their share, checks against
+    # the physical memory (its launcher made the first check).
+    host = host_memory_bytes(worker="LOCAL_RANK" in os.environ)
     return host // max(local, 1), "host memory share", CPU_OVERHEAD_BYTES
