@@ -95,13 +95,15 @@ def init_draw_bytes(args: ModelArgs) -> float:
     return PARAM_BYTES * max(args.vocab_size * args.dim, WHOLE_PARAM_COPIES * max(trunc))
 
 
-def init_peak_bytes(part: dict[str, float], draw: float, ddp_like: bool) -> float:
+def init_peak_bytes(part: dict[str, float], draw: float, ddp_like: bool, shards: int = 1) -> float:
     """A rank's peak while it materialises its model (parallel/materialize.py), before step 1: its share of the
-    parameters on the device, DDP's gradient buckets (allocated when it wraps), one parameter drawn whole
-    (init_draw_bytes) and the constant overhead. Under optimizer offload the share lives on the host and only the
-    drawn parameter on the device."""
+    parameters on the device (`shards`: zero2's FSDP2 holds 1/shards of what its step gathers, "parameters"),
+    DDP's gradient buckets (allocated when it wraps; on a CPU not resident until the first backward writes them),
+    one parameter drawn whole (init_draw_bytes) and the constant overhead. Under optimizer offload the share lives
+    on the host and only the drawn parameter on the device. Held against the kernel's figure in
+    tests/distributed/test_init_peak.py."""
     buckets = part["gradients"] if ddp_like else 0.0
-    return part["parameters"] + buckets + draw + part["overhead"]
+    return part["parameters"] / shards + buckets + draw + part["overhead"]
 
 
 def _zero_shards(p: ParallelConfig, dims: Layout) -> int:
@@ -282,7 +284,8 @@ def pp_rank_bytes(
             part["host"] = part["parameters"] + part["gradients"] + part["optimizer"]
             part["parameters"] = part["gradients"] = part["optimizer"] = 0.0
         # The step's peak, or initialisation's where that is higher (a large vocabulary over many shards).
-        part["init"] = init_peak_bytes(part, init_draw_bytes(args), ddp_like)
+        held = shards if mode == "zero2" and shards > 1 else 1  # zero2 gathers its weights only in the step
+        part["init"] = init_peak_bytes(part, init_draw_bytes(args), ddp_like, held)
         part["total"] = max(sum(part[k] for k in PARTS), part["init"])
         out.append(part)
     return out
@@ -314,7 +317,9 @@ def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int) 
     return loss_activation_bytes(micro * seq_len / p.cp, args.vocab_size, args.dim, p.tp, sp_rows)
 
 
-def root_unit_bytes(args: ModelArgs, tables: int, last: bool, tp: int, elt: int, counted: bool = False) -> float:
+def root_unit_bytes(
+    args: ModelArgs, tables: int, last: bool, tp: int, elt: int, counted: bool = False
+) -> float:
     """What FSDP2's root unit (the embedding, final norm and output of this rank's stages) adds to the gathered
     blocks, at the largest of three moments: its all-gather (the flat buffer and the weights copied out of it), its
     backward (still gathered: FSDP does not reshard the root after forward, beside the output's whole gradient),
