@@ -192,6 +192,23 @@ def usable_cpus(cgroup_root: Path = _CGROUP) -> int:
     return max(1, cpus)
 
 
+def host_memory_bytes(meminfo: str = "/proc/meminfo", worker: bool = False) -> int:
+    """Memory this host's processes can have now: the kernel's MemAvailable (free plus reclaimable page cache) where
+    it says, never more than the physical memory. Other jobs on a shared host hold the rest, and the kernel's OOM
+    killer ends a run that needs it (issue 35: a run accepted against the physical 23.5 GiB was killed while other
+    tests held ~2 GiB). `worker`: the physical memory (a started job's own ranks already hold part of it)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if worker:
+        return physical
+    try:
+        text = Path(meminfo).read_text()
+    except OSError:
+        return physical
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    available = fields.get("MemAvailable", "").split()
+    return min(physical, int(available[0]) * 1024) if available else physical
+
+
 def cpuinfo_field(key: str, cpuinfo: str = "/proc/cpuinfo") -> str | None:
     """The first value of `key` ("flags", "model name") in /proc/cpuinfo, None where it is absent or unreadable."""
     try:

@@ -120,9 +120,12 @@ def _logit_chunk_rows(batch: int, heads: int, seq: int) -> int:
 
 def max_logits_bytes(batch: int, heads: int, seq: int, elt: int) -> int:
     """The most `max_logits` holds at once on [batch, heads, seq, ·] queries of `elt` bytes: the largest chunk's
-    scores in that dtype and their fp32 copy (one array where the dtype is fp32). For the planner's memory estimate."""
-    scores = batch * heads * min(_logit_chunk_rows(batch, heads, seq), seq) * seq
-    return scores * (elt + (4 if elt != 4 else 0))
+    scores in that dtype and their fp32 copy (one array where the dtype is fp32), its causal mask and the mask's
+    negation over the batch (bool), and a chunk-row of bytes more for the index vectors and per-head maxima
+    (live bytes measured within 10% above by tests/unit/test_qk_clip.py). For the planner's memory estimate."""
+    rows = min(_logit_chunk_rows(batch, heads, seq), seq)
+    scores = batch * heads * rows * seq
+    return scores * (elt + (4 if elt != 4 else 0)) + (2 + batch) * rows * seq + 8 * (rows + seq) + 12 * heads
 
 
 @torch.no_grad()
@@ -157,6 +160,8 @@ def max_logits(
             keep = mask[:, 0, i0:i1, :i1]
         logits.masked_fill_(~keep.expand(b, -1, -1)[:, None, None], -math.inf)
         out = torch.maximum(out, logits.amax(dim=(0, 3, 4)))
+        # Freed before the next chunk's scores exist, not after them (issue 35: 2.3x the estimate live at once).
+        del logits, keep
     # Scaled once at the end: rounding is monotonic, so the scaled maximum is the maximum of the scaled logits.
     return out.reshape(hq) * d**-0.5
 

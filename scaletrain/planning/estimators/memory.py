@@ -12,7 +12,7 @@ import torch
 from scaletrain.config import Config, MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.data.loader import tokenizer_vocab
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import uses_cuda
+from scaletrain.hardware import host_memory_bytes, uses_cuda
 from scaletrain.models.attention import max_logits_bytes
 from scaletrain.models.init import WHOLE_PARAM_COPIES
 from scaletrain.models.llama import ModelArgs
@@ -102,13 +102,15 @@ def init_draw_bytes(args: ModelArgs) -> float:
     return PARAM_BYTES * max(args.vocab_size * args.dim, WHOLE_PARAM_COPIES * max(trunc))
 
 
-def init_peak_bytes(part: dict[str, float], draw: float, ddp_like: bool) -> float:
+def init_peak_bytes(part: dict[str, float], draw: float, ddp_like: bool, shards: int = 1) -> float:
     """A rank's peak while it materialises its model (parallel/materialize.py), before step 1: its share of the
-    parameters on the device, DDP's gradient buckets (allocated when it wraps), one parameter drawn whole
-    (init_draw_bytes) and the constant overhead. Under optimizer offload the share lives on the host and only the
-    drawn parameter on the device."""
+    parameters on the device (`shards`: zero2's FSDP2 holds 1/shards of what its step gathers, "parameters"),
+    DDP's gradient buckets (allocated when it wraps; on a CPU not resident until the first backward writes them),
+    one parameter drawn whole (init_draw_bytes) and the constant overhead. Under optimizer offload the share lives
+    on the host and only the drawn parameter on the device. Held against the kernel's figure in
+    tests/distributed/test_init_peak.py."""
     buckets = part["gradients"] if ddp_like else 0.0
-    return part["parameters"] + buckets + draw + part["overhead"]
+    return part["parameters"] / shards + buckets + draw + part["overhead"]
 
 
 def _zero_shards(p: ParallelConfig, dims: Layout) -> int:
@@ -278,7 +280,8 @@ def pp_rank_bytes(
         if getattr(mem, "optimizer_offload", False):
             _offload_to_host(part)
         # The step's peak, or initialisation's where that is higher (a large vocabulary over many shards).
-        part["init"] = init_peak_bytes(part, init_draw_bytes(args), ddp_like)
+        held = shards if mode == "zero2" and shards > 1 else 1  # zero2 gathers its weights only in the step
+        part["init"] = init_peak_bytes(part, init_draw_bytes(args), ddp_like, held)
         part["total"] = max(sum(part[k] for k in PARTS), part["init"])
         out.append(part)
     return out
@@ -543,5 +546,7 @@ def device_memory(cfg: Config, world_size: int) -> tuple[int, str, int]:
     if cuda:
         return torch.cuda.get_device_properties(0).total_memory, "GPU", GPU_OVERHEAD_BYTES
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # Before launch, what the host has free now; a worker, whose peers already hold their share, checks against
+    # the physical memory (its launcher made the first check).
+    host = host_memory_bytes(worker="LOCAL_RANK" in os.environ)
     return host // max(local, 1), "host memory share", CPU_OVERHEAD_BYTES
