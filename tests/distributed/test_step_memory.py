@@ -2,7 +2,7 @@
 it (pin_mmap_threshold: a freed tensor leaves the resident set), what a training step adds to a rank's resident
 memory is measured (VmHWM after /proc/self/clear_refs) and held to the planner's parts that model it:
 - fsdp's forward and backward: the sharded gradients, the gathered blocks (a block's weights, the next one
-  prefetched, its unsharded gradient), the activations and the logits (measured 79.6 MiB, estimate 81.5);
+  prefetched, its unsharded gradient; the root unit), the activations and the logits (79.2-80.0 MiB, estimate 83.2);
 - ddp's optimizer step: the foreach AdamW's sqrt(v) of every parameter (foreach_step_bytes; 61.9 MiB against 62.0).
 Each is bounded above by its estimate and held within 10% of it, so a missing term or an inflated one (a fourth
 gathered block: 97 MiB) fails."""
