@@ -148,7 +148,8 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += profile_problems(cfg.profile, cfg.training.steps, world_size, cuda)
     problems += _checkpoint(cfg.checkpoint)
     problems += _checkpoint_saving(cfg.checkpoint, check_storage=check_run_dir)
-    problems += _run(cfg.run, cfg.checkpoint) if check_run_dir else []
+    # fault_tolerance: a replica group g > 0 started again heals from a live peer; it never reads the checkpoints.
+    problems += _run(cfg.run, cfg.checkpoint, heals=cfg.fault_tolerance.group > 0) if check_run_dir else []
     problems += limit_problems(cfg.run, cfg.training.steps, cfg.checkpoint.enabled)
     problems += _resilience(cfg.resilience, world_size)
     problems += _sdc(cfg.resilience, cfg.checkpoint)
@@ -540,13 +541,13 @@ def _optimizer(o: OptimizerConfig) -> list[str]:
     return problems
 
 
-def _run(r: RunConfig, c: CheckpointConfig) -> list[str]:
+def _run(r: RunConfig, c: CheckpointConfig, heals: bool = False) -> list[str]:
     if not r.dir:
         return []
     run = RunDir.at(r.dir)
     path = run.path
     # A run counts once it started training: a start that failed before (bad data, say) blocks nothing.
-    if run.started() and not r.start_over:
+    if run.started() and not r.start_over and not heals:
         saved = c.enabled and run.run_id() is not None and has_committed_checkpoint(run.checkpoint_root(c))
         if not saved and c.snapshot_interval == 0:
             return [
