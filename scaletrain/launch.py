@@ -47,7 +47,7 @@ from scaletrain.resilience.diagnose import (
     tail,
 )
 from scaletrain.resilience.membership import record_lost_peer
-from scaletrain.resilience.preemption import Lifelines, follow_launcher
+from scaletrain.resilience.preemption import Lifelines, die_with_parent, follow_launcher
 from scaletrain.resilience.sdc import excluded_here
 from scaletrain.resilience.timelimit import JOB_START_ENV
 from scaletrain.run.directory import EVENTS, LOGS, RunDir, read_jsonl
@@ -166,14 +166,19 @@ def launch_local(
     logs = _start_log_dir(run_dir)
     start = str(logs.relative_to(run_dir))
     append_event(run_dir, "job_start", None, nproc=nproc, max_restarts=max_restarts, logs=start)
+    # The workers' store: on loopback, or a replica group's cluster address (fault_tolerance.address).
+    host = fault_tolerance.bind_address(cfg.fault_tolerance)
     with _Stop(run_dir) as stop:
         try:
-            return _attempts(stop, run_dir, logs, nproc, max_restarts, [config_path or "", *worker_args])
+            return _attempts(
+                stop, run_dir, logs, nproc, max_restarts, [config_path or "", *worker_args], host
+            )
         except SignalException as e:
             return stop.exit_code(e, logs)
 
 
-def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: int, args: list[str]) -> int:
+def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: int, args: list[str],
+              host: str) -> int:  # fmt: skip
     policy = RestartPolicy(max_restarts)
     attempt = 0
     while not stop.requested:
@@ -186,7 +191,7 @@ def _attempts(stop: _Stop, run_dir: Path, logs: Path, nproc: int, max_restarts: 
         log.info("launching %d worker(s) (attempt %d); run directory %s", nproc, attempt, run_dir)
         _start_fork_server()
         try:
-            _run_workers(nproc, log_dir, args, stop)
+            _run_workers(nproc, log_dir, args, stop, host)
             # 130 after a Ctrl-C's saved stop; else 0, or STOPPED_EXIT_CODE when the workers stopped early.
             return stop.stopped_code() if stop.interrupted else RunDir(run_dir).exit_code()
         except ChildFailedError as e:
@@ -231,17 +236,23 @@ def launch_groups(
 ) -> int:
     """fault_tolerance: G replica groups of nproc/G workers, each a launch_local of its own (its own agent, restarts
     and logs) in a process of its own, and a torchft lighthouse on loopback unless fault_tolerance.lighthouse names
-    one. SIGTERM and Ctrl-C go on to every group's launcher. Returns the first non-zero status, else 0."""
+    one. SIGTERM and Ctrl-C go on to every group's launcher. Returns the first non-zero status, else 0.
+
+    With fault_tolerance.group set, this node's group only, in this process: the lighthouse and the other groups
+    run elsewhere (each node's command starts its own), and the first step waits for every group to join."""
     ft, run_dir = cfg.fault_tolerance, Path(cfg.run.dir)
+    env = {fault_tolerance.MAIN_RUN_ENV: str(run_dir), fault_tolerance.GROUPS_ENV: str(ft.replica_groups)}
+    if ft.group >= 0:
+        log.info("fault tolerance: replica group %d of %d, %d worker(s) on %s; lighthouse %s", ft.group,
+                 ft.replica_groups, nproc // ft.replica_groups, ft.address, ft.lighthouse)  # fmt: skip
+        env[fault_tolerance.LIGHTHOUSE_ENV] = ft.lighthouse
+        group_dir = str(fault_tolerance.group_run_dir(run_dir, ft.group))
+        return _run_group(ft.group, env, config_path, overrides, group_dir, nproc, max_restarts)
     lighthouse, address = (None, ft.lighthouse) if ft.lighthouse else fault_tolerance.start_lighthouse(ft)
-    barrier = loopback_store()  # the first quorum waits until every group is up (ReplicaGroup.begin)
+    barrier = bound_store()  # the first quorum waits until every group is up (ReplicaGroup.begin)
     barrier.set("ft/groups", str(ft.replica_groups))
-    env = {
-        fault_tolerance.MAIN_RUN_ENV: str(run_dir),
-        fault_tolerance.LIGHTHOUSE_ENV: address,
-        fault_tolerance.BARRIER_ENV: f"127.0.0.1:{barrier.port}",
-        fault_tolerance.GROUPS_ENV: str(ft.replica_groups),
-    }
+    env[fault_tolerance.LIGHTHOUSE_ENV] = address
+    env[fault_tolerance.BARRIER_ENV] = f"127.0.0.1:{barrier.port}"
     log.info("fault tolerance: %d replica groups of %d worker(s); lighthouse %s", ft.replica_groups,
              nproc // ft.replica_groups, address)  # fmt: skip
     ctx = multiprocessing.get_context("spawn")
@@ -278,13 +289,21 @@ def launch_groups(
 
 def _group_main(group: int, env: dict[str, str], config_path: str | None, overrides: list[str], run_dir: str,
                 nproc: int, max_restarts: int) -> None:  # fmt: skip
+    """One replica group's launcher, in a process of its own (launch_groups). It dies with the job's launcher, even
+    by SIGKILL, and its workers with it (their lifelines): killed alone, the job's launcher left the groups training
+    on (issue 34)."""
+    die_with_parent()
+    sys.exit(_run_group(group, env, config_path, overrides, run_dir, nproc, max_restarts))
+
+
+def _run_group(group: int, env: dict[str, str], config_path: str | None, overrides: list[str], run_dir: str,
+               nproc: int, max_restarts: int) -> int:  # fmt: skip
     """One replica group's launcher: launch_local for its nproc/G workers, writing into its own run directory."""
     os.environ.update(env)
     os.environ[fault_tolerance.GROUP_ENV] = str(group)
     args = [*overrides, "--run.dir", run_dir]
     cfg = load_config(config_path, args, world_size=nproc, check_run_dir=False)
-    code = launch_local(cfg, config_path, args, nproc // cfg.fault_tolerance.replica_groups, max_restarts)
-    sys.exit(code)
+    return launch_local(cfg, config_path, args, nproc // cfg.fault_tolerance.replica_groups, max_restarts)
 
 
 def stop_grace(run_dir: Path) -> float:
@@ -451,41 +470,46 @@ class _RankLogs(LogsSpecs):
 _LOG_NAMES = ("stdout.log", "stderr.log", "error.json")
 
 
-LOOPBACK_RDZV = "scaletrain-loopback"
+LOCAL_RDZV = "scaletrain-local"
 
 
-def loopback_store() -> TCPStore:
-    """A TCPStore server reachable from this machine only. Given any host, even "localhost", a TCPStore server
-    listens on every interface ([::], torch 2.13), so it is handed a socket already bound to 127.0.0.1."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+def bound_store(host: str = "127.0.0.1") -> TCPStore:
+    """A TCPStore server listening on `host` only (loopback: reachable from this machine only). Given any host, even
+    "localhost", a TCPStore server listens on every interface ([::], torch 2.13), so it is handed a socket already
+    bound to `host`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
     sock.listen(1024)
     port = sock.getsockname()[1]
     # detach(): the store's libuv server owns and closes the descriptor from now on.
     return TCPStore(
-        "127.0.0.1", port, is_master=True, multi_tenant=True, use_libuv=True, master_listen_fd=sock.detach()
+        host, port, is_master=True, multi_tenant=True, use_libuv=True, master_listen_fd=sock.detach()
     )
 
 
-class _LoopbackBackend(C10dRendezvousBackend):
+class _LocalBackend(C10dRendezvousBackend):
     @property
     def name(self) -> str:  # the handler reports it, and torch checks it against the name asked for
-        return LOOPBACK_RDZV
+        return LOCAL_RDZV
 
 
-def _loopback_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """torch's c10d rendezvous handler with both of its store servers (the rendezvous store and the one shared
-    with the workers) on loopback."""
-    store = loopback_store()
-    handler = create_handler(store, _LoopbackBackend(store, params.run_id), params)
-    handler._create_tcp_store_server = lambda addr, port: loopback_store()  # torch binds this one to [::] too
+def _local_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    """torch's c10d rendezvous handler for one node, with both of its store servers (the rendezvous store and the
+    one shared with the workers) on the endpoint's host only: loopback, or a replica group's cluster address."""
+    host = params.endpoint.rsplit(":", 1)[0].strip("[]")
+    store = bound_store(host)
+    handler = create_handler(store, _LocalBackend(store, params.run_id), params)
+    # torch binds this one to [::] too
+    handler._create_tcp_store_server = lambda addr, port: bound_store(host)
     return handler
 
 
-rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_handler)
+rendezvous_handler_registry.register(LOCAL_RDZV, _local_handler)
 
 
-def _run_workers(nproc: int, log_dir: Path, worker_args: list[str], stop: _Stop | None = None) -> None:
+def _run_workers(nproc: int, log_dir: Path, worker_args: list[str], stop: _Stop | None = None,
+                 host: str = "127.0.0.1") -> None:  # fmt: skip
     """One attempt: what `torchrun --standalone --nproc-per-node N -m scaletrain train ARGS` does, except that the
     workers are forked from a fork server that has already imported torch and scaletrain (_start_fork_server; a fresh
     interpreter spends ~3 s on imports on this CPU: most of a restart's cost, paid again on every restart without
@@ -497,11 +521,12 @@ def _run_workers(nproc: int, log_dir: Path, worker_args: list[str], stop: _Stop 
         nproc_per_node=nproc,
         run_id=str(uuid.uuid4()),
         role="default",
-        # As torchrun --standalone (a private c10d rendezvous on a free port), but listening on loopback only;
-        # local_addr makes the workers' MASTER_ADDR 127.0.0.1 too. Multi-node runs use torchrun's own flags.
-        rdzv_backend=LOOPBACK_RDZV,
-        rdzv_endpoint="127.0.0.1:0",
-        local_addr="127.0.0.1",
+        # As torchrun --standalone (a private c10d rendezvous on a free port), but listening on `host` only (loopback,
+        # or a replica group's cluster address); local_addr makes it the workers' MASTER_ADDR too. Multi-node runs
+        # use torchrun's own flags.
+        rdzv_backend=LOCAL_RDZV,
+        rdzv_endpoint=f"{host}:0",
+        local_addr=host,
         max_restarts=0,  # launch_local restarts, after its diagnosis
         monitor_interval=0.1,
         start_method="forkserver",

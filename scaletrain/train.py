@@ -157,8 +157,9 @@ class Job:
         self.meter.step_done(sequences * self.cfg.data.seq_len)
 
     def stopping(self, step: int) -> bool:
-        """SIGTERM, Ctrl-C or run.time_limit ends the job after this step (each agreed by every rank)."""
-        return (self.preemption.stopping(step, self.writer.event, self.ckpt.final_save_note())
+        """SIGTERM, Ctrl-C or run.time_limit ends the job after this step (each agreed by every rank; a stop by every
+        replica group of the step, under fault_tolerance)."""
+        return (self.preemption.stopping(step, self.writer.event, self.ckpt.final_save_note(), self.ft.stop_agreed())
                 or self.limits.time_up(step, self.ckpt.save_seconds))  # fmt: skip
 
     def close(self, step: int) -> str | None:
@@ -282,12 +283,14 @@ def build(cfg: Config) -> Job:
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)
     # fault_tolerance: what a healing group receives from a peer (the loader as saved, without the fault hooks)
     held = dict(parts=pm.parts, optimizers=optimizers, loader=state["data"].loader, train=train_state)
-    ft = fault_tolerance.replica_group(cfg.fault_tolerance, env, held, writer.event, cfg.training.steps)
+    preemption = Preemption(dims.control)  # fault_tolerance: every replica group stops after the same step
+    ft = fault_tolerance.replica_group(cfg.fault_tolerance, env, held, writer.event, cfg.training.steps,
+                                       preemption.requested)  # fmt: skip
     info = dict(world_size=env.world_size, precision=cfg.precision.compute, device=env.device.type, layout=described,
                 parameters=n_params["total"], peak_flops_source=peak_source,
                 nodes=nodes, **batches.announce(cfg.training.batch_ramp),
                 **ft.describe())  # fmt: skip
-    return Job(*parts, Preemption(dims.control), limits, meter, batches, info, moe, ft, lease, evaluation)
+    return Job(*parts, preemption, limits, meter, batches, info, moe, ft, lease, evaluation)
 
 
 def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict:

@@ -132,7 +132,12 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += profile_problems(cfg.profile, cfg.training.steps, world_size, cuda)
     problems += checkpoint_problems(cfg.checkpoint)
     problems += saving_problems(cfg.checkpoint, check_storage=check_run_dir)
-    problems += run_dir_problems(cfg.run, cfg.checkpoint) if check_run_dir else []
+    # fault_tolerance: a replica group g > 0 started again heals from a live peer; it never reads the checkpoints.
+    problems += (
+        run_dir_problems(cfg.run, cfg.checkpoint, heals=cfg.fault_tolerance.group > 0)
+        if check_run_dir
+        else []
+    )
     problems += limit_problems(cfg.run, cfg.training.steps, cfg.checkpoint.enabled)
     problems += resilience_problems(cfg.resilience, world_size)
     problems += sdc_problems(cfg.resilience, cfg.checkpoint)

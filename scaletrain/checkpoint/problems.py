@@ -66,15 +66,16 @@ def storage_write_problem(location: str) -> str | None:
     return None
 
 
-def run_dir_problems(r: RunConfig, c: CheckpointConfig) -> list[str]:
+def run_dir_problems(r: RunConfig, c: CheckpointConfig, heals: bool = False) -> list[str]:
     """run.dir: a directory that can be written, and a run there that trained is continued from a checkpoint or
-    started over, never overwritten."""
+    started over, never overwritten. `heals`: a fault-tolerant replica group g > 0 started again heals from a live
+    peer and never reads the checkpoints."""
     if not r.dir:
         return []
     run = RunDir.at(r.dir)
     path = run.path
     # A run counts once it started training: a start that failed before (bad data, say) blocks nothing.
-    if run.started() and not r.start_over:
+    if run.started() and not r.start_over and not heals:
         saved = c.enabled and run.run_id() is not None and has_committed_checkpoint(run.checkpoint_root(c))
         if not saved and c.snapshot_interval == 0:
             return [

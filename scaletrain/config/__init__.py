@@ -428,6 +428,18 @@ class FaultToleranceConfig:
     lighthouse: str = ""
     """The torchft lighthouse's address (http://host:port); empty: `scaletrain train --nproc N` starts one on
     loopback."""
+    group: int = -1
+    """The one replica group this command starts, when the groups run on different nodes: each node runs the same
+    `scaletrain train --nproc N ...` with its own `group` and `address`, the same `lighthouse` and run directory
+    (a shared filesystem), and starts N/G workers. -1: this command starts all G groups on this machine."""
+    timeout_s: float = 30.0
+    """How long a cross-group all-reduce, commit vote or heal transfer waits for a peer before the step is given
+    up and run again. With three or more groups a survivor can wait this long in the step a group died in (one
+    survivor gives up the collective at once, the other waits on it: 30.5 s measured at 30; issue 34)."""
+    address: str = ""
+    """This node's address on the cluster network, or a name that resolves to it (needed with `group`): the
+    group's store, torchft's ManagerServer and its checkpoint server bind it, not every interface, and the other
+    groups reach them there. Empty: 127.0.0.1 (every group on this machine)."""
 
 
 @dataclass

@@ -103,17 +103,21 @@ def _chunked(
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, h.shape[0], chunk):
             x, t = hc[start : start + chunk], targets[start : start + chunk]
-            logits = (x @ wc.T).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            # log_softmax, as F.cross_entropy computes it (one fused kernel; logsumexp is several on a CPU).
+            logp = torch.log_softmax((x @ wc.T).float(), dim=-1)
+            loss -= logp.gather(1, t[:, None]).sum()
             if not with_grads:
                 continue
-            # d(loss)/d(logits) = softmax - one_hot, in place over the chunk's logits.
-            grad = logits.sub_(lse[:, None]).exp_()
+            # d(loss)/d(logits) = softmax - one_hot, in place over the chunk's log-probabilities.
+            grad = logp.exp_()
             grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
             grad = grad.to(dtype)
-            grad_h[start : start + chunk] = grad @ wc
-            grad_w += grad.T @ x
+            if dtype == torch.float32:  # straight into the fp32 buffers, no temporaries
+                torch.mm(grad, wc, out=grad_h[start : start + chunk])
+                grad_w.addmm_(grad.T, x)
+            else:
+                grad_h[start : start + chunk] = grad @ wc
+                grad_w += grad.T @ x
     return loss, grad_h, grad_w
 
 

@@ -14,6 +14,9 @@ and it takes part in the next step. torchft is imported only here, only when the
 
 Group 0 owns the run directory (metrics, events, checkpoints as without fault tolerance); group g > 0 writes its
 metrics and events under <run dir>/replicas/group-g and saves no checkpoint: it heals from a peer instead.
+
+Across nodes (fault_tolerance.group), each node's command starts one group; every server a group starts (its store,
+the ManagerServer, the checkpoint transport) binds fault_tolerance.address, never every interface (ft_servers).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -50,7 +54,6 @@ BARRIER_ENV = (
 INSTALL = "pip install 'scaletrain[ft]' (torchft 0.2.0)"
 FINAL_WAIT_S = 300.0  # how long the last step waits for a restarting group to rejoin
 HEARTBEAT_TIMEOUT_MS = 2000  # a group silent this long is out of the quorum (torchft's default: 5000)
-TIMEOUT = timedelta(seconds=30)  # a collective or commit vote whose peer is gone fails within this
 
 
 def torchft_installed() -> bool:
@@ -76,6 +79,16 @@ def problems(cfg: Config, world_size: int) -> list[str]:
         )
     if not 1 <= ft.min_replicas <= max(g, 1):
         out.append(f"fault_tolerance.min_replicas must be in 1..replica_groups ({g}), got {ft.min_replicas}")
+    if ft.timeout_s <= 0:
+        out.append(f"fault_tolerance.timeout_s must be > 0, got {ft.timeout_s}")
+    # Issue 34: without a restart the group would never come back, and the others wait for it.
+    if cfg.resilience.max_restarts < 1:
+        out.append(
+            f"fault_tolerance.enabled with resilience.max_restarts {cfg.resilience.max_restarts}: a group that "
+            f"loses a rank is never restarted, so it never rejoins, and the other groups wait {FINAL_WAIT_S:.0f} s "
+            "for it at the last step and then fail the job; give --max-restarts N (N >= 1 restarts for each group)"
+        )
+    out += _placement(ft)
     if max(p.tp, p.pp, p.cp, p.ep, p.dp_replicate) > 1:
         out.append(
             "fault_tolerance replica groups hold fsdp or ddp inside (parallel.dp_shard); tp, pp, cp, ep and "
@@ -96,6 +109,36 @@ def problems(cfg: Config, world_size: int) -> list[str]:
                 f"micro_batch x ranks ({per_step}) so that every group reads an equal slice"
             )
     return out
+
+
+def _placement(ft: FaultToleranceConfig) -> list[str]:
+    """fault_tolerance.group and address: one group per command, across nodes."""
+    out = []
+    if not -1 <= ft.group < ft.replica_groups:
+        out.append(f"fault_tolerance.group must be in 0..{ft.replica_groups - 1} (or -1: all groups here), "
+                   f"got {ft.group}")  # fmt: skip
+    if ft.group >= 0 and not (ft.lighthouse and ft.address):
+        out.append(
+            "fault_tolerance.group starts one group on this node: give fault_tolerance.lighthouse (the "
+            "torchft_lighthouse every group reaches, http://host:port) and fault_tolerance.address (this node's "
+            "address on the cluster network, which the group's servers bind)"
+        )
+    if ft.address and _resolve(ft.address) is None:
+        out.append(f"fault_tolerance.address {ft.address!r} does not resolve to an address of this host")
+    return out
+
+
+def _resolve(host: str) -> str | None:
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, IndexError):
+        return None
+
+
+def bind_address(ft: FaultToleranceConfig) -> str:
+    """The address every server of a replica group binds (its store, ManagerServer and checkpoint transport):
+    fault_tolerance.address, resolved once here; 127.0.0.1 without it (or without fault tolerance)."""
+    return (ft.enabled and ft.address and _resolve(ft.address)) or "127.0.0.1"
 
 
 def _refused_companions(cfg: Config) -> list[str]:
@@ -165,15 +208,14 @@ def start_lighthouse(ft: FaultToleranceConfig) -> tuple[Any, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-def replica_group(
-    cfg: FaultToleranceConfig, env: DistEnv, state: dict, event: Callable[..., None], final: int
-) -> ReplicaGroup | NoReplicaGroup:
-    """This rank's side of its replica group (`state`, `event`, `final`: ReplicaGroup's); NoReplicaGroup without
-    fault tolerance."""
+def replica_group(cfg: FaultToleranceConfig, env: DistEnv, state: dict, event: Callable[..., None], final: int,
+                  stop: Callable[[], bool]) -> ReplicaGroup | NoReplicaGroup:  # fmt: skip
+    """This rank's side of its replica group (`state`, `event`, `final`, `stop`: ReplicaGroup's); NoReplicaGroup
+    without fault tolerance."""
     group = this_group()
     if group is None:
         return NoReplicaGroup()
-    return ReplicaGroup(cfg, group, env.rank, env.world_size, state, event, final)
+    return ReplicaGroup(cfg, group, env.rank, env.world_size, state, event, final, stop)
 
 
 class NoReplicaGroup:
@@ -189,6 +231,9 @@ class NoReplicaGroup:
     def sync(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
         return loss, True
 
+    def stop_agreed(self) -> bool | None:
+        return None  # the job's own ranks agree (Preemption)
+
     def describe(self) -> dict:
         return {}
 
@@ -202,45 +247,59 @@ class NoReplicaGroup:
 class ReplicaGroup:
     """This rank's side of torchft: the quorum at each step start (healing from a peer when behind), the gradients
     and loss averaged over the groups present, and the commit vote. `state` holds the model parts, the optimizers,
-    the loader and the train state (what a healing group receives)."""
+    the loader and the train state (what a healing group receives); `stop()` says whether this group's ranks were
+    asked to stop (SIGTERM, Ctrl-C), which sync shares with the other groups."""
 
     def __init__(self, cfg: FaultToleranceConfig, group: int, rank: int, size: int, state: dict,
-                 event: Callable[..., None], final: int) -> None:  # fmt: skip
+                 event: Callable[..., None], final: int, stop: Callable[[], bool]) -> None:  # fmt: skip
         from torchft import Manager, ProcessGroupGloo
 
+        from scaletrain.resilience.ft_servers import BoundHTTPTransport, manager_server_on
+
         self.group, self.rank, self.state, self.event = group, rank, state, event
+        self._stop_requested, self._stop = stop, False
         self.main_run = Path(os.environ[MAIN_RUN_ENV])
         self.healed_at: float | None = None
         self.replicas = 0
         self._first_quorum = True
         self.groups, self.final = cfg.replica_groups, final
         self._position: dict | None = None
-        local = cfg.lighthouse == "" or "127.0.0.1" in cfg.lighthouse
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=TIMEOUT),
-            load_state_dict=self._load,
-            state_dict=self._save,
-            min_replica_size=cfg.min_replicas,
-            use_async_quorum=False,  # the quorum (and any healing) completes before the step's forward
-            init_sync=False,  # every group materialises the same weights from the seed
-            timeout=TIMEOUT,
-            quorum_timeout=timedelta(seconds=120),
-            rank=rank,
-            world_size=size,
-            store_addr=os.environ["MASTER_ADDR"],
-            store_port=int(os.environ["MASTER_PORT"]),
-            lighthouse_addr=cfg.lighthouse or os.environ[LIGHTHOUSE_ENV],
-            replica_id=f"group{group}",
-            hostname="127.0.0.1" if local else os.uname().nodename,
-        )
+        self._restarted = False  # an earlier process of this rank of this group started in this run (begin)
+        # The group's address: its store's (launch binds it to fault_tolerance.address, or loopback), where its
+        # ManagerServer and checkpoint transport listen too, and what they advertise to the other groups.
+        self.address = os.environ["MASTER_ADDR"]
+        timeout = timedelta(seconds=cfg.timeout_s)
+        self.transport = BoundHTTPTransport(self.address, timeout)
+        with manager_server_on(self.address):
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout),
+                load_state_dict=self._load,
+                state_dict=self._save,
+                min_replica_size=cfg.min_replicas,
+                use_async_quorum=False,  # the quorum (and any healing) completes before the step's forward
+                init_sync=False,  # every group materialises the same weights from the seed
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=120),
+                rank=rank,
+                world_size=size,
+                store_addr=self.address,
+                store_port=int(os.environ["MASTER_PORT"]),
+                lighthouse_addr=cfg.lighthouse or os.environ[LIGHTHOUSE_ENV],
+                replica_id=f"group{group}",
+                hostname=self.address,
+                checkpoint_transport=self.transport,
+            )
 
     def begin(self, step: int) -> None:
         """After resuming at `step`: torchft counts committed steps from there; the first start waits for every group
         so that step 1 has them all (a restarted group goes straight on, to heal)."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        append_event(
-            self.main_run, "replica_started", step, group=self.group, group_rank=self.rank, pid=os.getpid()
+        started = [e for e in read_jsonl(self.main_run / EVENTS) if e.get("kind") == "replica_started"]
+        self._restarted = any(
+            (e.get("group"), e.get("group_rank")) == (self.group, self.rank) for e in started
         )
+        append_event(self.main_run, "replica_started", step, group=self.group, group_rank=self.rank,
+                     pid=os.getpid(), address=self.address)  # fmt: skip
         barrier = os.environ.get(BARRIER_ENV)
         if barrier and self.rank == 0:
             from torch.distributed import TCPStore
@@ -274,16 +333,25 @@ class ReplicaGroup:
 
     def sync(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Average this step's gradients and loss over the groups in the quorum; (loss, committed). Not committed:
-        a group failed during the step, which is undone (`_retry`) for the loop to run it again with the groups left."""
+        a group failed during the step, which is undone (`_retry`) for the loop to run it again with the groups left.
+
+        The stop request goes with them: each group's ranks agree on theirs first (`stop()`), then the average over
+        the groups is above 0 in every group of the quorum as soon as one group was asked, so that all stop after
+        this same committed step (issue 34: each group stopped on its own step before)."""
         works = [self.manager.allreduce(_local(p.grad)) for p in self._params() if p.grad is not None]
-        mean = loss.detach().clone()
-        works.append(self.manager.allreduce(mean))
+        mean, stop = loss.detach().clone(), torch.tensor([float(self._stop_requested())])
+        works += [self.manager.allreduce(mean), self.manager.allreduce(stop)]
         for work in works:
             work.wait()
         committed = self.manager.should_commit()
         if not committed:
             self._retry()
+        self._stop = committed and stop.item() > 0
         return mean, committed
+
+    def stop_agreed(self) -> bool:
+        """Whether any group of the last committed step's quorum was asked to stop (sync)."""
+        return self._stop
 
     def _retry(self) -> None:
         """Undo the step that did not commit: its gradients dropped, the loader back at the step's first sample."""
@@ -345,14 +413,17 @@ class ReplicaGroup:
         self.healed_at = time.time()
 
     def _joined(self, step: int) -> None:
-        """replica_joined: after a restart (heal_s: from the failure its launcher recorded to the weights received),
-        or after falling behind while alive (a quorum of the others committed a step without it)."""
+        """replica_joined: after a restart (heal_s: from the failure its launcher recorded to the weights received;
+        none where the group's node died with its launcher), or after falling behind while alive (a quorum of the
+        others committed a step without it). `source`: the peer's checkpoint server the state came from."""
         lost = [e for e in read_jsonl(self.main_run / EVENTS)
                 if e.get("kind") == "replica_lost" and e.get("group") == self.group]  # fmt: skip
-        cause = ("restarted" if lost else "started") if self._first_quorum else "fell_behind"
-        heal_s = round(self.healed_at - lost[-1]["time"], 3) if cause == "restarted" else None
+        restarted = lost or self._restarted
+        cause = ("restarted" if restarted else "started") if self._first_quorum else "fell_behind"
+        heal_s = round(self.healed_at - lost[-1]["time"], 3) if cause == "restarted" and lost else None
         if self.rank == 0:
-            fields = dict(group=self.group, heal_s=heal_s, cause=cause, replicas=self.replicas)
+            fields = dict(group=self.group, heal_s=heal_s, cause=cause, replicas=self.replicas,
+                          source=self.transport.received_from)  # fmt: skip
             append_event(self.main_run, "replica_joined", step, **fields)
             if self.group:  # group 0's own events are the main run's
                 self.event("replica_joined", step=step, **fields)

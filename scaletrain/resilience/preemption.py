@@ -55,9 +55,12 @@ class Preemption:
         """True on every rank once any rank got SIGTERM (one small all-reduce on the CPU group per call)."""
         return any_rank(self.flag, self.group)
 
-    def stopping(self, step: int, event: Callable[..., object], note: str) -> bool:
-        """requested(), and when it is, the `preempted` event and the warning (`note`: what the stop saves)."""
-        if not self.requested():
+    def stopping(
+        self, step: int, event: Callable[..., object], note: str, agreed: bool | None = None
+    ) -> bool:
+        """requested(), or `agreed` where the ranks agreed already (fault_tolerance: every replica group's), and when
+        it is, the `preempted` event and the warning (`note`: what the stop saves)."""
+        if not (self.requested() if agreed is None else agreed):
             return False
         received = self.received or "SIGTERM"  # another rank's, when not this one's
         event("preempted", step=step, signal=received)
@@ -121,6 +124,15 @@ def follow_launcher(readers: tuple[Connection, ...], local_rank: int) -> None:
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux; elsewhere nothing), and exit now if it already has."""
+    parent = multiprocessing.parent_process()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)
 
 
 def follow_agent() -> None:

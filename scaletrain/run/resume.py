@@ -41,6 +41,9 @@ FREE = (
     "precision.mechanism",  # how the same dtype is applied, like the layout
     "precision.reduce_dtype",
     "precision.loss_scale_init",  # a resumed fp16 run continues from its checkpointed scale
+    "fault_tolerance.group",  # each node's command names its own replica group and address (issue 34)
+    "fault_tolerance.address",
+    "fault_tolerance.lighthouse",
 )
 
 

@@ -10,7 +10,7 @@ from scaletrain.resilience import fault_tolerance
 from scaletrain.validate import load_config
 from tests.helpers import DEBUG
 
-ON = ["--fault_tolerance.enabled", "true", "--training.eval_interval", "0"]
+ON = ["--fault_tolerance.enabled", "true", "--training.eval_interval", "0", "--resilience.max_restarts", "1"]
 
 
 def _problems(world_size: int, *overrides: str) -> list[str]:
@@ -44,8 +44,26 @@ def test_without_torchft_it_is_refused_with_how_to_install(monkeypatch):
         (2, ["--training.eval_interval", "5"], "its share of the held-out data"),
         (2, ["--precision.compute", "fp16"], "loss scaler"),
         (2, ["--resilience.spike_zscore", "3"], "only group 0 has"),
+        (2, ["--fault_tolerance.group", "2"], "fault_tolerance.group must be in 0..1"),
+        (2, ["--fault_tolerance.group", "1"], "give fault_tolerance.lighthouse"),
+        (2, ["--fault_tolerance.address", "no-such-host.invalid"], "does not resolve"),
     ],
 )
 def test_combinations_it_cannot_serve_are_refused_with_the_reason(world, overrides, words):
     problems = _problems(world, *overrides)
     assert any(words in p for p in problems), problems
+
+
+@pytest.mark.skipif(not fault_tolerance.torchft_installed(), reason="torchft not installed")
+def test_without_a_restart_budget_it_is_refused_with_the_reason():
+    """Issue 34: with resilience.max_restarts 0 (the default) a group that loses a rank never comes back, and the
+    others wait FINAL_WAIT_S for it at the last step, then the job exits 1: refused before launch, saying so."""
+    with pytest.raises(ConfigError) as e:
+        load_config(DEBUG, [*ON[:-2]], world_size=2, check_run_dir=False)
+    [problem] = e.value.problems
+    assert (
+        "resilience.max_restarts 0" in problem
+        and "never rejoins" in problem
+        and "--max-restarts N" in problem
+    )
+    load_config(DEBUG, ON, world_size=2, check_run_dir=False)  # with one restart: accepted

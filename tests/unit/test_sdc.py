@@ -267,7 +267,17 @@ def test_config_checks(overrides, message):
             ["--model.preset", "debug_moe", "--parallel.data_parallel", "fsdp", "--parallel.ep", "2"],
             "parallel.ep 2",
         ),
-        (["--fault_tolerance.enabled", "true", "--training.eval_interval", "0"], "fault_tolerance.enabled"),
+        (
+            [
+                "--fault_tolerance.enabled",
+                "true",
+                "--training.eval_interval",
+                "0",
+                "--resilience.max_restarts",
+                "1",
+            ],
+            "fault_tolerance.enabled",
+        ),
     ],
 )
 def test_the_layouts_no_sdc_test_runs_are_refused(layout, named):

@@ -44,7 +44,7 @@ def _listening_addresses() -> list[str]:
 def test_local_rendezvous_listens_on_loopback_only():
     """Both store servers of a one-node rendezvous, created as `scaletrain train --nproc N` creates them."""
     params = RendezvousParameters(
-        backend=launch.LOOPBACK_RDZV,
+        backend=launch.LOCAL_RDZV,
         endpoint="127.0.0.1:0",
         run_id="security-test",
         min_nodes=1,
@@ -71,7 +71,7 @@ def test_run_workers_uses_loopback_rendezvous(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "elastic_launch", fake_launch)
     launch._run_workers(2, tmp_path, [])
     config = seen["config"]
-    assert config.rdzv_backend == launch.LOOPBACK_RDZV
+    assert config.rdzv_backend == launch.LOCAL_RDZV
     assert config.rdzv_endpoint.startswith("127.0.0.1:")
     assert config.local_addr == "127.0.0.1"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import PLANNED_GPUS, GpuSpec, match_gpu, usable_cpus
-from scaletrain.planner.memory import CPU_OVERHEAD_BYTES
+from scaletrain.planning.estimators.memory import CPU_OVERHEAD_BYTES
 
 GiB = 2**30
 GB = 10**9
