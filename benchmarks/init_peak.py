@@ -26,10 +26,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaletrain.config import ParallelConfig, TrainingConfig  # noqa: E402
+from scaletrain.hardware import CPU_OVERHEAD_BYTES  # noqa: E402
 from scaletrain.models import ModelArgs, build_meta_model, build_model  # noqa: E402
 from scaletrain.parallel.mesh import ParallelDims  # noqa: E402
 from scaletrain.parallel.parallelize import parallelize  # noqa: E402
-from scaletrain.planning.estimators.memory import CPU_OVERHEAD_BYTES, per_rank_bytes  # noqa: E402
+from scaletrain.planning.estimators.memory import per_rank_bytes  # noqa: E402
 
 GiB = 2**30
 

@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 
 GiB = 2**30
+# What a CPU rank holds before the model's first byte: the interpreter with torch and gloo's connections, 297 MiB
+# resident per rank at 16 ranks (benchmarks/init_peak.py); the memory check's and the planner's one figure.
+CPU_OVERHEAD_BYTES = 320 * 2**20
 
 # ---------------------------------------------------------------------------------------------------------- CUDA
 

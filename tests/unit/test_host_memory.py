@@ -6,14 +6,9 @@ from __future__ import annotations
 import os
 
 from scaletrain.config import ParallelConfig, TrainingConfig
-from scaletrain.hardware import host_memory_bytes
+from scaletrain.hardware import CPU_OVERHEAD_BYTES, host_memory_bytes
 from scaletrain.models import ModelArgs
-from scaletrain.planning.estimators.memory import (
-    CPU_ESTIMATE_ERROR,
-    CPU_OVERHEAD_BYTES,
-    memory_problem,
-    per_rank_bytes,
-)
+from scaletrain.planning.estimators.memory import CPU_ESTIMATE_ERROR, memory_problem, per_rank_bytes
 
 GiB = 2**30
 ARGS = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=704, vocab_size=512, max_seq_len=64)

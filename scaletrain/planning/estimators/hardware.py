@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import PLANNED_GPUS, GpuSpec, match_gpu, usable_cpus
-from scaletrain.planning.estimators.memory import CPU_OVERHEAD_BYTES
+from scaletrain.hardware import CPU_OVERHEAD_BYTES, PLANNED_GPUS, GpuSpec, match_gpu, usable_cpus
 
 GiB = 2**30
 GB = 10**9

@@ -12,7 +12,7 @@ import torch
 from scaletrain.config import Config, MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.data.loader import tokenizer_vocab
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import host_memory_bytes, uses_cuda
+from scaletrain.hardware import CPU_OVERHEAD_BYTES, host_memory_bytes, uses_cuda
 from scaletrain.models.attention import max_logits_bytes
 from scaletrain.models.init import WHOLE_PARAM_COPIES
 from scaletrain.models.llama import ModelArgs
@@ -31,11 +31,9 @@ from scaletrain.planning.estimators.moe import ffn_shape
 
 GiB = 2**30
 # CUDA context (~0.5 GiB), NCCL buffers and caching-allocator fragmentation: what a GPU rank loses before the
-# model's first byte. A CPU process pays much less: the interpreter with torch and gloo's connections, 297 MiB
-# resident per rank at 16 ranks (benchmarks/init_peak.py), and the host share it is compared with is already
-# rough. (The planner takes this constant from the device profile; calibration measures it on a CPU.)
+# model's first byte. A CPU process pays much less (hardware.CPU_OVERHEAD_BYTES). (The planner takes this constant
+# from the device profile; calibration measures it on a CPU.)
 GPU_OVERHEAD_BYTES = 2 * GiB
-CPU_OVERHEAD_BYTES = 320 * 2**20
 # The memory check's stated error on a CPU host: a layout whose estimate is within it of the host share is refused.
 # The worst case of benchmarks/memory_matrix.py measured below its estimate by at most this (docs/planner.md).
 CPU_ESTIMATE_ERROR = 0.10
