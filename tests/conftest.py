@@ -19,7 +19,13 @@ os.environ.setdefault("SCALETRAIN_CACHE", str(Path(__file__).resolve().parents[1
 SLOW_FIRST = (
     "e2e/test_checkpoint_layouts.py",
     "distributed/test_hybrid_layouts.py",
+    "cluster/test_node_loss.py",
+    "cluster/test_partition.py",
     "e2e/test_resilience.py",
+    "cluster/test_many_nodes.py",
+    "e2e/test_fault_tolerance.py",
+    "cluster/test_torchft_nodes.py",
+    "cluster/test_agent_death.py",
     "distributed/test_pipeline.py",
     "e2e/test_parity.py",
     "distributed/test_recompute.py",
