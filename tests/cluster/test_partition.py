@@ -80,13 +80,16 @@ def test_a_cut_link_is_found_within_the_hang_timeout_and_the_job_reforms_without
         _wait(lambda: _on_both_nodes(run) and _saved(run) >= 10, 120, "no checkpoint on two nodes")
         node1.cut()
         cut, saved = time.time(), _saved(run)
-        _wait(lambda: len(events(run, "hang")) == 4, timeout_s + 5, "not every rank's watchdog fired")
+        # A rank inside a step when the link went down is ended by its watchdog; one between steps (a save's
+        # commit) is ended with its group once a peer's watchdog fired. Each node has at least one of the first.
+        _wait(lambda: {e["rank"] // 2 for e in events(run, "hang")} == {0, 1}, timeout_s + 15,
+              "no watchdog fired on one of the nodes")  # fmt: skip
         _wait(lambda: not _workers(node1), 5, f"node1's stuck workers live on: {_workers(node1)}")
         ended = time.time() - cut
         assert node0.wait(120) == 0, _logs(tmp_path, cluster)
     hangs = events(run, "hang")
-    assert sorted(e["rank"] for e in hangs) == [0, 1, 2, 3]
-    detected = max(e["time"] for e in hangs) - cut
+    assert {e["rank"] // 2 for e in hangs} == {0, 1}  # node0 holds ranks 0-1, node1 ranks 2-3
+    detected = max(min(e["time"] for e in hangs if e["rank"] // 2 == n) for n in (0, 1)) - cut
     # The cut came mid-step: the step had run for a while before it, so the watchdog fires within the timeout of it.
     assert detected <= timeout_s + 1.5, detected
     assert all(timeout_s <= e["elapsed_s"] <= timeout_s + 1.5 for e in hangs), hangs
