@@ -22,6 +22,10 @@ NEEDS = (
     ("unshare", "util-linux", "tests/cluster gives each node its own hostname, /dev/shm and pids"),
     ("nsenter", "util-linux", "tests/cluster runs commands inside a simulated node"),
     ("mount", "mount", "tests/cluster gives each node a /dev/shm and /etc/hosts of its own"),
+    ("slurmctld", "slurm-wlm", "tests/cluster/test_slurm.py runs a real Slurm on simulated nodes"),
+    ("slurmd", "slurm-wlm", "tests/cluster/test_slurm.py runs a real Slurm on simulated nodes"),
+    ("sbatch", "slurm-wlm", "tests/cluster/test_slurm.py submits the Slurm recipe"),
+    ("munged", "munge", "tests/cluster/test_slurm.py: Slurm authenticates with munge"),
     ("taskset", "util-linux", "tests/e2e/test_tools_user_form.py pins a process to one CPU"),
 )
 ALIASES = {"chromium": ("chromium", "chromium-browser")}

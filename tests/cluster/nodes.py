@@ -105,6 +105,17 @@ class Node:
             time.sleep(0.1)
         return int(self.status.read_text())
 
+    def run(
+        self, cmd: list[str], env: dict[str, str] | None = None, timeout: float = 60, check: bool = True
+    ) -> subprocess.CompletedProcess:
+        """Run `cmd` on the started node (its network, hostname, mounts and pids), as a shell on it would, from
+        the project root, beside the node's command; returns its result (text)."""
+        return subprocess.run(
+            ["nsenter", "--target", str(self.init_pid), "--net", "--uts", "--mount", "--pid", "--", *cmd],
+            env={**os.environ, **(env or {})}, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+            check=check,
+        )  # fmt: skip
+
     def kill(self) -> None:
         """The node dies whole: SIGKILL of its init ends every process in it, and its /dev/shm is gone."""
         with contextlib.suppress(ProcessLookupError):
