@@ -14,8 +14,9 @@ from typing import Literal
 @dataclass
 class ModelConfig:
     preset: str = "debug"
-    """Named architecture: debug, 125M, 1B, 8B, 70B, 405B (dense); debug_moe, mixtral_8x7b, deepseek_moe_16b,
-    deepseek_v3_671b (MoE). The fields below, when set, override it."""
+    """Named architecture (models/presets.py, docs/models.md): debug, 125M, 1B, 8B, 70B, 405B (Llama); debug_moe,
+    mixtral_8x7b, deepseek_moe_16b, deepseek_v3_671b (MoE); the qwen3_* and gpt_oss_* families. The fields
+    below, when set, override it."""
     dim: int | None = None
     """Hidden size."""
     n_layers: int | None = None
@@ -51,6 +52,14 @@ class ModelConfig:
     """Sliding-window attention (Mistral style): query i sees keys i - window < j <= i. 0: off (full causal)."""
     window_every: int = 1
     """With model.window: the window on every k-th layer (layers 0, k, 2k, ...); 1: all, 2: every other."""
+    family: Literal["llama", "qwen3", "gpt_oss", "deepseek_v3"] | None = None
+    """The Hugging Face family the model converts as (`convert --to hf`, model.init_from): llama (Llama, or
+    Mixtral with MoE), qwen3 (Qwen3, or Qwen3-MoE), gpt_oss, deepseek_v3. Unset: the preset's. It names the
+    adapter only; the computation follows the fields (qk_norm, head_size, ...), checked against it at export."""
+    head_size: int | None = None
+    """Channels per attention head; 0: dim / n_heads. Qwen3 and GPT-OSS use heads wider or narrower than that."""
+    qk_norm: bool | None = None
+    """RMSNorm over each head's query and key before RoPE (Qwen3)."""
 
 
 @dataclass

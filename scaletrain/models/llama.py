@@ -58,10 +58,15 @@ class ModelArgs:
     capacity_factor: float = 0.0  # 0: dropless
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    # Model families (docs/models.md). `family` only names the Hugging Face adapter a checkpoint converts with
+    # (checkpoint/hf/families.py) and the preset group; the computation is chosen by the feature switches below.
+    family: str = "llama"
+    head_size: int = 0  # channels per attention head; 0: dim // n_heads (Qwen3 and GPT-OSS set it apart)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
 
 class RMSNorm(nn.Module):
@@ -129,6 +134,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Qwen3's QK-norm: one RMSNorm of head_dim channels shared by all heads, applied before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         # The attention kernel, a plain callable (not a module): context parallel swaps in ring attention, which
         # takes no mask (validate refuses document masking and the window under cp).
         self.sdpa = AttentionKernel(args.attention)
@@ -151,6 +159,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv is not None:
@@ -331,6 +341,8 @@ class Transformer(nn.Module):
                     (p + "feed_forward." + n, init) for n, init in moe_init_plan(std, depth_std, hidden > 0)
                 ]
             plan += [(f"{p}attention_norm.weight", nn.init.ones_), (f"{p}ffn_norm.weight", nn.init.ones_)]
+            if args.qk_norm:  # no RNG draw: the plan's other entries draw as without QK-norm
+                plan += [(f"{p}attention.{n}.weight", nn.init.ones_) for n in ("q_norm", "k_norm")]
         plan.append(("norm.weight", nn.init.ones_))
         if not args.tie_embeddings:
             plan.append(("output.weight", trunc_normal(args.dim**-0.5)))

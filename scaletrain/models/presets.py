@@ -14,6 +14,7 @@ import torch
 from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.models.llama import ModelArgs, Transformer
 from scaletrain.models.moe import is_moe_layer
+from scaletrain.models.qwen3 import QWEN3_PRESETS
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, rope_scaling="llama3")
 
@@ -103,6 +104,8 @@ PRESETS: dict[str, dict] = {
         router="sigmoid",
     ),
 }
+# Each family's shapes live in its module (models/<family>.py) and are named here once.
+PRESETS |= QWEN3_PRESETS
 
 # MoEConfig field -> ModelArgs field where the names differ; the rest keep their name.
 MOE_FIELDS = {"hidden": "moe_hidden", "every": "moe_every"}

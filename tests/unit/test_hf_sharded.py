@@ -90,5 +90,5 @@ def test_a_missing_tensor_a_wrong_shape_and_another_config_are_refused(tmp_path)
     rest = {k: v for k, v in load_file(str(f)).items() if k != name}
     save_file(rest, str(f), metadata={"format": "pt"})
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(UserError, match=f"lacks 1 weight.*{name}"):
+    with pytest.raises(UserError, match=f"lacks {name}"):
         load_hf_sharded([build_model(args, 0, "cpu")], path, args)

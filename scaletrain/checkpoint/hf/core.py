@@ -1,7 +1,7 @@
-"""Hugging Face interchange, the shared core over one state-dict adapter per model family (llama.py; mixtral.py, a
-Llama with an MoE feed-forward): which family a model or a config.json is, every problem an import would have, the
-export (config.json + safetensors, loadable by transformers as that family) and the whole-model import. The files
-on disk are files.py's; the per-rank import of a parallelised model is sharded.py's."""
+"""Hugging Face interchange, the shared core over one state-dict adapter per model family (families.py names them:
+llama.py with mixtral.py, qwen3.py, gpt_oss.py): every problem an import would have, the export (config.json +
+safetensors, loadable by transformers as that family) and the whole-model import. The files on disk are
+files.py's; the per-rank import of a parallelised model is sharded.py's."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import contextlib
 import json
 import logging
 import math
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from scaletrain.checkpoint.hf import llama, mixtral
+from scaletrain.checkpoint.hf import llama
+from scaletrain.checkpoint.hf.families import adapter, adapter_for_config, importable_types
 from scaletrain.checkpoint.hf.files import (
     EXPORT_DTYPES,
     INDEX_FILE,
@@ -23,27 +25,23 @@ from scaletrain.checkpoint.hf.files import (
     SafetensorsWriter,
     few,
     plan_shards,
-    read_hf_dir,
     tensor_names,
     tokenizer_config,
     umask_permissions,
     weight_files,
 )
+from scaletrain.checkpoint.hf.mixtral import MOE_FIELDS as MOE_CONFIG_FIELDS
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.llama import ModelArgs, Transformer
 
 
 def architecture(args: ModelArgs) -> str:
     """The transformers class an export of this model loads into."""
-    return mixtral.ARCHITECTURE if args.n_experts > 0 else llama.ARCHITECTURE
+    return adapter(args.family).architecture(args)
 
 
 def hf_config(args: ModelArgs, eod_id: int | None = None) -> dict:
-    cfg = llama.config_json(args, eod_id)
-    if args.n_experts > 0:
-        del cfg["mlp_bias"], cfg["attention_bias"]  # not Mixtral fields (it has no biases)
-        cfg |= mixtral.config_json(args)
-    return cfg
+    return adapter(args.family).export_config(args, eod_id)
 
 
 def args_from_hf_config(cfg: dict) -> dict:
@@ -58,64 +56,60 @@ def args_from_hf_config(cfg: dict) -> dict:
 
 def _read_hf_config(cfg: dict) -> tuple[dict, list[str]]:
     """(model.* fields, problems) of a config.json, by its family."""
-    kind = cfg.get("model_type")
-    if kind not in ("llama", "mixtral"):
-        return {}, [f"config.json has model_type '{kind}'; only Llama and Mixtral checkpoints import"]
-    fields, problems = llama.read_config(cfg)
-    if not fields:
-        return fields, problems
-    rope, rope_problems = llama.read_rope(
-        cfg, mixtral.DEFAULT_ROPE_THETA if mixtral.is_mixtral(cfg) else 10000.0
-    )
-    fields |= rope
-    if mixtral.is_mixtral(cfg):
-        moe, moe_problems = mixtral.read_config(cfg)
-        fields |= moe
-        problems += moe_problems
-    return fields, problems + rope_problems
+    family = adapter_for_config(cfg)
+    if family is None:
+        return {}, [
+            f"config.json has model_type '{cfg.get('model_type')}'; the model types that import are "
+            f"{importable_types()}"
+        ]
+    return family.import_config(cfg)
 
 
-def _expected_names(n_layers: int, n_experts: int = 0, names: set[str] = frozenset()) -> set[str]:
-    """A Llama's tensor names, or with n_experts a Mixtral's (each layer's experts in the layout `names` has)."""
-    expected = llama.tensor_names(n_layers, moe=n_experts > 0)
-    for i in range(n_layers if n_experts else 0):
-        expected |= mixtral.layer_names(i, n_experts, mixtral.is_fused(names, i))
-    return expected
-
-
-def tensor_problems(names: list[str], n_layers: int, layers_from: str, n_experts: int = 0) -> list[str]:
-    """What in a checkpoint's tensor names our model has no place for: biases, layers at or beyond `n_layers`
-    (`layers_from` names where that count comes from), experts at or beyond `n_experts` (0: a Llama), anything
-    else unexpected. Dropping them would load a different model than the one saved."""
-    expected = _expected_names(n_layers, n_experts, set(names))
+def tensor_problems(names: list[str], args: ModelArgs, layers_from: str) -> list[str]:
+    """What in a checkpoint's tensor names a model of `args` has no place for: biases, layers at or beyond its
+    n_layers (`layers_from` names where that count comes from), experts at or beyond its n_experts, anything else
+    unexpected. Dropping them would load a different model than the one saved."""
+    family = adapter(args.family)
+    expected = family.import_names(args, set(names))
     extra = [n for n in names if n not in expected and "rotary_emb" not in n]  # old HF saved RoPE's inv_freq
     biases = [n for n in extra if n.endswith(".bias")]
     beyond = [
-        n for n in extra if n not in biases and (m := llama.LAYER.fullmatch(n)) and int(m["i"]) >= n_layers
+        n
+        for n in extra
+        if n not in biases and (m := llama.LAYER.fullmatch(n)) and int(m["i"]) >= args.n_layers
     ]
-    experts = mixtral.experts_beyond([n for n in extra if n not in beyond], n_experts) if n_experts else []
+    experts = [
+        n
+        for n in extra
+        if n not in beyond and (m := _EXPERT.search(n)) and int(m["e"]) >= args.n_experts and args.n_experts
+    ]
     other = [n for n in extra if n not in biases and n not in beyond and n not in experts]
     problems = []
     if biases:
         problems.append(
-            f"{len(biases)} bias tensor(s) in the weights, e.g. {few(biases)}; our Llama has no biases"
+            f"{len(biases)} bias tensor(s) in the weights, e.g. {few(biases)}; our {family.NAME} has no biases"
         )
     if beyond:
         layers = sorted({int(llama.LAYER.fullmatch(n)["i"]) for n in beyond})
         problems.append(
-            f"tensor(s) of layer {', '.join(map(str, layers))}, beyond {layers_from} {n_layers}: {few(beyond)}; "
-            "they would be dropped"
+            f"tensor(s) of layer {', '.join(map(str, layers))}, beyond {layers_from} {args.n_layers}: "
+            f"{few(beyond)}; they would be dropped"
         )
     if experts:
         problems.append(
-            f"tensor(s) of experts beyond the model's {n_experts} experts: {few(experts)}; they would be dropped"
+            f"tensor(s) of experts beyond the model's {args.n_experts} experts: {few(experts)}; they would be "
+            "dropped"
         )
     if other:
         problems.append(
             f"unexpected tensor(s) {few([repr(n) for n in other])}: not weights of a "
-            f"{'Mixtral' if n_experts else 'Llama'} causal LM"
+            f"{family.architecture(args).removesuffix('ForCausalLM')} causal LM"
         )
     return problems
+
+
+# An expert's own tensor in the Hub layout, whatever the family (experts.{e}.<name>).
+_EXPERT = re.compile(r"\.experts\.(?P<e>\d+)\.")
 
 
 def hf_dir_problems(path: Path) -> list[str]:
@@ -129,10 +123,10 @@ def hf_dir_problems(path: Path) -> list[str]:
     fields, problems = _read_hf_config(cfg)
     if "n_layers" in fields:
         names = tensor_names(path)
-        n_layers, n_experts = fields["n_layers"], fields.get("n_experts", 0)
-        problems += tensor_problems(names, n_layers, "config.json's num_hidden_layers", n_experts)
-        expected = _expected_names(n_layers, n_experts, set(names))
-        missing = sorted(expected - set(names) - ({"lm_head.weight"} if fields["tie_embeddings"] else set()))
+        args = ModelArgs(**fields)
+        problems += tensor_problems(names, args, "config.json's num_hidden_layers")
+        expected = adapter(args.family).import_names(args, set(names))
+        missing = sorted(expected - set(names) - ({"lm_head.weight"} if args.tie_embeddings else set()))
         if missing:
             problems.append(f"the weights lack {few(missing)}, which config.json says the model has")
     return [f"{path}: {p}" for p in problems]
@@ -179,11 +173,11 @@ def write_hf(
         raise UserError(f"{out} exists and is not empty; choose a new output directory")
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose {' or '.join(EXPORT_DTYPES)}")
-    if args.n_experts > 0:
-        biases = {k: read(k) for k in shapes if k.endswith("router.expert_bias")}  # small: one per layer
-        problems = mixtral.export_problems(args, biases)
-        if problems:
-            raise ConfigError([f"cannot export as {mixtral.ARCHITECTURE}: {p}" for p in problems])
+    family = adapter(args.family)
+    biases = {k: read(k) for k in shapes if k.endswith("router.expert_bias")}  # small: one per layer
+    problems = family.export_problems(args, biases)
+    if problems:
+        raise ConfigError([f"cannot export as {family.architecture(args)}: {p}" for p in problems])
     out.mkdir(parents=True, exist_ok=True)
     torch_dtype = EXPORT_DTYPES[dtype]
     files = plan_shards(_hf_tensors(args, shapes, torch_dtype), torch_dtype.itemsize, max_shard_bytes)
@@ -216,10 +210,7 @@ def write_hf(
 
 def _to_hf(args: ModelArgs, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
     """The HF tensors of one of ours (an MoE's stacked experts are one per expert); none for a tied output."""
-    if args.tie_embeddings and name == "output.weight":
-        return {}  # HF re-ties lm_head to the embedding
-    moe = mixtral.to_hf_tensors(name, value)
-    return moe if moe is not None else {llama.to_hf_name(name): value}
+    return adapter(args.family).export_tensors(args, name, value)
 
 
 def _hf_tensors(
@@ -234,18 +225,18 @@ def _hf_tensors(
     ]
 
 
+_SHAPE_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"}
+_TRAINING_CHOICES = {"capacity_factor", "aux_loss_coef", "z_loss_coef"}
+
+
 def _args_problems(args: ModelArgs, hf: dict) -> list[str]:
     """model.* fields that differ from what config.json says the weights were trained with: same shapes, other
     numbers (e.g. the 8B preset's Llama 3.1 RoPE scaling on Llama 3 weights, which have none)."""
-    keys = ["rope_theta", "rope_scaling", "norm_eps", "tie_embeddings"]
-    if hf.get("rope_scaling") == "llama3":
-        keys += ["rope_scaling_factor", "rope_original_max_len"]
-    # An MoE's routing and window (capacity and the balance loss are training choices, left to the config).
+    # Every field config.json states but the shape (the tensors' shapes check it) and the MoE's training choices
+    # (capacity and the balance losses, left to the config); a dense config.json states n_experts 0.
     hf = {"n_experts": 0, **hf}
-    keys += ["n_experts", "window", "window_every"]
-    if hf["n_experts"]:
-        keys += ["top_k", "moe_hidden", "shared_experts", "router", "norm_topk", "moe_every", "first_dense"]
-    names = {k: f"moe.{mixtral.MOE_FIELDS[k]}" if k in mixtral.MOE_FIELDS else f"model.{k}" for k in keys}
+    keys = [k for k in hf if k not in _SHAPE_FIELDS | _TRAINING_CHOICES]
+    names = {k: f"moe.{MOE_CONFIG_FIELDS[k]}" if k in MOE_CONFIG_FIELDS else f"model.{k}" for k in keys}
     return [
         f"{names[k]} is {getattr(args, k)!r} but config.json has {hf[k]!r}; set {names[k]} = {hf[k]!r} (as "
         "`scaletrain convert --from hf` writes it)"
@@ -259,35 +250,15 @@ def import_problems(args: ModelArgs, cfg: dict, names: list[str]) -> list[str]:
     config.json's own problems, model.* fields that differ from it, tensors the model has no place for."""
     fields, problems = _read_hf_config(cfg)
     problems += _args_problems(args, fields)
-    return problems + tensor_problems(names, args.n_layers, "model.n_layers", args.n_experts)
+    return problems + tensor_problems(names, args, "model.n_layers")
 
 
 def load_hf_weights(model: Transformer, path: Path) -> None:
-    """Copy HF weights into an (already materialised) model, checking config.json, names and shapes: ConfigError
-    naming every field and tensor that would not load as saved."""
-    cfg, weights = read_hf_dir(path)
-    problems = import_problems(model.args, cfg, list(weights))
-    if problems:
-        raise ConfigError([f"{path}: {p}" for p in problems])
-    n_layers, n_experts = model.args.n_layers, model.args.n_experts
-    moe = mixtral.from_hf_tensors(weights, n_layers, n_experts) if n_experts else {}
-    ours = moe | {llama.from_hf_name(k): v for k, v in weights.items() if "rotary_emb" not in k}
-    if model.args.tie_embeddings:
-        # Tied: the embedding is the one weight; a saved copy of it as lm_head must not overwrite it.
-        ours["output.weight"] = ours.get("tok_embeddings.weight")
-    sd = model.state_dict()
-    missing = sorted(k for k in sd if ours.get(k) is None)
-    if missing:
-        raise UserError(f"the Hugging Face checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
-    for k, v in sd.items():
-        if tuple(ours[k].shape) != tuple(v.shape):
-            raise UserError(
-                f"{k}: shape {tuple(ours[k].shape)} in the checkpoint, {tuple(v.shape)} in the model "
-                "(does the config match config.json?)"
-            )
-    with torch.no_grad():
-        for k, v in sd.items():
-            v.copy_(ours[k].to(v.dtype))
+    """Copy HF weights into an (already materialised, unsharded) model, checking config.json, names and shapes:
+    ConfigError naming every field and tensor that would not load as saved. The per-rank import on one rank."""
+    from scaletrain.checkpoint.hf.sharded import load_hf_sharded  # sharded.py builds on this module
+
+    load_hf_sharded([model], path, model.args)
 
 
 @contextlib.contextmanager

@@ -9,12 +9,29 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from scaletrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one of our state-dict entries is read from in an HF checkpoint, without reading it.
+
+    names: the HF tensors; several are stacked on a new dim 0 (one per expert); none gives zeros.
+    chunk: 0 or 1 takes that half of dim 1 of the one tensor (a fused gate_up_proj: w1 then w3); -1 the whole.
+    transform: applied to the block of dim 0 a rank needs (its experts), read whole on the other dims, to give
+    our layout (e.g. GPT-OSS's interleaved, transposed gate_up_proj); the rank's region is cut out after it."""
+
+    names: list[str]
+    chunk: int = -1
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+
 
 FEW = 3  # tensor names shown in a message; the rest are counted
 

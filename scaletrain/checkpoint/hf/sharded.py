@@ -1,6 +1,6 @@
 """Hugging Face import into an already parallelised model (issue 23 item 3): each rank reads from the safetensors
 files only the rows and columns its own parameters hold (safe_open's lazy slices), so no rank holds a full copy of
-the model at any time. Names and layouts are the family adapters' (llama.py, mixtral.py); the values loaded equal
+the model at any time. Names and layouts are the family adapters' (families.py); the values loaded equal
 load_hf_weights' on the whole model bit for bit (tests/distributed/test_hf_sharded.py)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scaletrain.checkpoint.hf import llama, mixtral
 from scaletrain.checkpoint.hf.core import import_problems
-from scaletrain.checkpoint.hf.files import hf_tensor_files, read_hf_config
+from scaletrain.checkpoint.hf.families import adapter
+from scaletrain.checkpoint.hf.files import Source, few, hf_tensor_files, read_hf_config
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.llama import ModelArgs
 
@@ -52,24 +52,15 @@ def _targets(part: nn.Module) -> dict[str, _Target]:
     return out
 
 
-def _source(name: str, files: dict[str, Path], args: ModelArgs) -> tuple[list[str], int]:
-    """(HF names, chunk) of one of our entries, as mixtral.import_source says for the MoE ones."""
-    moe = mixtral.import_source(name, files, args.n_experts) if args.n_experts else None
-    if moe is not None:
-        return moe
-    if name == "output.weight" and args.tie_embeddings:
-        # Tied: the embedding is the one weight; a saved copy of it as lm_head is not read (as load_hf_weights).
-        return ["model.embed_tokens.weight"], -1
-    return [llama.to_hf_name(name)], -1
-
-
-def _check_shapes(
-    name: str, target: _Target, names: list[str], chunk: int, shapes: dict[str, list[int]]
-) -> None:
+def _check_shapes(name: str, target: _Target, src: Source, shapes: dict[str, list[int]]) -> None:
     """UserError when the HF tensors behind `name` do not have its global shape."""
+    names, chunk = src.names, src.chunk
     if not names:
         return
-    if len(names) > 1:  # one per expert, stacked on a new dim 0
+    if src.transform is not None:
+        meta = torch.empty(shapes[names[0]], device="meta")
+        got = tuple(src.transform(meta).shape)
+    elif len(names) > 1:  # one per expert, stacked on a new dim 0
         got = (len(names), *shapes[names[0]]) if all(shapes[n] == shapes[names[0]] for n in names) else None
     else:
         got = tuple(shapes[names[0]])
@@ -82,11 +73,19 @@ def _check_shapes(
         )
 
 
-def _read(handles: dict[str, object], target: _Target, names: list[str], chunk: int) -> torch.Tensor:
-    """This rank's block of one of our tensors, read from the HF tensors `names` (see mixtral.import_source)."""
+def _read(handles: dict[str, object], target: _Target, src: Source) -> torch.Tensor:
+    """This rank's block of one of our tensors, read from the HF tensors the source names (files.Source)."""
+    names, chunk = src.names, src.chunk
     region = [slice(o, o + n) for o, n in zip(target.offset, target.local.shape, strict=True)]
     if not names:
         return torch.zeros(target.local.shape)
+    if src.transform is not None:
+        rows = (
+            handles[names[0]].get_slice(names[0])[region[0]]
+            if region
+            else handles[names[0]].get_tensor(names[0])
+        )
+        return src.transform(rows)[(slice(None), *region[1:])] if region else src.transform(rows)
     if len(names) > 1:
         experts = names[region[0]]
         if not experts:
@@ -111,21 +110,22 @@ def load_hf_sharded(parts: list[nn.Module], path: Path, args: ModelArgs) -> int:
     targets: dict[str, _Target] = {}
     for part in parts:
         targets |= _targets(part)
-    sources = {name: _source(name, files, args) for name in targets}
-    missing = sorted({n for names, _ in sources.values() for n in names if n not in files})
+    family = adapter(args.family)
+    sources = {name: family.import_source(args, name, set(files)) for name in targets}
+    missing = sorted({n for src in sources.values() for n in src.names if n not in files})
     if missing:
-        raise UserError(f"the Hugging Face checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+        raise UserError(f"the Hugging Face {family.NAME} checkpoint lacks {few(missing)}")
     read = 0
     with contextlib.ExitStack() as stack:
-        needed = sorted({files[n] for names, _ in sources.values() for n in names})
+        needed = sorted({files[n] for src in sources.values() for n in src.names})
         opened = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in needed}
         handles = {n: opened[f] for n, f in files.items() if f in opened}
-        shapes = {n: handles[n].get_slice(n).get_shape() for names, _ in sources.values() for n in names}
-        for name, (names, chunk) in sources.items():
-            _check_shapes(name, targets[name], names, chunk, shapes)
+        shapes = {n: handles[n].get_slice(n).get_shape() for src in sources.values() for n in src.names}
+        for name, src in sources.items():
+            _check_shapes(name, targets[name], src, shapes)
         with torch.no_grad():
-            for name, (names, chunk) in sources.items():
-                block = _read(handles, targets[name], names, chunk)
+            for name, src in sources.items():
+                block = _read(handles, targets[name], src)
                 targets[name].local.copy_(block.to(targets[name].local.dtype))
                 read += block.numel() * block.element_size()
     log.info("loaded %d tensors from %s: %.1f MB read by this rank", len(targets), path, read / 2**20)

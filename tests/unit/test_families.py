@@ -1,0 +1,138 @@
+"""The model families against the installed transformers' own classes (issue 36): Qwen3, Qwen3-MoE and GPT-OSS
+built from small random configs (never downloaded), imported and exported through checkpoint/hf, with logits and
+greedy generation equal in fp32; and the published presets' parameter counts, counted on the meta device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.checkpoint.convert import from_hf
+from scaletrain.checkpoint.hf.core import export_hf, load_hf_weights, verify_with_transformers
+from scaletrain.config import ModelConfig, MoEConfig
+from scaletrain.config.io import read_toml
+from scaletrain.inference.generate import generate
+from scaletrain.models import ModelArgs, build_meta_model, build_model, resolve_model_args
+from scaletrain.models.llama import count_parameters
+from scaletrain.models.moe import MoE
+from scaletrain.models.qwen3 import PUBLISHED
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 64, 20
+BASE = dict(vocab_size=VOCAB, max_seq_len=32, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=48)
+# head_size 16 where dim / n_heads is 8: the explicit head size is exercised.
+FAMILIES = {
+    "qwen3": dict(family="qwen3", qk_norm=True, head_size=16, rope_theta=1e6, norm_eps=1e-6),
+    "qwen3_moe": dict(
+        family="qwen3",
+        qk_norm=True,
+        head_size=16,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        n_experts=4,
+        top_k=2,
+        moe_hidden=24,
+        first_dense=1,
+    ),
+}
+HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def _hf_config(kind: str) -> object:
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+    )  # fmt: skip
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common)
+    return transformers.Qwen3MoeConfig(
+        **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+        mlp_only_layers=[0],
+    )  # fmt: skip
+
+
+def _randomise(model: torch.nn.Module) -> None:
+    """Norm weights away from 1 (QK-norm and the block norms must be read, not assumed) and decisive routers (at
+    std 0.02 a near-tie could flip between two implementations on rounding alone)."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif "gate" in name and p.dim() == 2 and p.shape[0] <= 8:  # a router
+                p.normal_(0.0, 1.0, generator=gen)
+
+
+def _ours(kind: str) -> torch.nn.Module:
+    model = build_model(ModelArgs(**BASE, **FAMILIES[kind]), seed=0, device="cpu")
+    _randomise(model)
+    return model.eval()
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _hf_load(path: Path, kind: str) -> torch.nn.Module:
+    cls = getattr(transformers, HF_CLASS[kind])
+    return cls.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _greedy_equal(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
+    prompt = [3, 17, 5, 42, 9]
+    mine = generate(ours, prompt, max_new_tokens=10).tokens
+    theirs = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None
+    )[0, len(prompt) :].tolist()
+    assert mine == theirs
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_export_loads_in_transformers_with_equal_logits_and_greedy_tokens(tmp_path, kind):
+    model = _ours(kind)
+    export_hf(model, tmp_path / "hf")
+    hf = _hf_load(tmp_path / "hf", kind)
+    x = _tokens()
+    with torch.no_grad():
+        diff = (hf(x).logits - model(x)).abs().max().item()
+    assert diff <= 1e-5
+    assert verify_with_transformers(model, tmp_path / "hf") <= 1e-5
+    _greedy_equal(model, hf)
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_transformers_checkpoint_imports_with_equal_logits_and_greedy_tokens(tmp_path, kind):
+    torch.manual_seed(0)
+    hf = getattr(transformers, HF_CLASS[kind])(_hf_config(kind)).eval()
+    _randomise(hf)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    # `scaletrain convert --from hf`, then the model its config builds with model.init_from's weights.
+    from_hf(tmp_path / "hf", tmp_path / "a.toml")
+    sections = read_toml(str(tmp_path / "a.toml"))
+    fields = {k: v for k, v in sections["model"].items() if k != "init_from"}
+    assert fields["family"] == "qwen3" and fields["qk_norm"] and fields["head_size"] == 16
+    args = resolve_model_args(ModelConfig(**fields), None, 32, moe=MoEConfig(**sections.get("moe", {})))
+    model = build_model(args, seed=1, device="cpu")
+    load_hf_weights(model, tmp_path / "hf")
+    model.eval()
+    assert sum(isinstance(b.feed_forward, MoE) for b in model.layers.values()) == (2 if "moe" in kind else 0)
+    x = _tokens()
+    with torch.no_grad():
+        diff = (hf(x).logits - model(x)).abs().max().item()
+    assert diff <= 1e-5
+    _greedy_equal(model, hf)
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_published_presets_count_the_published_parameters(preset):
+    args = resolve_model_args(ModelConfig(preset=preset), None, 4096)
+    counts = count_parameters(build_meta_model(args))
+    total, active = PUBLISHED[preset]
+    # The model cards round to one decimal (1.72B is "1.7B").
+    assert counts["total"] / 1e9 == pytest.approx(total, rel=0.02)
+    if active is not None:  # the cards' activated count includes the embedding
+        assert (counts["active"] + args.vocab_size * args.dim) / 1e9 == pytest.approx(active, rel=0.02)
