@@ -228,10 +228,10 @@ def build(cfg: Config) -> Job:
     # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
     # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    global_batch = layout.global_batch
-    batches = BatchRamp.of(cfg.training.batch_ramp, global_batch)  # each step's global batch (validated)
+    batches = BatchRamp.of(cfg.training.batch_ramp, layout.global_batch)  # each step's global batch (validated)
     dp = fault_tolerance.data_slice(dims.dp_rank, layout.dp_size, cfg.fault_tolerance)  # (rank, size)
-    loader = first(lambda: build_loader(cfg.data, tokenizer, global_batch, *dp, cfg.training.seed, log.info))
+    loader = first(lambda: build_loader(cfg.data, tokenizer, layout.global_batch, *dp, cfg.training.seed, log.info,
+                                        batches.consumed(cfg.training.steps) * cfg.data.seq_len))  # fmt: skip
 
     # -- Model: built on meta and parallelised there; each rank then materialises only its share, with the
     # single-process values for the seed (parallel/materialize.py). An HF import then overwrites each rank's share
@@ -276,7 +276,7 @@ def build(cfg: Config) -> Job:
                                            layout.tokens_per_step, env.world_size, env.device, cfg.training.compile,
                                            resolve_cache_dir(cfg.data), writer.event, first)  # fmt: skip
     metrics.announce(
-        cfg, env, n_params, described, global_batch, layout.tokens_per_step, peak_source, precision
+        cfg, env, n_params, described, layout.global_batch, layout.tokens_per_step, peak_source, precision
     )
     evaluation = Evaluation(runner, loader, cfg.training, dims, env.device, writer.event, meter.exclude)
     parts = (cfg, env, dims, run, writer, loader, runner, optimizers, train_state, ckpt, guard)
@@ -305,6 +305,8 @@ def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: f
         **job.runner.scale_metrics(),  # fp16: loss_scale, overflow_skipped
         **job.ft.metrics(),  # fault_tolerance: replicas in this step's quorum
         **job.moe.metrics(),  # MoE: max/mean expert load per layer, dropped fraction, aux and z losses
+        # data.streaming: each source's realised share of the samples since the last record (data_share/NAME)
+        **job.loader.shares(),
         # QK-clip (optimizer.qk_clip): the step's max_attn_logit and qk_clipped_heads
         **(job.optimizers.qk_clip.metrics() if job.optimizers.qk_clip else {}),
     }

@@ -17,6 +17,8 @@ from scaletrain.checkpoint.problems import checkpoint_problems, run_dir_problems
 from scaletrain.config import Config, TrainingConfig
 from scaletrain.config.io import fields_typed, parse_config, resolve_paths, saved_config, to_dict
 from scaletrain.data.loader import data_problems, tokenizer_vocab
+from scaletrain.data.ramp import BatchRamp
+from scaletrain.data.schedule import schedule_problems
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import cuda_available, uses_cuda
 from scaletrain.metrics.profile import profile_problems
@@ -72,6 +74,14 @@ def load_config(
     return cfg
 
 
+def _run_tokens(t: TrainingConfig, layout: Layout, seq_len: int) -> int:
+    """Tokens training.steps consume (what data.schedule's shares are of); a bad batch_ramp is reported apart."""
+    try:
+        return BatchRamp.of(t.batch_ramp, layout.global_batch).consumed(t.steps) * seq_len
+    except ValueError:
+        return t.steps * layout.global_batch * seq_len
+
+
 def check_configs(config: str | None, runs: list[tuple[str, list[str], int]]) -> None:
     """Validate the whole config of every run before the first starts: (name, its overrides of `config`, world
     size) each. A bad variant or layout is refused with every problem of every run at once, named by run, instead
@@ -110,6 +120,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
             )
         problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp)
     problems += data_problems(cfg.data)
+    problems += schedule_problems(cfg.data, _run_tokens(cfg.training, layout, cfg.data.seq_len))
     problems += _training(cfg.training, layout)
     problems += optimizer_problems(cfg.optimizer)
     if cfg.optimizer.name == "muon" and cfg.memory.optimizer_offload:

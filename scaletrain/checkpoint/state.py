@@ -33,16 +33,20 @@ class ModelState(Stateful):
 
 
 class LoaderState(Stateful):
-    """The data position: the next global sample index (valid for any data-parallel size)."""
+    """The data position, valid for any data-parallel size: the next global sample index, and with data.streaming
+    each source's position (integers) and mixing credit (a float64)."""
 
     def __init__(self, loader):
         self.loader = loader
 
     def state_dict(self) -> dict:
-        return {k: torch.tensor(v) for k, v in self.loader.state_dict().items()}
+        return {
+            k: torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
+            for k, v in self.loader.state_dict().items()
+        }
 
     def load_state_dict(self, sd: dict) -> None:
-        self.loader.load_state_dict({k: int(v) for k, v in sd.items()})
+        self.loader.load_state_dict({k: v.item() for k, v in sd.items()})
 
 
 class TrainState(Stateful):

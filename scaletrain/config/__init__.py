@@ -117,7 +117,29 @@ class SourceConfig:
     """format = "tokens", raw .bin files: the dtype of their token ids (nanoGPT writes uint16, Megatron uint16 or
     int32); a .npy carries its own."""
     weight: float = 1.0
-    """Relative share of training samples drawn from this source (data mixture)."""
+    """Relative share of training samples drawn from this source (data mixture); with data.streaming, the share
+    before data.schedule's first stage (0: none until a stage gives it one)."""
+    name: str = ""
+    """What logs, metrics (data_share/NAME) and `scaletrain data-position` call it. Empty: source0, source1, ..."""
+    endpoint_url: str = ""
+    """s3:// sources: the S3 endpoint (an S3-compatible store). Empty: AWS_ENDPOINT_URL or AWS's own."""
+    profile: str = ""
+    """s3:// sources: the AWS profile (~/.aws/credentials) for its credentials. Empty: AWS_PROFILE, the
+    AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY environment, or AWS's default chain."""
+
+
+@dataclass
+class MixStage:
+    """One stage of data.schedule (data.streaming): the sources' weights from a point of training on."""
+
+    start: str = "0"
+    """Where the move to these weights begins, in tokens consumed: a count ("2e9", "500000") or a share of the
+    run's tokens ("80%")."""
+    end: str = ""
+    """Where these weights are reached: the weights go linearly from the previous ones between start and end (a
+    blend). Empty: at start (a step change)."""
+    weights: list[float] = field(default_factory=list)
+    """One relative weight per data source, in data.sources order (>= 0, a positive sum)."""
 
 
 @dataclass
@@ -137,6 +159,21 @@ class DataConfig:
     document_mask: bool = False
     """Attend only within each packed document (split at the end-of-document token), RoPE positions restarting
     at each; off: a token sees every earlier token of its window."""
+    streaming: bool = False
+    """Read the sources shard by shard while training (local paths or fsspec URLs: s3://, gs://, file://),
+    tokenising as they come, instead of preparing token shards first; each source is read once per epoch, in an
+    order shuffled per epoch; the mixture may follow data.schedule (docs/training.md)."""
+    schedule: list[MixStage] = field(default_factory=list)
+    """data.streaming: the mixture as a function of tokens consumed, stage after stage (before the first: the
+    sources' weights). Empty: the sources' weights throughout."""
+    when_dry: Literal["repeat", "stop"] = "repeat"
+    """data.streaming: a source read to its end starts a new epoch in a new shuffled order (repeat), or ends the
+    run with the step it ran dry in (stop)."""
+    stream_cache_mb: int = 2048
+    """data.streaming: the local cache of remote shards (under data.cache_dir/stream), at most this many MiB;
+    the least recently used shard not in use goes first."""
+    read_ahead: int = 2
+    """data.streaming: remote shards of each source fetched ahead of the one being read."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 from scaletrain.config import DataConfig
 from scaletrain.data.prepare import prepare_data
 from scaletrain.data.sources import list_files
+from scaletrain.data.streaming import StreamingLoader, build_streaming_loader, stream_source_problems
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from scaletrain.errors import UserError
 
@@ -259,6 +260,11 @@ class DataLoader:
             stop = min(start + micro_batch, first + share)
             yield _to_batch([self.mixture.val_sample(j) for j in range(start, stop)])
 
+    def shares(self) -> dict[str, float]:
+        """The sources' realised shares for the metrics: none here, the fixed weights say them (data.streaming
+        logs its scheduled mixture's)."""
+        return {}
+
     def state_dict(self) -> dict[str, int]:
         return {"next_sample": self.next_sample, "global_batch": self.global_batch}
 
@@ -275,8 +281,14 @@ def build_loader(
     dp_size: int,
     seed: int,
     log: Callable[[str], None] = print,
-) -> DataLoader:
-    """Prepare (or reuse) the token shards, mix the sources and return this rank's loader."""
+    run_tokens: int = 0,
+) -> DataLoader | StreamingLoader:
+    """Prepare (or reuse) the token shards, mix the sources and return this rank's loader; with data.streaming,
+    the streaming loader (its schedule's shares of the run are of `run_tokens`, what training.steps consume)."""
+    if data_cfg.streaming:
+        return build_streaming_loader(
+            data_cfg, tokenizer, global_batch, dp_rank, dp_size, seed, run_tokens, log
+        )
     prepared = prepare_data(data_cfg, tokenizer, log)
     names = (
         [f"data.sources[{i}]" for i in range(len(prepared))] if data_cfg.sources else ["the embedded corpus"]
@@ -315,10 +327,20 @@ def data_problems(d: DataConfig) -> list[str]:
     if d.workers < 0:
         problems.append("data.workers must be >= 0 (0 = one per core)")
     for i, src in enumerate(d.sources):
-        if src.weight <= 0:
+        # A streamed source may start at weight 0 and get a share from a data.schedule stage.
+        if src.weight < 0 or (src.weight == 0 and not d.streaming):
             problems.append(f"data.sources[{i}].weight must be > 0, got {src.weight}")
         if not src.path:
             problems.append(f"data.sources[{i}].path is empty; give a file, a directory or a glob")
+            continue
+        if d.streaming:
+            problems += stream_source_problems(src, i)
+            continue
+        if "://" in src.path and not src.path.startswith("file://"):
+            problems.append(
+                f"data.sources[{i}].path {src.path} is a URL: set data.streaming = true to read it shard by shard "
+                "(prepare-data reads local files)"
+            )
             continue
         try:
             list_files(src, i)

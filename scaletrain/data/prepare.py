@@ -60,7 +60,7 @@ PROGRESS_INTERVAL_S = 5.0  # at most one progress line per source this often (a 
 
 
 @dataclass(frozen=True)
-class _Job:
+class TokenizeJob:
     """What a worker needs besides the file: inherited through fork, so it is never pickled."""
 
     tokenizer: ByteTokenizer | HFTokenizer
@@ -71,7 +71,7 @@ class _Job:
     src_dtype: str = ""  # format = "tokens": the dtype of raw .bin files (a .npy carries its own)
 
 
-_JOB: _Job | None = None
+_JOB: TokenizeJob | None = None
 
 
 def resolve_cache_dir(data_cfg: DataConfig) -> Path:
@@ -94,7 +94,7 @@ def cache_key(files: list[Path], fmt: str, field: str, tok_fingerprint: str) -> 
     return h.hexdigest()[:16]
 
 
-def tokenize_file(path: Path, job: _Job) -> tuple[np.ndarray, int, Skipped]:
+def tokenize_file(path: Path, job: TokenizeJob) -> tuple[np.ndarray, int, Skipped]:
     """All documents of one file as one token array, each document followed by eod; the document count; and what
     was left out as not UTF-8 text."""
     eod = np.array([job.tokenizer.eod_id], dtype=job.dtype)
@@ -122,7 +122,7 @@ def tokenize_file(path: Path, job: _Job) -> tuple[np.ndarray, int, Skipped]:
 _Chunk = tuple[np.ndarray, int, Skipped, Path | None]
 
 
-def _index_token_files(files: list[Path], job: _Job, meter: _PrepareProgress) -> tuple[list[dict], int]:
+def _index_token_files(files: list[Path], job: TokenizeJob, meter: _PrepareProgress) -> tuple[list[dict], int]:
     """Pre-tokenised files as index entries that TokenShards memory-maps where they lie, never copied (a
     pre-training corpus is terabytes), and their document count. Each file is one stream as it is: no eod is added
     (their documents already end in the tokenizer's eod id, as nanoGPT's and Megatron's --append-eod files do).
@@ -147,7 +147,7 @@ def _index_token_files(files: list[Path], job: _Job, meter: _PrepareProgress) ->
 
 
 def _scan_token_file(
-    path: Path, dtype: np.dtype, offset: int, n: int, job: _Job, meter: _PrepareProgress
+    path: Path, dtype: np.dtype, offset: int, n: int, job: TokenizeJob, meter: _PrepareProgress
 ) -> int:
     """Refuse ids outside the vocabulary (another tokenizer made them) before training, and count the eod ids:
     one pass through a SCAN_BYTES buffer, read with plain reads (not the map) so that the file does not become
@@ -180,7 +180,7 @@ def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _init_worker(job: _Job) -> None:
+def _init_worker(job: TokenizeJob) -> None:
     global _JOB
     _JOB = job
     # A forked worker inherits the trainer's SIGTERM handler (which only sets a preemption flag): restore the
@@ -203,7 +203,7 @@ def _tokenize_in_worker(task: tuple[Path, Path]) -> tuple[Path, int, Skipped]:
     return part, n_docs, skipped
 
 
-def _tokenized(files: list[Path], job: _Job, workers: int, part_dir: Path) -> Iterator[_Chunk]:
+def _tokenized(files: list[Path], job: TokenizeJob, workers: int, part_dir: Path) -> Iterator[_Chunk]:
     """Token arrays in file order, whatever the worker count, so the shards are deterministic. Workers pass their
     tokens through files in `part_dir`, each read and deleted as it is consumed."""
     workers = min(workers, len(files))
@@ -349,7 +349,7 @@ def _make_temp_dir(target: Path) -> Path:
 
 
 def _write_shards(
-    tmp: Path, files: list[Path], job: _Job, workers: int, meter: _PrepareProgress
+    tmp: Path, files: list[Path], job: TokenizeJob, workers: int, meter: _PrepareProgress
 ) -> tuple[list[dict], int, Skipped]:
     """Tokenise documents into tokens-NNNNN.bin shards in `tmp`: (shard entries, document count, left out)."""
     writer = _ShardWriter(tmp, job.dtype, SHARD_TOKENS)
@@ -372,7 +372,7 @@ def _write_shards(
 
 
 def _write_prepared(
-    target: Path, files: list[Path], job: _Job, workers: int, tok_fp: str, progress: Callable[[str], None]
+    target: Path, files: list[Path], job: TokenizeJob, workers: int, tok_fp: str, progress: Callable[[str], None]
 ) -> dict:
     """Tokenise (or, for token files, index) into a temporary sibling of `target`, then rename it into place;
     return the index."""
@@ -432,7 +432,7 @@ def prepare_source(
     index_path = target / "index.json"
     if index_path.is_file():
         return target, json.loads(index_path.read_text()), True
-    job = _Job(tokenizer, fmt, field, index, token_dtype(tokenizer.vocab_size), src_dtype)
+    job = TokenizeJob(tokenizer, fmt, field, index, token_dtype(tokenizer.vocab_size), src_dtype)
     return target, _write_prepared(target, files, job, workers, tok_fp, progress or to_stderr), False
 
 

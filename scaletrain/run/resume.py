@@ -15,6 +15,7 @@ CANNOT_CHANGE = (
     "data.sources",
     "data.seq_len",
     "data.val_fraction",
+    "data.streaming",  # another reader: the samples of every step change
     "training.seed",
     "precision.qat",  # fake quantisation changes the function the weights were trained for
     "precision.qat_group_size",
@@ -32,6 +33,8 @@ FREE = (
     "run",
     "data.cache_dir",
     "data.workers",
+    "data.stream_cache_mb",
+    "data.read_ahead",
     "training.threads",
     "training.device",
     "training.deterministic",

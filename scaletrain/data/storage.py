@@ -1,0 +1,203 @@
+"""Where streamed shards come from: a source's files listed through fsspec (local paths, file://, s3://, gs://, ...),
+with S3 endpoints and credentials found the way AWS tools find them; and a bounded local cache that fetches remote
+shards ahead of use and retries a failed fetch, so a read is whole or not at all.
+
+Local files are read where they lie (no copy); remote ones land in the cache whole, written aside and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+
+from scaletrain.config import SourceConfig
+from scaletrain.errors import UserError
+
+log = logging.getLogger("scaletrain")
+
+# A fetch that fails (a connection dropped, the store restarting) is tried again after 0.5, 1, 2, 4, 8 s: ~15 s
+# of an outage is ridden out; a longer one stops the run with the URL and the reason.
+FETCH_ATTEMPTS = 6
+_BACKOFF_S = 0.5
+_GLOB_CHARS = set("*?[")
+
+
+@dataclass(frozen=True, order=True)
+class Shard:
+    """One file of a source: its URL as fsspec names it (protocol included for remote ones) and its size."""
+
+    url: str
+    size: int
+
+
+def storage_options(src: SourceConfig) -> dict:
+    """fsspec options of a source. S3 endpoint and credentials come from the config when set there, else from what
+    botocore reads itself: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws."""
+    opts: dict = {}
+    if src.endpoint_url:
+        opts["endpoint_url"] = src.endpoint_url
+    if src.profile:
+        opts["profile"] = src.profile
+    return opts
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def list_shards(src: SourceConfig, index: int) -> list[Shard]:
+    """The files a source names (a file, a directory searched recursively, or a glob), sorted by URL, each with
+    its size; a source that cannot be listed, or matches nothing, is refused with its URL and the reason."""
+    where = f"data.sources[{index}]"
+    try:
+        fs, root = fsspec.core.url_to_fs(src.path, **(storage_options(src) if is_remote(src.path) else {}))
+        if _GLOB_CHARS & set(root):
+            infos = fs.glob(root, detail=True)
+        elif fs.isdir(root):
+            infos = fs.find(root, detail=True)
+        else:
+            infos = {root: fs.info(root)}
+    except ImportError as e:  # fsspec's "Install s3fs to access S3"
+        raise UserError(f"{where}.path {src.path}: {e} (pip install 'scaletrain[stream]')") from None
+    except FileNotFoundError:
+        raise UserError(
+            f"{where}.path {src.path} does not exist; give an existing file, directory or glob"
+        ) from None
+    except Exception as e:  # botocore, aiohttp and OSError each say why in one line
+        raise UserError(f"{where}.path {src.path} cannot be listed: {type(e).__name__}: {e}") from None
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    shards = sorted(
+        Shard(fs.unstrip_protocol(p) if is_remote(src.path) else p, int(info.get("size") or 0))
+        for p, info in infos.items()
+        if info.get("type", "file") == "file"
+    )
+    if not shards:
+        raise UserError(f"{where}.path {src.path} matches no files ({protocol}); point it at your shards")
+    if all(s.size == 0 for s in shards):
+        raise UserError(
+            f"{where}.path {src.path} matches {len(shards)} file(s), all empty; point it at your data"
+        )
+    return shards
+
+
+class ShardCache:
+    """Remote shards copied whole into `root`, at most `max_bytes` of them (least recently used first out; one in use
+    stays readable through its link), fetched by a small thread pool ahead of use; local shards are read in place.
+    Ranks on one node share `root`; each counts what it fetched and found there against max_bytes."""
+
+    def __init__(self, root: Path, max_bytes: int, options: list[dict], workers: int = 2):
+        self.root, self.max_bytes, self.options = root, max_bytes, options
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard-fetch")
+        self._pending: dict[str, Future] = {}
+        self._lru: OrderedDict[str, int] = OrderedDict()  # local file name -> bytes, oldest first
+        self._lock = threading.Lock()
+        self.hits = self.fetched = 0
+        root.mkdir(parents=True, exist_ok=True)
+        for p in sorted(
+            root.glob("*.shard"), key=lambda p: p.stat().st_mtime
+        ):  # a warm cache from earlier runs
+            self._lru[p.name] = p.stat().st_size
+
+    def _name(self, shard: Shard) -> str:
+        # The URL and size name the contents: a shard rewritten with another size is fetched anew.
+        return hashlib.sha256(f"{shard.url}\0{shard.size}".encode()).hexdigest()[:32] + ".shard"
+
+    def prefetch(self, source: int, shard: Shard) -> None:
+        """Start fetching `shard` of data.sources[source] in the background, unless cached or under way."""
+        if not is_remote(shard.url):
+            return
+        name = self._name(shard)
+        with self._lock:
+            if name in self._lru or name in self._pending:
+                return
+            self._pending[name] = self._pool.submit(self._fetch, source, shard, name)
+
+    def open(self, source: int, shard: Shard) -> Path:
+        """A local path of `shard`'s bytes, fetched now if it is not cached, valid until `release`: a hard link of
+        the cached file, so another process evicting it from the shared cache cannot take it away mid-read."""
+        if not is_remote(shard.url):
+            return Path(shard.url.removeprefix("file://"))
+        name = self._name(shard)
+        pinned = self.root / f"{name}.use{os.getpid()}"
+        for _ in range(2):  # evicted by another rank between its fetch and the link: fetched again, once
+            self.prefetch(source, shard)
+            with self._lock:
+                future = self._pending.get(name)
+            if future is not None:
+                future.result()  # raises the fetch's UserError
+            with self._lock:
+                self._pending.pop(name, None)
+                if name in self._lru:
+                    self._lru.move_to_end(name)
+            try:
+                pinned.unlink(missing_ok=True)
+                os.link(self.root / name, pinned)
+                return pinned
+            except FileNotFoundError:
+                with self._lock:
+                    self._lru.pop(name, None)
+        raise UserError(
+            f"{shard.url}: its cached copy in {self.root} keeps disappearing; is another run evicting it?"
+        )
+
+    def release(self, shard: Shard) -> None:
+        if is_remote(shard.url):
+            (self.root / f"{self._name(shard)}.use{os.getpid()}").unlink(missing_ok=True)
+            with self._lock:
+                self._evict()
+
+    def _fetch(self, source: int, shard: Shard, name: str) -> None:
+        path = self.root / name
+        if path.exists():
+            with self._lock:
+                self.hits += 1
+                self._lru[name] = path.stat().st_size
+            return
+        fs, remote = fsspec.core.url_to_fs(shard.url, **self.options[source])
+        tmp = path.with_suffix(f".part{os.getpid()}.{threading.get_ident()}")
+        for attempt in range(FETCH_ATTEMPTS):
+            try:
+                fs.get_file(remote, str(tmp))
+                if tmp.stat().st_size != shard.size:  # a transfer cut short without an error
+                    raise OSError(f"got {tmp.stat().st_size} of its {shard.size} bytes")
+                os.replace(tmp, path)  # whole or not at all: a reader never sees a partial shard
+                break
+            except Exception as e:
+                tmp.unlink(missing_ok=True)
+                if attempt == FETCH_ATTEMPTS - 1:
+                    raise UserError(
+                        f"data.sources[{source}]: {shard.url} cannot be read after {FETCH_ATTEMPTS} attempts: "
+                        f"{type(e).__name__}: {e}"
+                    ) from None
+                wait = _BACKOFF_S * 2**attempt
+                log.warning(
+                    "reading %s failed (%s: %s); trying again in %.1f s", shard.url, type(e).__name__, e, wait
+                )
+                time.sleep(wait)
+        with self._lock:
+            self.fetched += 1
+            self._lru[name] = shard.size
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used shards not in use while the cache holds more than max_bytes (lock held)."""
+        total = sum(self._lru.values())
+        for name in list(self._lru):
+            if total <= self.max_bytes:
+                break
+            if name in self._pending:
+                continue
+            (self.root / name).unlink(missing_ok=True)
+            total -= self._lru.pop(name)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

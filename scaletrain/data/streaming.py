@@ -1,0 +1,282 @@
+"""data.streaming: training sequences read from the sources as training goes (local or object storage), tokenised
+shard by shard, mixed by a schedule of tokens consumed; exactly once across resumes on any number of ranks.
+
+Each source is one token stream per epoch: its shards in an order shuffled per epoch (seed, source, epoch), each
+shard's documents in file order, an end-of-document id after each. The source's k-th sample is tokens
+[k*L, k*L + L + 1) of that stream (L = data.seq_len), so a source is read once per epoch, never a document twice.
+Sample g of the run comes from the source a smooth weighted round-robin picks with the schedule's weights at
+g*L tokens: the realised shares follow the weights to within one sample. Every rank walks every source's cursor
+over the whole global batch (a cursor moves by L tokens per sample, which needs the token counts of the documents
+it passes) and keeps the tokens of its own slice only; the position is therefore the same on every rank, and a
+checkpoint of it continues on any number of ranks, or under a schedule changed for the steps not yet trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scaletrain.config import DataConfig, SourceConfig
+from scaletrain.data.prepare import TokenizeJob, resolve_cache_dir, token_dtype, tokenize_file
+from scaletrain.data.schedule import MixtureSchedule
+from scaletrain.data.sources import Skipped, resolve_format
+from scaletrain.data.storage import Shard, ShardCache, is_remote, list_shards, storage_options
+from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer
+from scaletrain.errors import UserError
+
+log = logging.getLogger("scaletrain")
+
+# The fields of each source's position in the loader's state (and the checkpoint), as f"s{i}_{field}".
+POSITION_FIELDS = ("epoch", "shard", "offset", "seed", "samples")
+STREAM_FORMATS = ("auto", "text", "jsonl", "parquet")
+
+
+class SourceDry(UserError):
+    """A source read to its end with data.when_dry = "stop": the run ends here."""
+
+
+def source_names(data: DataConfig) -> list[str]:
+    return [s.name or f"source{i}" for i, s in enumerate(data.sources)] or ["the embedded corpus"]
+
+
+def shuffle_seed(seed: int, source: int, epoch: int) -> int:
+    """The seed of a source's shard order in an epoch: a new shuffle each epoch, its own per source."""
+    return int(np.random.default_rng([seed % (1 << 63), 7, source, epoch]).integers(1 << 62))
+
+
+class SourceStream:
+    """One source's token stream and its position: epoch, the shard's place in the epoch's order, the token offset
+    in that shard's tokens. Shards of the epoch's order are fetched `read_ahead` ahead (ShardCache)."""
+
+    def __init__(self, index: int, shards: list[Shard], job: TokenizeJob, cache: ShardCache, seed: int,
+                 read_ahead: int, stop_when_dry: bool, name: str):  # fmt: skip
+        self.index, self.shards, self.job, self.cache = index, shards, job, cache
+        self.seed, self.read_ahead, self.stop_when_dry, self.name = seed, read_ahead, stop_when_dry, name
+        self.epoch = self.shard = self.offset = self.samples = 0
+        self._tokens: dict[tuple[int, int], np.ndarray] = {}  # (epoch, shard) -> its tokens; at most two kept
+        self._orders: dict[int, np.ndarray] = {}
+        self.skipped = Skipped()
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            rng = np.random.default_rng(shuffle_seed(self.seed, self.index, epoch))
+            # Two epochs kept: the one being read and the next, whose first shards are fetched ahead.
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = rng.permutation(len(self.shards))
+        return self._orders[epoch]
+
+    def shard_at(self, epoch: int, k: int) -> Shard:
+        return self.shards[int(self.order(epoch)[k])]
+
+    def tokens(self, epoch: int, k: int) -> np.ndarray:
+        """The tokens of the k-th shard of `epoch`'s order (read, or fetched and read, once)."""
+        key = (epoch, k)
+        if key not in self._tokens:
+            shard = self.shard_at(epoch, k)
+            for ahead in range(1, self.read_ahead + 1):  # the next shards, into the next epoch too
+                e, j = divmod(k + ahead, len(self.shards))
+                self.cache.prefetch(self.index, self.shard_at(epoch + e, j))
+            path = self.cache.open(self.index, shard)
+            try:
+                fmt = resolve_format(
+                    Path(shard.url), self.job.fmt
+                )  # by the URL's suffix: a cached file has none
+                ids, _, skipped = tokenize_file(path, dataclasses.replace(self.job, fmt=fmt))
+            finally:
+                self.cache.release(shard)
+            if skipped:
+                log.warning("%s: left out %s", shard.url, skipped.describe())
+                self.skipped.update(skipped)
+            # The shard a window starts in and the one it ends in: a sample is read, then the position moved.
+            self._tokens = dict(list(self._tokens.items())[-1:])
+            self._tokens[key] = ids
+        return self._tokens[key]
+
+    def _walk(self, n: int, keep: bool) -> tuple[list[np.ndarray], tuple[int, int, int]]:
+        """The next `n` tokens from the position (when `keep`) and the position after them."""
+        epoch, k, offset = self.epoch, self.shard, self.offset
+        pieces, left = [], n
+        while left:
+            ids = self.tokens(epoch, k)
+            take = min(left, len(ids) - offset)
+            if keep and take:
+                pieces.append(ids[offset : offset + take])
+            offset += take
+            left -= take
+            if offset == len(ids):
+                k, offset = k + 1, 0
+                if k == len(self.shards):
+                    if self.stop_when_dry and left:
+                        raise SourceDry(
+                            f"{self.name} has been read to its end (epoch {epoch + 1}); data.when_dry = 'stop' "
+                            "ends the run here (set it to 'repeat' to read the source again in a new order)"
+                        )
+                    epoch, k = epoch + 1, 0
+        return pieces, (epoch, k, offset)
+
+    def next_sample(self, seq_len: int, keep: bool) -> np.ndarray | None:
+        """The next sample (seq_len + 1 tokens, the last one the next sample's first) when `keep`; the position
+        moves by seq_len tokens either way."""
+        # Every rank walks seq_len + 1 tokens, kept or not: a source that runs dry does so on every rank at once.
+        pieces, _ = self._walk(seq_len + 1, keep)
+        out = np.concatenate(pieces).astype(np.int64) if keep else None
+        _, (self.epoch, self.shard, self.offset) = self._walk(seq_len, False)
+        self.samples += 1
+        return out
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "shard": self.shard, "offset": self.offset,
+                "seed": shuffle_seed(self.seed, self.index, self.epoch), "samples": self.samples}  # fmt: skip
+
+    def set_position(self, pos: dict[str, int]) -> None:
+        self.epoch, self.shard, self.offset, self.samples = (
+            int(pos[f]) for f in ("epoch", "shard", "offset", "samples")
+        )
+
+
+class StreamingLoader:
+    """Global batch k is samples [k*B, (k+1)*B) of the mixed stream; rank r keeps the contiguous slice
+    [r*B/dp, (r+1)*B/dp), as DataLoader does. Stateful: the sources' positions, the round-robin's credits and the
+    next sample index, the same on every rank."""
+
+    def __init__(self, streams: list[SourceStream], schedule: MixtureSchedule, seq_len: int, global_batch: int,
+                 dp_rank: int, dp_size: int, held_out: list[SourceStream]):  # fmt: skip
+        if global_batch <= 0 or global_batch % dp_size:
+            raise UserError(f"training.global_batch={global_batch} must be a positive multiple of the "
+                            f"data-parallel size {dp_size}")  # fmt: skip
+        self.streams, self.schedule, self.seq_len = streams, schedule, seq_len
+        self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
+        self.held_out = held_out
+        self.next_sample = 0
+        self.credits = np.zeros(len(streams))
+        self._counts = np.zeros(len(streams), dtype=np.int64)  # samples per source since shares() was read
+        self._val: list[np.ndarray] | None = None
+
+    def _pick(self, g: int) -> int:
+        """The source of sample g: smooth weighted round-robin (nginx's), so each source's share of any run of
+        samples is its weight's to within one sample, without randomness to average out."""
+        w = self.schedule.weights(g * self.seq_len)
+        self.credits += w
+        # Only sources with a weight now: one weighted down to 0 may keep a credit from before.
+        i = int(np.argmax(np.where(w > 0, self.credits, -np.inf)))
+        self.credits[i] -= 1.0
+        return i
+
+    def next_batch(self, sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.global_batch if sequences is None else sequences
+        if n <= 0 or n % self.dp_size:
+            raise ValueError(f"a step's batch of {n} sequences does not split over {self.dp_size} ranks")
+        local = n // self.dp_size
+        mine = range(self.dp_rank * local, (self.dp_rank + 1) * local)
+        samples = []
+        for j in range(n):
+            i = self._pick(self.next_sample + j)
+            self._counts[i] += 1
+            sample = self.streams[i].next_sample(self.seq_len, keep=j in mine)
+            if sample is not None:
+                samples.append(sample)
+        self.next_sample += n
+        return _to_batch(samples)
+
+    def shares(self) -> dict[str, float]:
+        """Each source's share of the samples since the last call (metrics: data_share/NAME)."""
+        total = max(1, int(self._counts.sum()))
+        out = {f"data_share/{s.name}": round(int(c) / total, 6) for s, c in zip(self.streams, self._counts)}
+        self._counts[:] = 0
+        return out
+
+    def val_batches(self, n_sequences: int, micro_batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's share of the first n_sequences held-out windows (each source's held-out shard in turn)."""
+        if self._val is None:
+            self._val = []
+            for s in self.held_out:
+                ids = s.tokens(0, 0)
+                self._val += [ids[j : j + self.seq_len + 1].astype(np.int64)
+                              for j in range(0, len(ids) - self.seq_len, self.seq_len)]  # fmt: skip
+        n = min(n_sequences, len(self._val))
+        n -= n % self.dp_size
+        if n == 0:
+            raise UserError(f"the held-out shards give {len(self._val)} validation sequences, fewer than the "
+                            f"{self.dp_size} data-parallel ranks; set training.eval_interval = 0")  # fmt: skip
+        share = n // self.dp_size
+        first = self.dp_rank * share
+        for start in range(first, first + share, micro_batch):
+            yield _to_batch(self._val[start : min(start + micro_batch, first + share)])
+
+    def state_dict(self) -> dict[str, int | float]:
+        sd: dict[str, int | float] = {"next_sample": self.next_sample, "global_batch": self.global_batch}
+        for i, s in enumerate(self.streams):
+            sd.update({f"s{i}_{k}": v for k, v in s.position().items()})
+            sd[f"s{i}_credit"] = float(self.credits[i])
+        return sd
+
+    def load_state_dict(self, sd: dict[str, int | float]) -> None:
+        for i, s in enumerate(self.streams):
+            s.set_position({k: sd[f"s{i}_{k}"] for k in POSITION_FIELDS})
+            self.credits[i] = float(sd[f"s{i}_credit"])
+        self.next_sample = sum(s.samples for s in self.streams)
+        # A rollback past bad batches (resilience.guard) asks for a later sample than the position it restored:
+        # the samples in between are read and dropped, so every source still moves on by what they held.
+        while self.next_sample < int(sd["next_sample"]):
+            i = self._pick(self.next_sample)
+            self.streams[i].next_sample(self.seq_len, keep=False)
+            self.next_sample += 1
+
+    def close(self) -> None:
+        self.streams[0].cache.close()
+
+
+def _to_batch(samples: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.from_numpy(np.stack(samples))
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def stream_source_problems(src: SourceConfig, index: int) -> list[str]:
+    """What keeps a source from streaming, found before launch: a format it cannot stream, or a URL that cannot be
+    listed (with the reason), or matches nothing."""
+    if src.format not in STREAM_FORMATS:
+        return [f"data.sources[{index}].format {src.format} cannot be streamed; use one of {', '.join(STREAM_FORMATS)}, "
+                "or set data.streaming = false to read it as prepared shards"]  # fmt: skip
+    try:
+        list_shards(src, index)
+    except UserError as e:
+        return [str(e)]
+    return []
+
+
+def build_streaming_loader(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, global_batch: int,
+                           dp_rank: int, dp_size: int, seed: int, run_tokens: int,
+                           log_fn: Callable[[str], None] = log.info) -> StreamingLoader:  # fmt: skip
+    """The streaming loader of data.sources, each listed and its first shard read before step 1 (a source that
+    cannot be is refused here, with its URL and the reason)."""
+    if not data.sources:
+        raise UserError("data.streaming reads data.sources; add at least one source (a path or an s3:// URL)")
+    cache = ShardCache(resolve_cache_dir(data) / "stream", data.stream_cache_mb << 20,
+                       [storage_options(s) if is_remote(s.path) else {} for s in data.sources])  # fmt: skip
+    names = source_names(data)
+    streams, held_out = [], []
+    for i, (src, shards) in enumerate(
+        zip(data.sources, [list_shards(s, i) for i, s in enumerate(data.sources)], strict=True)
+    ):
+        job = TokenizeJob(tokenizer, src.format, src.field, i, token_dtype(tokenizer.vocab_size))
+        if data.val_fraction > 0:
+            if len(shards) < 2:
+                raise UserError(f"{names[i]} ({src.path}) has one shard; streaming holds out each source's last "
+                                "shard for validation: give it more shards, or set data.val_fraction = 0")  # fmt: skip
+            held_out.append(SourceStream(i, shards[-1:], job, cache, seed, 0, True, names[i]))
+            shards = shards[:-1]
+        stream = SourceStream(i, shards, job, cache, seed, data.read_ahead, data.when_dry == "stop", names[i])
+        streams.append(stream)
+        stream.tokens(
+            0, 0
+        )  # the first shard of the first epoch, read now: a source that cannot be fails here
+        log_fn(
+            f"{names[i]}: {len(shards)} shard(s), {sum(s.size for s in shards) / 2**20:,.1f} MiB at {src.path}"
+        )
+    schedule = MixtureSchedule.of(data, run_tokens)
+    return StreamingLoader(streams, schedule, data.seq_len, global_batch, dp_rank, dp_size, held_out)
