@@ -109,9 +109,11 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     args = (
         resolve_model_args(cfg.model, vocab, cfg.data.seq_len, moe=cfg.moe) if resolvable(cfg.model) else None
     )
+    shapes: list[str] = []  # what the layout checks build on, with the step's batch split (training below)
     if args is not None:
-        problems += model_shape_problems(args, cfg.model, vocab)
-        problems += moe_problems(cfg.moe, args, cfg.model.preset)
+        shapes += model_shape_problems(args, cfg.model, vocab)
+        shapes += moe_problems(cfg.moe, args, cfg.model.preset)
+        problems += shapes
         if args.n_experts > 0 and cfg.training.compile:
             problems.append(
                 "training.compile with MoE blocks is refused: the experts' data-dependent token splits break "
@@ -121,7 +123,8 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
         problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp)
     problems += data_problems(cfg.data)
     problems += schedule_problems(cfg.data, _run_tokens(cfg.training, layout, cfg.data.seq_len))
-    problems += _training(cfg.training, layout)
+    training = _training(cfg.training, layout)
+    problems += training
     problems += optimizer_problems(cfg.optimizer)
     if cfg.optimizer.name == "muon" and cfg.memory.optimizer_offload:
         problems.append(
@@ -159,8 +162,9 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     # precision.compute against the layout (where the FSDP2 policy can apply) and the device (fp8's hardware)
     problems += precision_problems(cfg.precision, layout.fsdp, device, tp=cfg.parallel.tp)
     problems += _attention(cfg)
-    # The layout and memory checks assume every field above is sound (and args resolved).
-    if not problems and args is not None:
+    # The layout checks build on the resolved shapes and the batch split only, so they are reported with every other
+    # problem at once; the memory check plans the whole job, so it runs only on a config with nothing else wrong.
+    if args is not None and not shapes and not training:
         problems += rank_problems(cfg, layout, args)
     if not problems and args is not None:
         problems += fits_in_memory_problems(cfg, layout, args)

@@ -217,3 +217,16 @@ def test_the_whole_config_check_refuses_expert_parallel_on_a_dense_model():
     assert any("this model is dense" in p for p in e.value.problems), e.value.problems
     cfg = load_config("configs/debug_moe.toml", ["--parallel.ep", "2", "--parallel.data_parallel", "fsdp"], 2)
     assert cfg.parallel.ep == 2
+
+
+def test_a_layout_problem_is_reported_with_the_configs_other_problems():
+    # Two unrelated mistakes: the layout's (ep on a dense model) is not held back until the other one is fixed.
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            None,
+            ["--parallel.ep", "2", "--parallel.data_parallel", "fsdp", "--training.eval_interval", "5"]
+            + ["--data.val_fraction", "0"],
+            world_size=2,
+        )
+    assert any("this model is dense" in p for p in e.value.problems), e.value.problems
+    assert any("needs held-out data" in p for p in e.value.problems), e.value.problems
