@@ -61,6 +61,18 @@ class ModelConfig:
     qk_norm: bool | None = None
     """RMSNorm over each head's query and key before RoPE (Qwen3)."""
 
+    q_lora_rank: int | None = None
+    """Multi-head latent attention (DeepSeek-V3): the query latent's rank; 0: queries straight from the hidden state."""
+    kv_lora_rank: int | None = None
+    """Multi-head latent attention (DeepSeek-V2/V3) when > 0: keys and values from a latent of this rank, which is
+    all a decoding cache keeps (with the rotary key); 0: grouped-query attention."""
+    qk_nope_head_dim: int | None = None
+    """MLA: each head's query/key channels without position."""
+    qk_rope_head_dim: int | None = None
+    """MLA: each head's query/key channels that carry RoPE (the key part shared by all heads)."""
+    v_head_dim: int | None = None
+    """MLA: each head's value channels."""
+
 
 @dataclass
 class MoEConfig:
@@ -92,6 +104,13 @@ class MoEConfig:
     with this weight; 0: off."""
     z_loss_coef: float = 0.0
     """Router z-loss (ST-MoE: mean squared logsumexp of the router logits) weight; 0: off."""
+    n_group: int | None = None
+    """Group-limited routing (DeepSeek-V3): the experts in this many equal groups; 1: off."""
+    topk_group: int | None = None
+    """With n_group > 1: each token's top_k experts come from its topk_group best groups (a group scores the sum of
+    its two best scores)."""
+    route_scale: float | None = None
+    """The routed experts' weights multiplied by this (DeepSeek-V3's routed_scaling_factor, 2.5); 1: off."""
     bias_update_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing bias moves by this much
     towards the mean load (up if under-loaded, down if over); the bias only selects experts, never weights them.

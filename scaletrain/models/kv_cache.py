@@ -10,8 +10,8 @@ from scaletrain.models.attention import attention_masks
 
 
 class LayerCache:
-    """One layer's keys and values, [batch, kv_heads, max_len, head_dim], allocated at the first update with the
-    dtype and device of the keys (so a bf16 autocast forward caches bf16)."""
+    """One layer's keys and values, [batch, kv_heads, max_len, head_dim] (MLA: its latent and rotary key),
+    allocated at the first update with the dtype and device of the keys (so a bf16 autocast forward caches bf16)."""
 
     def __init__(self, owner: KVCache):
         self.owner = owner
@@ -25,7 +25,8 @@ class LayerCache:
         if self.k is None:
             shape = (k.shape[0], k.shape[1], self.owner.max_len, k.shape[3])
             self.k = k.new_zeros(shape)
-            self.v = v.new_zeros(shape)
+            # MLA caches its latent as k and its rotary key, narrower, as v.
+            self.v = v.new_zeros((*shape[:3], v.shape[3]))
         self.k[:, :, start : start + new] = k
         self.v[:, :, start : start + new] = v
         if start == 0:

@@ -21,6 +21,7 @@ from torch import nn
 from scaletrain.models.attention import AttentionKernel, attention_masks, document_positions, max_logits
 from scaletrain.models.init import trunc_normal
 from scaletrain.models.loss import output_loss
+from scaletrain.models.mla import LATENT_NORM_EPS, MLA, mla_init_names
 from scaletrain.models.moe import MoE, is_moe_layer, moe_init_plan
 
 if TYPE_CHECKING:
@@ -58,15 +59,34 @@ class ModelArgs:
     capacity_factor: float = 0.0  # 0: dropless
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    n_group: int = 1  # DeepSeek-V3's group-limited routing: experts in n_group groups, ...
+    topk_group: int = 1  # ... each token's top_k taken from its topk_group best groups
+    route_scale: float = 1.0  # the routed weights' multiplier (DeepSeek-V3's routed_scaling_factor)
     # Model families (docs/models.md). `family` only names the Hugging Face adapter a checkpoint converts with
     # (checkpoint/hf/families.py) and the preset group; the computation is chosen by the feature switches below.
     family: str = "llama"
     head_size: int = 0  # channels per attention head; 0: dim // n_heads (Qwen3 and GPT-OSS set it apart)
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    # Multi-head latent attention (DeepSeek-V2/V3, models/mla.py) in place of grouped-query attention when
+    # kv_lora_rank > 0 (n_kv_heads and head_size are then unused).
+    q_lora_rank: int = 0  # 0: queries projected straight from the hidden state
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels RoPE rotates in each query and key: MLA's rotary part, else the whole head."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
 
 
 class RMSNorm(nn.Module):
@@ -87,7 +107,7 @@ class RMSNorm(nn.Module):
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     """Inverse frequencies of RoPE (Su et al. 2021), optionally rescaled for long context as in Llama 3.1."""
-    half = args.head_dim // 2
+    half = args.rope_dim // 2
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
     if args.rope_scaling == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
@@ -104,7 +124,7 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
 
 
 def rope_cache(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """cos and sin for every position, shape [max_seq_len, 2, head_dim] (the rotate-half layout of HF Llama)."""
+    """cos and sin for every position, shape [max_seq_len, 2, rope_dim] (the rotate-half layout of HF Llama)."""
     inv_freq = rope_frequencies(args).to(device)
     pos = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(pos, inv_freq)
@@ -215,12 +235,20 @@ def build_feed_forward(args: ModelArgs, layer_id: int) -> FeedForward | MoE:
     return MoE(args, shared=FeedForward(args.dim, hidden) if hidden > 0 else None)
 
 
+def build_attention(args: ModelArgs, window: int) -> Attention | MLA:
+    """Grouped-query attention, or multi-head latent attention (with its latents' RMSNorms) when args.mla."""
+    if not args.mla:
+        return Attention(args, window)
+    q_norm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS) if args.q_lora_rank > 0 else None
+    return MLA(args, q_norm, RMSNorm(args.kv_lora_rank, LATENT_NORM_EPS), window)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         # Fixed at construction, so a pipeline stage keeps each layer's own window.
-        self.attention = Attention(args, layer_window(args, layer_id))
+        self.attention = build_attention(args, layer_window(args, layer_id))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = build_feed_forward(args, layer_id)
 
@@ -326,12 +354,10 @@ class Transformer(nn.Module):
             p = f"layers.{i}."
             moe = is_moe_layer(args, i)
             # Dense blocks draw from the RNG in the same order as before MoE existed (golden losses stay equal).
-            names = [
-                "attention.wq",
-                "attention.wk",
-                "attention.wv",
-                *(() if moe else ("feed_forward.w1", "feed_forward.w3")),
-            ]
+            gqa = ["attention.wq", "attention.wk", "attention.wv"]
+            attention, norms = mla_init_names(args) if args.mla else (gqa, [])
+            names = [*attention, *(() if moe else ("feed_forward.w1", "feed_forward.w3"))]
+            plan += [(p + n, nn.init.ones_) for n in norms]
             plan += [(f"{p}{n}.weight", trunc_normal(std)) for n in names]
             names = ["attention.wo", *(() if moe else ("feed_forward.w2",))]
             plan += [(f"{p}{n}.weight", trunc_normal(depth_std)) for n in names]

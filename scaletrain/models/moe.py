@@ -37,6 +37,9 @@ class ModelArgs(Protocol):
     capacity_factor: float
     aux_loss_coef: float
     z_loss_coef: float
+    n_group: int
+    topk_group: int
+    route_scale: float
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
@@ -81,11 +84,24 @@ class Router(nn.Module):
     """Scores every expert for every token and picks the top k. The routing bias (DeepSeek-V3's auxiliary-loss-free
     balancing) is added to the scores for the choice only; the weights come from the unbiased scores."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, score: str = "softmax", norm_topk: bool = True):
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        score: str = "softmax",
+        norm_topk: bool = True,
+        n_group: int = 1,
+        topk_group: int = 1,
+        scale: float = 1.0,
+    ):
+        """n_group, topk_group: group-limited routing (DeepSeek-V3), off with n_group 1; scale: the routed
+        weights' multiplier (its routed_scaling_factor)."""
         super().__init__()
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"moe.router {score!r} is unknown: choose softmax or sigmoid")
         self.top_k, self.score, self.norm_topk = top_k, score, norm_topk
+        self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
         self.gate = nn.Linear(dim, n_experts, bias=False)
         # Persistent: it is learned state (moved by the load, not by gradients) and must survive a resume.
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32), persistent=True)
@@ -101,12 +117,27 @@ class Router(nn.Module):
             probs = scores / scores.sum(-1, keepdim=True)
         else:
             scores = probs = torch.softmax(logits, dim=-1)
-        _, experts = torch.topk(scores.detach() + self.expert_bias.to(dtype), self.top_k, dim=-1)
+        choice = scores.detach() + self.expert_bias.to(dtype)
+        if self.n_group > 1:
+            choice = self._best_groups(choice)
+        _, experts = torch.topk(choice, self.top_k, dim=-1)
         weights = scores.gather(-1, experts)
         # Sigmoid scores are independent, so their top k need normalising to be a mixture (DeepSeek-V3).
         if self.score == "sigmoid" or self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.scale != 1.0:
+            weights = weights * self.scale
         return weights, experts, logits, probs
+
+    def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` [T, E] with the experts outside each token's topk_group best groups set to -inf. A group's
+        score is the sum of its two best (biased) scores, as DeepSeek-V3 and transformers' DeepseekV3TopkRouter
+        rank them; under expert parallel with groups laid on ranks this bounds the ranks a token travels to."""
+        t, e = choice.shape
+        groups = choice.view(t, self.n_group, e // self.n_group)
+        best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+        keep = torch.zeros(t, self.n_group, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+        return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -276,7 +307,16 @@ class MoE(nn.Module):
         # fp16 loss scale) before backward, so the aux losses must be too or their weight would depend on the
         # layout (Megatron-LM's MoEAuxLossAutoScaler). Its owner, the step runner, sets it (set_aux_loss_scale).
         self.aux_loss_scale = 1.0
-        self.router = Router(args.dim, args.n_experts, args.top_k, args.router, args.norm_topk)
+        self.router = Router(
+            args.dim,
+            args.n_experts,
+            args.top_k,
+            args.router,
+            args.norm_topk,
+            args.n_group,
+            args.topk_group,
+            args.route_scale,
+        )
         self.experts = GroupedExperts(args.dim, hidden, args.n_experts)
         self.shared = shared
         # Load statistics for the metrics monitor, which reads and zeroes them; not checkpointed.
