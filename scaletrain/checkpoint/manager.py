@@ -444,7 +444,24 @@ class CheckpointManager:
         step = self._load_storage(refuse=mem is None) if self.enabled else None
         if step is None and mem is not None:
             return self._load_memory(mem)
+        if step is None and self.memory is not None and self.rank == 0:
+            self._say_unusable_snapshot()
         return self._loaded(step, "storage" if step is not None else "none")
+
+    def _say_unusable_snapshot(self) -> None:
+        """A start from step 0 beside a snapshot of this run in another layout (after a re-formed job changed the
+        world size and before storage held a checkpoint): a warning and a `memory_snapshot_unusable` event."""
+        other = self.memory.other_layout_step()
+        if other is None:
+            return
+        step, layout = other
+        saved = "has no committed checkpoint" if self.enabled else "is off (checkpoint.enabled false)"
+        log.warning("the memory tier holds step %d taken as %s, which it cannot reshard into this job's layout "
+                    "(%s), and storage %s: training starts again from step 0. Storage checkpoints reshard: set "
+                    "checkpoint.interval so one exists before a node can be lost", step, layout,
+                    self.memory.layout_key, saved)  # fmt: skip
+        self.event("memory_snapshot_unusable", step=0, snapshot_step=step, snapshot_layout=layout,
+                   layout=self.memory.layout_key, storage=saved)  # fmt: skip
 
     def _load_memory(self, step: int) -> int:
         self.memory.restore(step, self.state)

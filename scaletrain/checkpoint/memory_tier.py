@@ -524,6 +524,20 @@ class MemoryTier:
                 found.append(meta["step"])
         return sorted(found, reverse=True)[:_KEEP_STEPS]
 
+    def other_layout_step(self) -> tuple[int, str] | None:
+        """The newest snapshot in this node's slots taken in another world size or layout, (step, its layout key),
+        None when there is none: the tier restores only into the layout it was taken in, so a job re-formed on fewer
+        nodes (`--nnodes MIN:MAX`) cannot use it, and says so rather than start over without a word. Local only."""
+        found = []
+        for d in self.job_dir.glob("*/step-*") if self.job_dir.is_dir() else []:
+            meta = _read_meta(d)
+            if meta is not None and (meta["layout_key"], meta["world_size"]) != (
+                self.layout_key,
+                self.world_size,
+            ):
+                found.append((meta["step"], meta["layout_key"]))
+        return max(found, default=None)
+
     def latest_complete_step(self, layout_key: str | None = None) -> int | None:
         """The newest step every rank can restore intact, from its own slot or else from the replica another node
         holds; None when there is none in this layout (the caller then loads from storage). The copies it counts on

@@ -294,3 +294,26 @@ def test_replica_offset_puts_every_replica_on_another_node():
     assert replica_offset(["a", "b", "a", "b"]) == 1
     assert replica_offset(["a", "a", "a"]) == replica_offset(["a"]) == 1
     assert replica_offset(["a", "a", "a", "b"]) == 1  # unequal nodes: no offset works (MemoryTier warns)
+
+
+def test_a_start_over_beside_a_snapshot_of_another_layout_says_so(tmp_path, caplog):
+    """A job re-formed with another world size (`--nnodes 1:2`) before storage held a checkpoint: the tier cannot
+    reshard its snapshot, so the job starts at 0, and says why in a warning and an event."""
+    from scaletrain.checkpoint import CheckpointManager
+    from scaletrain.config import CheckpointConfig
+
+    state, *_, train = make_state()
+    train.step = 4
+    assert tier(tmp_path, layout_key=make_layout_key(4, "dp_shard4 (fsdp)")).snapshot(4, state)
+    same = tier(tmp_path, layout_key=make_layout_key(4, "dp_shard4 (fsdp)"))
+    assert same.other_layout_step() is None
+    shrunk = tier(tmp_path)
+    assert shrunk.other_layout_step() == (4, make_layout_key(4, "dp_shard4 (fsdp)"))
+    events = []
+    mgr = CheckpointManager(CheckpointConfig(), str(tmp_path / "ck"), state, rank=0, world_size=1,
+                            event=lambda kind, **kw: events.append((kind, kw)), memory=shrunk)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        assert mgr.load_latest() is None
+    assert "cannot reshard" in caplog.text and "starts again from step 0" in caplog.text
+    (kind, fields), *_ = [e for e in events if e[0] == "memory_snapshot_unusable"]
+    assert fields["snapshot_step"] == 4 and fields["storage"] == "has no committed checkpoint"
