@@ -45,6 +45,16 @@ def pytest_sessionstart(session) -> None:
     session.config._scaletrain_started = time.time()
 
 
+# Seconds per test file (set-up, call and tear-down; under xdist the workers' reports reach the controller's hook),
+# recorded with the whole run's time: the measured order SLOW_FIRST should follow.
+_FILES: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = report.nodeid.split("::")[0]
+    _FILES[path] = _FILES.get(path, 0.0) + report.duration
+
+
 def pytest_sessionfinish(session, exitstatus: int) -> None:
     """A whole-suite run (`make test`, no selection) records its wall time: tests/preflight.py quotes it next time
     as what the suite takes on this machine."""
@@ -54,6 +64,15 @@ def pytest_sessionfinish(session, exitstatus: int) -> None:
         return
     LAST_RUN.parent.mkdir(parents=True, exist_ok=True)
     seconds = time.time() - config._scaletrain_started
+    longest = dict(sorted(((f, round(t, 1)) for f, t in _FILES.items()), key=lambda ft: -ft[1]))
     LAST_RUN.write_text(
-        json.dumps({"seconds": round(seconds), "tests": session.testscollected, "ended": time.time()})
+        json.dumps(
+            {
+                "seconds": round(seconds),
+                "tests": session.testscollected,
+                "ended": time.time(),
+                "files": longest,
+            },
+            indent=1,
+        )
     )
