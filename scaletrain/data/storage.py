@@ -42,7 +42,11 @@ class Shard:
 def storage_options(src: SourceConfig) -> dict:
     """fsspec options of a source. S3 endpoint and credentials come from the config when set there, else from what
     botocore reads itself: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws."""
-    opts: dict = {}
+    if not src.path.startswith("s3://"):
+        return {}
+    # One attempt per request: ShardCache retries a failed fetch with its own backoff, and a store that cannot be
+    # listed at launch is refused at once (botocore's own retries took 14 s to say that a port was closed).
+    opts: dict = {"config_kwargs": {"retries": {"max_attempts": 1}}}
     if src.endpoint_url:
         opts["endpoint_url"] = src.endpoint_url
     if src.profile:
@@ -59,7 +63,7 @@ def list_shards(src: SourceConfig, index: int) -> list[Shard]:
     its size; a source that cannot be listed, or matches nothing, is refused with its URL and the reason."""
     where = f"data.sources[{index}]"
     try:
-        fs, root = fsspec.core.url_to_fs(src.path, **(storage_options(src) if is_remote(src.path) else {}))
+        fs, root = fsspec.core.url_to_fs(src.path, **storage_options(src))
         if _GLOB_CHARS & set(root):
             infos = fs.glob(root, detail=True)
         elif fs.isdir(root):
@@ -129,6 +133,8 @@ class ShardCache:
         name = self._name(shard)
         pinned = self.root / f"{name}.use{os.getpid()}"
         for _ in range(2):  # evicted by another rank between its fetch and the link: fetched again, once
+            with self._lock:
+                self.hits += name in self._lru
             self.prefetch(source, shard)
             with self._lock:
                 future = self._pending.get(name)
@@ -157,9 +163,8 @@ class ShardCache:
 
     def _fetch(self, source: int, shard: Shard, name: str) -> None:
         path = self.root / name
-        if path.exists():
+        if path.exists():  # fetched by another rank on this node
             with self._lock:
-                self.hits += 1
                 self._lru[name] = path.stat().st_size
             return
         fs, remote = fsspec.core.url_to_fs(shard.url, **self.options[source])

@@ -25,7 +25,7 @@ from scaletrain.config import DataConfig, SourceConfig
 from scaletrain.data.prepare import TokenizeJob, resolve_cache_dir, token_dtype, tokenize_file
 from scaletrain.data.schedule import MixtureSchedule
 from scaletrain.data.sources import Skipped, resolve_format
-from scaletrain.data.storage import Shard, ShardCache, is_remote, list_shards, storage_options
+from scaletrain.data.storage import Shard, ShardCache, list_shards, storage_options
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from scaletrain.errors import UserError
 
@@ -257,7 +257,7 @@ def build_streaming_loader(data: DataConfig, tokenizer: ByteTokenizer | HFTokeni
     if not data.sources:
         raise UserError("data.streaming reads data.sources; add at least one source (a path or an s3:// URL)")
     cache = ShardCache(resolve_cache_dir(data) / "stream", data.stream_cache_mb << 20,
-                       [storage_options(s) if is_remote(s.path) else {} for s in data.sources])  # fmt: skip
+                       [storage_options(s) for s in data.sources])  # fmt: skip
     names = source_names(data)
     streams, held_out = [], []
     for i, (src, shards) in enumerate(

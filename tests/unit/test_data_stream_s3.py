@@ -1,0 +1,125 @@
+"""data.streaming against a real S3 API: moto's server started on loopback by this module (botocore and s3fs speak
+HTTP to it as to AWS), not a mock of fsspec. The same files streamed from s3:// and read locally give the same
+samples; a fetch that fails while the server is down is retried without losing or repeating a sample; the endpoint
+comes from AWS_ENDPOINT_URL or the source's config; a source that cannot be listed is refused before step 1."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import SourceConfig
+from scaletrain.data.loader import data_problems
+from scaletrain.data.storage import list_shards
+from tests.unit.test_data_streaming import data_cfg, loader, run_steps, write_corpus
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+BUCKET = "corpus"
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+class S3Server:
+    """moto's S3 server on a loopback port; stop() and start() again keep its buckets (moto's in-process state)."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = None
+
+    def start(self) -> None:
+        self._server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Server, Path]]:
+    """The server, with the corpus of test_data_streaming uploaded under s3://corpus/{a,b}/; and its local copy."""
+    saved = {k: os.environ.get(k) for k in [*AWS_ENV, "AWS_ENDPOINT_URL"]}
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = S3Server()
+    server.start()
+    os.environ.update(AWS_ENV, AWS_ENDPOINT_URL=server.url)
+    import boto3
+
+    local = tmp_path_factory.mktemp("corpus")
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=BUCKET)
+    for d in write_corpus(local, shards=4, docs=6):
+        for f in sorted(d.iterdir()):
+            client.upload_file(str(f), BUCKET, f"{d.name}/{f.name}")
+    yield server, local
+    server.stop()
+    for k, v in saved.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_streamed_and_local_files_give_the_same_samples(s3, tmp_path: Path):
+    _, local = s3
+    remote = data_cfg([f"s3://{BUCKET}/a/", f"s3://{BUCKET}/b"], tmp_path, weights=[2, 1])
+    reference = run_steps(
+        loader(data_cfg([str(local / "a"), f"file://{local / 'b'}"], tmp_path, weights=[2, 1])), 8
+    )
+    cold = loader(remote)
+    assert run_steps(cold, 8) == reference  # bit for bit, in the same order
+    cold.close()  # waits for the fetches under way
+    assert cold.streams[0].cache.fetched >= 4 and not list((tmp_path / "c" / "stream").glob("*.part*"))
+    warm = loader(remote)  # a second start finds the shards in the cache
+    assert run_steps(warm, 8) == reference and warm.streams[0].cache.hits >= 4
+
+
+def test_a_fetch_failing_while_the_server_is_down_is_retried(s3, tmp_path: Path, caplog):
+    server, local = s3
+    cfg = data_cfg([f"s3://{BUCKET}/a/", f"s3://{BUCKET}/b/"], tmp_path, read_ahead=0)
+    reference = run_steps(loader(data_cfg([str(local / "a"), str(local / "b")], tmp_path)), 12)
+    ld = loader(cfg)
+    trained = run_steps(ld, 2)  # the first shard of each source, fetched while the server is up
+    server.stop()
+    restart = threading.Timer(1.2, server.start)  # down for ~1 s: the first attempts fail, a later one reads
+    restart.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="scaletrain"):
+            trained += run_steps(ld, 10)  # into the next shards: fetched while the server is down, then up
+    finally:
+        restart.join()
+    assert "trying again" in caplog.text  # a fetch did fail
+    assert trained == reference  # and no sample was lost or repeated
+
+
+def test_the_endpoint_comes_from_the_environment_or_the_source(s3, monkeypatch, tmp_path: Path):
+    server, _ = s3
+    assert len(list_shards(SourceConfig(path=f"s3://{BUCKET}/a/"), 0)) == 4  # AWS_ENDPOINT_URL
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # not used: the source names its own
+    src = SourceConfig(path=f"s3://{BUCKET}/b/*.jsonl", endpoint_url=server.url)
+    assert [s.url for s in list_shards(src, 0)] == [f"s3://{BUCKET}/b/part-{k}.jsonl" for k in range(4)]
+
+
+def test_a_source_that_cannot_be_listed_is_refused_before_launch(s3, tmp_path: Path):
+    t = time.monotonic()
+    cfg = data_cfg([f"s3://{BUCKET}/a/", "s3://no-such-bucket/x/", f"s3://{BUCKET}/b/"], tmp_path)
+    cfg.sources[2].endpoint_url = "http://127.0.0.1:9"  # nothing listens there
+    problems = data_problems(cfg)
+    assert len(problems) == 2, problems
+    assert "data.sources[1].path s3://no-such-bucket/x/ does not exist" in problems[0]
+    assert problems[1].startswith(
+        f"data.sources[2].path s3://{BUCKET}/b/ cannot be listed: EndpointConnectionError"
+    )
+    assert time.monotonic() - t < 10  # refused at once, not after the client's retries
