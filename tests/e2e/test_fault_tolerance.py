@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.resilience.fault_tolerance import group_run_dir, torchft_installed
+from tests.e2e.ft_faults.sitecustomize import FT_FAULTS_ENV
 from tests.helpers import DEBUG, ROOT, events, read_jsonl, start_cli, train_args
 
 pytestmark = pytest.mark.skipif(
@@ -41,14 +42,21 @@ THREE = {
     "fault_tolerance__min_replicas": 2,
     "training__global_batch": 12,
 }
-CASES = {  # (nproc, groups, the global rank killed at KILL_STEP, overrides)
-    # group 1's only rank
-    "2x1": (2, 2, 1, {}),
-    # a rank of group 0, which owns the run directory: it restarts from its checkpoint of step 5 and heals forward
-    "2x2-fsdp-group0": (4, 2, 1, FSDP),
+# Deaths inside torchft's own calls (tests/e2e/ft_faults, on the job's PYTHONPATH): `allreduce` SIGKILLs the rank
+# once its second cross-group all-reduce of KILL_STEP is issued (the peers are in that collective with it), `heal`
+# SIGKILLs the restarted rank after the first bytes of a live peer's state have arrived (the peer is sending it).
+IN_TORCHFT = {"allreduce": {"step": KILL_STEP, "call": 2}, "heal": {}}
+CASES = {  # (nproc, groups, the global rank that dies at KILL_STEP, overrides, where it dies)
+    # group 1's only rank, inside the step's cross-group all-reduce; restarted, it dies again while healing, and
+    # its second restart heals (the only case where a 1-rank group's death is not at a step's start: 3x1-min2 is)
+    "2x1-allreduce-heal": (2, 2, 1, {}, IN_TORCHFT),
+    # a rank of group 0, which owns the run directory, at the step's start (resilience.inject's kill): it restarts
+    # from its checkpoint of step 5 and heals forward
+    "2x2-fsdp-group0": (4, 2, 1, FSDP, None),
     # three groups, two of them needed for a step (min_replicas 2): the two survivors are a majority and go on
-    "3x1-min2": (3, 3, 2, {**THREE, "fault_tolerance__timeout_s": 5}),
+    "3x1-min2": (3, 3, 2, {**THREE, "fault_tolerance__timeout_s": 5}, None),
 }
+FAULTS = ROOT / "tests" / "e2e" / "ft_faults"
 
 
 # The reference: train.build's single-process job stepped by hand on the same global batches, except that a step
@@ -115,31 +123,43 @@ def _parent(pid: int) -> int:
 
 @pytest.mark.parametrize("case", CASES)
 def test_groups_survive_a_kill_train_alone_heal_and_end_bit_identical(tmp_path, case):
-    """A rank killed at step 8 (group 1's; group 0's under fsdp, which owns the run directory; group 2 of three with
-    min_replicas 2). Its group stays away until the others have committed two steps without it: its launcher's
-    fork server is stopped (SIGSTOP) from before the kill, so the launcher neither learns of the death nor starts a
-    worker until the test continues it (an agent restart takes ~0.5 s here, under the lighthouse's 2 s heartbeat
-    timeout, and the others would simply wait for it). Then it restarts under its own agent, heals from a live peer
-    (forward past its own checkpoint for group 0) and rejoins.
+    """A rank dies at step 8 (group 1's inside the cross-group all-reduce, and again inside its heal; group 0's
+    under fsdp, which owns the run directory; group 2 of three with min_replicas 2). Its group stays away until the
+    others have committed two steps without it: its launcher's fork server is stopped (SIGSTOP) from before the
+    kill, so the launcher neither learns of the death nor starts a worker until the test continues it (an agent
+    restart takes ~0.5 s here, under the lighthouse's 2 s heartbeat timeout, and the others would simply wait for
+    it). Then it restarts under its own agent, heals from a live peer (forward past its own checkpoint for group 0)
+    and rejoins.
 
     - The survivors trained alone: steps with replicas G-1, the first within STALL_S of their previous step; every
       step is in a survivor's record exactly once, and in the killed group's only while it was there.
-    - The survivors' processes are never restarted; every rank of the killed group is, once.
+    - The survivors' processes are never restarted; every rank of the killed group is, once
+      (twice when it also died healing).
     - At the end each rank of every group holds the same bytes as its counterparts.
     - Each committed step's loss and grad norm match REFERENCE: the single-process step on the slices of the groups
       present."""
     run = tmp_path / "run"
-    nproc, groups, killed, extra = CASES[case]
+    nproc, groups, killed, extra, inside = CASES[case]
     size = nproc // groups
     lost, survivor = killed // size, (killed // size + 1) % groups
     args = {**BASE, **extra}
-    kill = f'--resilience.inject=[{{kind="kill", rank={killed}, step={KILL_STEP}}}]'
+    env = os.environ.copy()
+    if inside:  # where in torchft the rank dies: the fault module, loaded by every process of the job
+        where = {"group": lost, "rank": killed % size}
+        spec = {"dir": str(tmp_path), **{name: {**f, **where} for name, f in inside.items()}}
+        env |= {FT_FAULTS_ENV: json.dumps(spec), "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)])}
+        fault = []
+    else:
+        fault = [f'--resilience.inject=[{{kind="kill", rank={killed}, step={KILL_STEP}}}]']
+    # The killed group's restarts: one more where it also dies healing.
+    restarts = 2 if inside and "heal" in inside else 1
     # The output goes to a file: a pipe nobody reads while the test waits fills up, and the lighthouse, which logs
     # into the launcher's stderr, would block on it.
     log = open(tmp_path / "out.log", "w")  # noqa: SIM115 (the launcher holds it)
     proc = start_cli(
-        *train_args(run, "--max-restarts", "1", kill, nproc=nproc, **args), stdout=log, stderr=log
-    )
+        *train_args(run, "--max-restarts", str(restarts), *fault, nproc=nproc, **args), stdout=log, stderr=log,
+        env=env,
+    )  # fmt: skip
     try:
         first = _wait(lambda: len(_started(run, lost)) == size and _started(run, lost), 240, "no start", proc)
         server = _parent(first[0]["pid"])  # the fork server the group's workers come from
@@ -155,20 +175,23 @@ def test_groups_survive_a_kill_train_alone_heal_and_end_bit_identical(tmp_path, 
         log.close()
     assert proc.returncode == 0, (tmp_path / "out.log").read_text()[-3000:]
 
-    [fired] = events(group_run_dir(run, lost), "fault_injected")
-    assert (fired["rank"], fired["step"]) == (killed, KILL_STEP), fired
-    [gone] = events(run, "replica_lost")
-    assert gone["group"] == lost, gone
+    if inside:  # each death fired once, where it was meant to
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name in inside) == sorted(inside)
+    else:
+        [fired] = events(group_run_dir(run, lost), "fault_injected")
+        assert (fired["rank"], fired["step"]) == (killed, KILL_STEP), fired
+    gone, *again = events(run, "replica_lost")
+    assert len(again) == restarts - 1 and all(e["group"] == lost for e in [gone, *again]), (gone, again)
     if (
         size == 1
     ):  # with two ranks the held launcher sees both dead at once, and may blame the one whose collective broke
         assert (gone["step"], gone["cause"]) == (KILL_STEP, "killed"), gone
     started = events(run, "replica_started")
-    for group in range(groups):  # one process per rank throughout, but the killed group's: restarted once
+    for group in range(groups):  # one process per rank throughout, but the killed group's: restarted
         pids = {
             r: {e["pid"] for e in started if (e["group"], e["group_rank"]) == (group, r)} for r in range(size)
         }
-        assert all(len(p) == (2 if group == lost else 1) for p in pids.values()), (group, started)
+        assert all(len(p) == (1 + restarts if group == lost else 1) for p in pids.values()), (group, started)
     [joined] = [e for e in events(run, "replica_joined") if e["cause"] == "restarted"]
     assert joined["group"] == lost and joined["heal_s"] > 0 and KILL_STEP < joined["step"] < STEPS, joined
 
