@@ -10,6 +10,7 @@ of that moment; a rank's own variables are set in `_entry`.
 
 from __future__ import annotations
 
+import json
 import os
 import traceback
 from collections.abc import Callable
@@ -67,3 +68,19 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 300) -> None:
     codes = [p.exitcode for p in procs]
     if any(c != 0 for c in codes):
         raise AssertionError(f"ranks exited with {codes} (a hang past {timeout}s shows as a kill)")
+
+
+def _gather_to_file(rank: int, world_size: int, fn: Callable, out: str, args: tuple) -> None:
+    every: list = [None] * world_size
+    dist.all_gather_object(every, fn(rank, world_size, *args))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(every, f)
+
+
+def spawn_gathered(fn: Callable, world_size: int, out: str, *args, timeout: float = 300) -> list:
+    """`spawn`, where `fn(rank, world_size, *args)` returns what that rank measured (JSON-able): the ranks' results
+    in rank order, passed through the file `out`."""
+    spawn(_gather_to_file, world_size, fn, out, args, timeout=timeout)
+    with open(out) as f:
+        return json.load(f)

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import ParallelConfig, TrainingConfig
@@ -27,7 +25,7 @@ from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.planning.estimators.memory import per_rank_bytes
 from tests.distributed.reference import unwrap
-from tests.distributed.spawn import spawn
+from tests.distributed.spawn import spawn_gathered
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -87,26 +85,19 @@ def measure(fields: dict, spec: dict, world_size: int, old_path: bool) -> dict:
     return dict(grew=grew, share=share, buckets=buckets, full=full, largest=largest)
 
 
-def worker(rank: int, world_size: int, out: str) -> None:
+def worker(rank: int, world_size: int) -> dict:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD, fixed: freed tensors go back to the system
     results = {name: measure(f, s, world_size, False) for name, (f, s) in LAYOUTS.items()}
     results["fsdp4_old_path"] = measure(ARGS, FSDP, world_size, True)
-    every: list = [None] * world_size
-    dist.all_gather_object(every, results)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(every, f)
+    return results
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("needs /proc/self/clear_refs (Linux) to reset the peak resident set")
-    out = tmp_path_factory.mktemp("init_peak") / "results.json"
-    spawn(worker, 4, str(out))
-    with open(out) as f:
-        return json.load(f)
+    return spawn_gathered(worker, 4, str(tmp_path_factory.mktemp("init_peak") / "results.json"))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -9,12 +9,10 @@ gathered block: 97 MiB) fails."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from scaletrain.config import OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.hardware import pin_mmap_threshold
@@ -23,7 +21,7 @@ from scaletrain.optim.optimizers import optimizer_builder
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.planning.estimators.memory import foreach_step_bytes, per_rank_bytes
-from tests.distributed.spawn import spawn
+from tests.distributed.spawn import spawn_gathered
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -67,24 +65,16 @@ def measure(mode: str, world_size: int) -> dict:
     return out
 
 
-def worker(rank: int, world_size: int, out: str) -> None:
+def worker(rank: int, world_size: int) -> dict:
     assert pin_mmap_threshold()
-    results = {mode: measure(mode, world_size) for mode in ("fsdp", "ddp")}
-    every: list = [None] * world_size
-    dist.all_gather_object(every, results)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(every, f)
+    return {mode: measure(mode, world_size) for mode in ("fsdp", "ddp")}
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[dict]:
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("needs /proc/self/clear_refs (Linux) to reset the peak resident set")
-    out = tmp_path_factory.mktemp("step_memory") / "results.json"
-    spawn(worker, 2, str(out))
-    with open(out) as f:
-        return json.load(f)
+    return spawn_gathered(worker, 2, str(tmp_path_factory.mktemp("step_memory") / "results.json"))
 
 
 def _estimate(mode: str) -> dict[str, float]:
