@@ -60,6 +60,10 @@ class ModelConfig:
     """Channels per attention head; 0: dim / n_heads. Qwen3 and GPT-OSS use heads wider or narrower than that."""
     qk_norm: bool | None = None
     """RMSNorm over each head's query and key before RoPE (Qwen3)."""
+    attention_bias: bool | None = None
+    """Biases on the query, key, value and output projections (GPT-OSS)."""
+    attention_sinks: bool | None = None
+    """A learned logit per head added to each softmax's denominator, so a head may attend to nothing (GPT-OSS)."""
 
     q_lora_rank: int | None = None
     """Multi-head latent attention (DeepSeek-V3): the query latent's rank; 0: queries straight from the hidden state."""
@@ -95,6 +99,11 @@ class MoEConfig:
     """MoE on every k-th block (blocks k-1, 2k-1, ...; 1: all, 2: every other), dense SwiGLU elsewhere."""
     first_dense: int | None = None
     """The first N blocks stay dense whatever `every` says (DeepSeek-MoE keeps block 0 dense)."""
+    bias: bool | None = None
+    """Biases on the router and on each expert's projections (GPT-OSS)."""
+    swiglu_limit: float | None = None
+    """> 0: GPT-OSS's clamped SwiGLU in the experts, gate clamped above at the limit and up to [-limit, limit],
+    gate * sigmoid(1.702 gate) * (up + 1); 0: plain SwiGLU."""
     capacity_factor: float = 0.0
     """0: dropless (every routed token is computed). > 0: each expert takes at most ceil(factor x seq_len x top_k /
     n_experts) tokens of each sequence, the first ones in order; the rest of its tokens are dropped (they keep only

@@ -38,6 +38,37 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    mask: torch.Tensor | BlockMask | None,
+) -> torch.Tensor:
+    """Attention whose softmax over each query's keys has one more term, exp(sink of the head), in the denominator
+    (GPT-OSS's attention sinks): softmax([scores, sink]) without the sink's column. q: [batch, heads, seq, d];
+    k, v: [batch, kv_heads, keys, d] (grouped-query); sinks: [heads]; mask as `attention_masks` gives (None:
+    causal over equal lengths). Computed plainly, with the [batch, heads, seq, keys] scores in fp32 held at once:
+    no fused kernel takes a sink (FlexAttention's score_mod cannot add a term to the denominator)."""
+    b, h, s, d = q.shape
+    rep = h // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-2, -1)).float() * d**-0.5
+    i = torch.arange(s, device=q.device)[:, None] + (k.shape[2] - s)
+    j = torch.arange(k.shape[2], device=q.device)[None, :]
+    if mask is None:
+        keep = (j <= i)[None, None]
+    elif isinstance(mask, BlockMask):
+        bi = torch.arange(b, device=q.device)[:, None, None, None]
+        keep = mask.mask_mod(bi, torch.zeros_like(bi), i[None, None], j[None, None])
+    else:
+        keep = mask
+    scores = scores.masked_fill(~keep, -math.inf)
+    sink = sinks.float().view(1, h, 1, 1).expand(b, h, s, 1)
+    lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1, keepdim=True)
+    return (scores - lse).exp().to(v.dtype) @ v
+
+
 def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
     """Document index of every token of packed [batch, seq] ids, counted from 0 in each row. The end-of-document
     token belongs to the document it ends (as Megatron-LM's reset_attention_mask): the token after it starts the

@@ -18,7 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.attention import AttentionKernel, attention_masks, document_positions, max_logits
+from scaletrain.models.attention import (
+    AttentionKernel,
+    attention_masks,
+    document_positions,
+    max_logits,
+    sink_attention,
+)
 from scaletrain.models.init import trunc_normal
 from scaletrain.models.loss import output_loss
 from scaletrain.models.mla import LATENT_NORM_EPS, MLA, mla_init_names
@@ -67,6 +73,11 @@ class ModelArgs:
     family: str = "llama"
     head_size: int = 0  # channels per attention head; 0: dim // n_heads (Qwen3 and GPT-OSS set it apart)
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    attention_bias: bool = False  # biases on q, k, v and the output projection (GPT-OSS)
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (GPT-OSS)
+    moe_bias: bool = False  # biases on the router and the experts' projections (GPT-OSS)
+    swiglu_limit: float = 0.0  # > 0: GPT-OSS's clamped SwiGLU in the experts (moe._gpt_oss_loop)
+
     # Multi-head latent attention (DeepSeek-V2/V3, models/mla.py) in place of grouped-query attention when
     # kv_lora_rank > 0 (n_kv_heads and head_size are then unused).
     q_lora_rank: int = 0  # 0: queries projected straight from the hidden state
@@ -145,18 +156,35 @@ def layer_window(args: ModelArgs, layer_id: int) -> int:
     return args.window if args.window > 0 and layer_id % max(args.window_every, 1) == 0 else 0
 
 
+class HeadSinks(nn.Module):
+    """One learned logit per attention head, added to the denominator of its softmax (GPT-OSS; Xiao et al. 2023's
+    attention sink as a parameter): a head may attend to nothing."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_heads))
+
+    def local(self) -> torch.Tensor:
+        """This rank's heads' sinks (tensor parallel shards them by head, as the heads)."""
+        w = self.weight
+        return w.to_local() if hasattr(w, "to_local") else w
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, window: int = 0):
         super().__init__()
         self.window = window  # 0: full causal; else this layer's sliding window (selects its mask)
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        bias = args.attention_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=bias)
         # Qwen3's QK-norm: one RMSNorm of head_dim channels shared by all heads, applied before RoPE.
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        # GPT-OSS's attention sinks, a module so that tensor parallel can split them by head as it splits wq.
+        self.sinks = HeadSinks(args.n_heads) if args.attention_sinks else None
         # The attention kernel, a plain callable (not a module): context parallel swaps in ring attention, which
         # takes no mask (validate refuses document masking and the window under cp).
         self.sdpa = AttentionKernel(args.attention)
@@ -188,7 +216,10 @@ class Attention(nn.Module):
         mask = masks[self.window] if masks is not None else None
         if self.max_logits is not None and self.training and kv is None:
             self._record_max_logits(q, k, mask)
-        out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask)
+        if self.sinks is not None:
+            out = sink_attention(q, k, v, self.sinks.local(), mask)
+        else:
+            out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     @torch.compiler.disable
@@ -364,11 +395,17 @@ class Transformer(nn.Module):
             if moe:
                 hidden = (args.moe_hidden or args.ffn_hidden) * args.shared_experts
                 plan += [
-                    (p + "feed_forward." + n, init) for n, init in moe_init_plan(std, depth_std, hidden > 0)
+                    (p + "feed_forward." + n, init)
+                    for n, init in moe_init_plan(std, depth_std, hidden > 0, args.moe_bias)
                 ]
             plan += [(f"{p}attention_norm.weight", nn.init.ones_), (f"{p}ffn_norm.weight", nn.init.ones_)]
             if args.qk_norm:  # no RNG draw: the plan's other entries draw as without QK-norm
                 plan += [(f"{p}attention.{n}.weight", nn.init.ones_) for n in ("q_norm", "k_norm")]
+            # GPT-OSS's attention biases and sinks start at zero: no RNG draw either.
+            if args.attention_bias:
+                plan += [(f"{p}attention.{n}.bias", nn.init.zeros_) for n in ("wq", "wk", "wv", "wo")]
+            if args.attention_sinks:
+                plan.append((f"{p}attention.sinks.weight", nn.init.zeros_))
         plan.append(("norm.weight", nn.init.ones_))
         if not args.tie_embeddings:
             plan.append(("output.weight", trunc_normal(args.dim**-0.5)))

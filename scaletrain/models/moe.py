@@ -37,6 +37,8 @@ class ModelArgs(Protocol):
     capacity_factor: float
     aux_loss_coef: float
     z_loss_coef: float
+    moe_bias: bool
+    swiglu_limit: float
     n_group: int
     topk_group: int
     route_scale: float
@@ -94,6 +96,7 @@ class Router(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         scale: float = 1.0,
+        bias: bool = False,
     ):
         """n_group, topk_group: group-limited routing (DeepSeek-V3), off with n_group 1; scale: the routed
         weights' multiplier (its routed_scaling_factor)."""
@@ -102,7 +105,7 @@ class Router(nn.Module):
             raise ValueError(f"moe.router {score!r} is unknown: choose softmax or sigmoid")
         self.top_k, self.score, self.norm_topk = top_k, score, norm_topk
         self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
-        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.gate = nn.Linear(dim, n_experts, bias=bias)  # GPT-OSS's router has a learned bias
         # Persistent: it is learned state (moved by the load, not by gradients) and must survive a resume.
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32), persistent=True)
 
@@ -111,7 +114,8 @@ class Router(nn.Module):
         probabilities [T, E] the balance loss uses (softmax; for sigmoid the scores normalised to sum 1)."""
         dtype = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):  # autocast would run the gate in bf16
-            logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))
+            bias = None if self.gate.bias is None else self.gate.bias.to(dtype)
+            logits = F.linear(x.to(dtype), self.gate.weight.to(dtype), bias)
         if self.score == "sigmoid":
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(-1, keepdim=True)
@@ -149,6 +153,35 @@ def _swiglu_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.
     """One matmul per expert over its contiguous rows (a segment loop, never a loop over tokens)."""
     chunks = x.split(counts.tolist())
     outs = [(F.silu(c @ w1[e].T) * (c @ w3[e].T)) @ w2[e].T for e, c in enumerate(chunks)]
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+# GPT-OSS's SwiGLU: gate * sigmoid(ALPHA * gate) in place of silu (OpenAI 2025, gpt-oss model card).
+GPT_OSS_ALPHA = 1.702
+
+
+def _gpt_oss_loop(
+    x: torch.Tensor,
+    w: tuple[torch.Tensor, ...],
+    b: tuple[torch.Tensor | None, ...],
+    counts: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """The segment loop with GPT-OSS's experts: w = (w1, w2, w3), b = their biases ([E, H], [E, D], [E, H]) or
+    None; limit > 0 is its clamped SwiGLU: the gate clamped above at limit, the up projection to [-limit, limit],
+    then gate * sigmoid(1.702 gate) * (up + 1). limit 0: plain SwiGLU with the biases."""
+    (w1, w2, w3), (b1, b2, b3) = w, b
+    outs = []
+    for e, c in enumerate(x.split(counts.tolist())):
+        gate, up = c @ w1[e].T, c @ w3[e].T
+        if b1 is not None:
+            gate, up = gate + b1[e], up + b3[e]
+        if limit > 0:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            h = gate * torch.sigmoid(GPT_OSS_ALPHA * gate) * (up + 1)
+        else:
+            h = F.silu(gate) * up
+        outs.append(h @ w2[e].T + (b2[e] if b2 is not None else 0))
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
@@ -215,15 +248,26 @@ def grouped_mm_usable(x: torch.Tensor) -> bool:
 class GroupedExperts(nn.Module):
     """E SwiGLU experts with nn.Linear-style weights stacked on dim 0: expert e is w2[e] (silu(w1[e] x) * w3[e] x)."""
 
-    def __init__(self, dim: int, hidden: int, n_experts: int):
+    def __init__(self, dim: int, hidden: int, n_experts: int, bias: bool = False, limit: float = 0.0):
+        """bias, limit: GPT-OSS's experts (biases on the three projections; its clamped SwiGLU, `_gpt_oss_loop`)."""
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.limit = limit
+        # Biases flat, [E * H] and [E * D]: 1-D as every bias, so no weight decay and no Muon step reads them as
+        # matrices; sharded on dim 0 (expert parallel, FSDP) each rank still holds whole experts' rows.
+        self.b1 = nn.Parameter(torch.empty(n_experts * hidden)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(n_experts * dim)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(n_experts * hidden)) if bias else None
 
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_sorted: [N, dim], rows grouped by expert in expert order; counts: [E_local] rows per local expert."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.b1 is not None or self.limit > 0:  # GPT-OSS: no grouped kernel takes its biases and clamp
+            b = (self.b1, self.b2, self.b3)
+            b = tuple(None if t is None else _local(t).view(w.shape[0], -1) for t, w in zip(b, (w1, w2, w3)))
+            return _gpt_oss_loop(x_sorted, (w1, w2, w3), b, counts, self.limit)
         if grouped_mm_usable(x_sorted):
             bf16 = torch.bfloat16
             return _swiglu_grouped(x_sorted.to(bf16), w1.to(bf16), w2.to(bf16), w3.to(bf16), counts)
@@ -231,12 +275,13 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
-        for name, init in moe_init_plan(std, out_std, False)[:3]:
-            init(getattr(self, name.split(".")[-1]))
+        for name, init in moe_init_plan(std, out_std, False, self.b1 is not None):
+            if name.startswith("experts."):
+                init(getattr(self, name.split(".")[-1]))
 
 
 def moe_init_plan(
-    std: float, out_std: float, shared: bool
+    std: float, out_std: float, shared: bool, biased: bool = False
 ) -> list[tuple[str, Callable[[torch.Tensor], None]]]:
     """(name under the MoE block, in-place init on the whole tensor) in RNG order: the experts like the dense SwiGLU
     (w2 depth-scaled), the shared experts alike, then the router gate N(0, std). Part of Transformer.init_plan."""
@@ -249,7 +294,11 @@ def moe_init_plan(
     if shared:
         plan += [("shared.w1.weight", trunc_normal(std)), ("shared.w3.weight", trunc_normal(std))]
         plan += [("shared.w2.weight", trunc_normal(out_std))]
-    return plan + [("router.gate.weight", partial(nn.init.normal_, std=std))]
+    plan.append(("router.gate.weight", partial(nn.init.normal_, std=std)))
+    # GPT-OSS's biases start at zero (no RNG draw: the entries above draw as without them).
+    return plan + [
+        (n, nn.init.zeros_) for n in ("experts.b1", "experts.b2", "experts.b3", "router.gate.bias") if biased
+    ]
 
 
 def histogram(index: torch.Tensor, n: int) -> torch.Tensor:
@@ -316,8 +365,9 @@ class MoE(nn.Module):
             args.n_group,
             args.topk_group,
             args.route_scale,
+            bias=args.moe_bias,
         )
-        self.experts = GroupedExperts(args.dim, hidden, args.n_experts)
+        self.experts = GroupedExperts(args.dim, hidden, args.n_experts, args.moe_bias, args.swiglu_limit)
         self.shared = shared
         # Load statistics for the metrics monitor, which reads and zeroes them; not checkpointed.
         e = args.n_experts
@@ -380,7 +430,7 @@ class MoE(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         """Router gate N(0, std); experts like the dense SwiGLU (w2 depth-scaled); zero bias and statistics."""
         params = dict(self.named_parameters())
-        for name, init in moe_init_plan(std, out_std, self.shared is not None):
+        for name, init in moe_init_plan(std, out_std, self.shared is not None, self.experts.b1 is not None):
             init(params[name])
         self.init_buffers()
 

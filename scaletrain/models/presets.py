@@ -12,6 +12,7 @@ import difflib
 import torch
 
 from scaletrain.config import ModelConfig, MoEConfig
+from scaletrain.models.gpt_oss import GPT_OSS_PRESETS
 from scaletrain.models.llama import ModelArgs, Transformer
 from scaletrain.models.moe import is_moe_layer
 from scaletrain.models.qwen3 import QWEN3_PRESETS
@@ -105,10 +106,10 @@ PRESETS: dict[str, dict] = {
     ),
 }
 # Each family's shapes live in its module (models/<family>.py) and are named here once.
-PRESETS |= QWEN3_PRESETS
+PRESETS |= QWEN3_PRESETS | GPT_OSS_PRESETS
 
 # MoEConfig field -> ModelArgs field where the names differ; the rest keep their name.
-MOE_FIELDS = {"hidden": "moe_hidden", "every": "moe_every"}
+MOE_FIELDS = {"hidden": "moe_hidden", "every": "moe_every", "bias": "moe_bias"}
 
 
 def pad_vocab(n: int, multiple: int = 64) -> int:
@@ -183,6 +184,8 @@ def model_problems(m: ModelConfig) -> list[str]:
         for name in _SIZE_FIELDS
         if getattr(m, name) is not None and getattr(m, name) < 1
     ]
+    if m.head_size is not None and m.head_size < 0:
+        problems.append(f"model.head_size must be >= 0 (0: dim / n_heads), got {m.head_size}")
     for name in ("rope_theta", "rope_scaling_factor", "norm_eps", "init_std"):
         v = getattr(m, name)
         if v is not None and v <= 0:
@@ -200,7 +203,12 @@ def model_shape_problems(args: ModelArgs, m: ModelConfig, tokenizer_vocab: int |
 
     problems = []
     dim, heads, kv = args.dim, args.n_heads, args.n_kv_heads
-    if dim % heads:
+    if args.head_size:  # heads of their own size (Qwen3, GPT-OSS): dim need not divide
+        if args.head_size % 2:
+            problems.append(
+                f"{field('head_size')} is odd, and RoPE rotates pairs of channels; set model.head_size even"
+            )
+    elif dim % heads:
         problems.append(
             f"{field('dim')} is not divisible by {field('n_heads')}: each head gets dim / n_heads channels; "
             f"set model.n_heads to one of {_divisors_near(dim, heads, even_quotient=True)} or change model.dim"
@@ -225,7 +233,9 @@ def model_shape_problems(args: ModelArgs, m: ModelConfig, tokenizer_vocab: int |
     return problems
 
 
-_MOE_SHAPE = ("top_k", "hidden", "shared_experts", "router", "norm_topk", "every", "first_dense")
+_MOE_SHAPE = (
+    "top_k", "hidden", "shared_experts", "router", "norm_topk", "every", "first_dense", "bias", "swiglu_limit",
+)  # fmt: skip
 
 
 def moe_problems(moe: MoEConfig, args: ModelArgs, preset: str) -> list[str]:
@@ -237,8 +247,8 @@ def moe_problems(moe: MoEConfig, args: ModelArgs, preset: str) -> list[str]:
 
     problems = [
         f"moe.{name} must be >= 0, got {getattr(moe, name)}"
-        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate")
-        if getattr(moe, name) < 0
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "swiglu_limit")
+        if (getattr(moe, name) or 0) < 0
     ]
     e, k = args.n_experts, args.top_k
     if e < 0:

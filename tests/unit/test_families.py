@@ -15,9 +15,10 @@ from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.config.io import read_toml
 from scaletrain.inference.generate import generate
 from scaletrain.models import ModelArgs, build_meta_model, build_model, resolve_model_args
+from scaletrain.models.gpt_oss import PUBLISHED as GPT_OSS_PUBLISHED
 from scaletrain.models.llama import count_parameters
 from scaletrain.models.moe import MoE
-from scaletrain.models.qwen3 import PUBLISHED
+from scaletrain.models.qwen3 import PUBLISHED as QWEN3_PUBLISHED
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,28 +28,34 @@ BASE = dict(vocab_size=VOCAB, max_seq_len=32, dim=32, n_layers=3, n_heads=4, n_k
 FAMILIES = {
     "qwen3": dict(family="qwen3", qk_norm=True, head_size=16, rope_theta=1e6, norm_eps=1e-6),
     "qwen3_moe": dict(
-        family="qwen3",
-        qk_norm=True,
-        head_size=16,
-        rope_theta=1e6,
-        norm_eps=1e-6,
-        n_experts=4,
-        top_k=2,
-        moe_hidden=24,
-        first_dense=1,
+        family="qwen3", qk_norm=True, head_size=16, rope_theta=1e6, norm_eps=1e-6, n_experts=4, top_k=2,
+        moe_hidden=24, first_dense=1,
     ),
-}
-HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+    # A window of 6 on layers 0 and 2; a SwiGLU limit of 0.3, so that the clamps bite at these scales.
+    "gpt_oss": dict(
+        family="gpt_oss", head_size=16, rope_theta=150000.0, attention_bias=True, attention_sinks=True,
+        moe_bias=True, swiglu_limit=0.3, window=6, window_every=2, n_experts=4, top_k=2, moe_hidden=24,
+    ),
+}  # fmt: skip
+HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def _hf_config(kind: str) -> object:
     common = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+        tie_word_embeddings=False,
     )  # fmt: skip
+    if kind != "gpt_oss":
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
     if kind == "qwen3":
         return transformers.Qwen3Config(**common)
+    if kind == "gpt_oss":
+        return transformers.GptOssConfig(
+            **common | {"intermediate_size": 24, "rms_norm_eps": 1e-5},
+            rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.3,
+        )  # fmt: skip
     return transformers.Qwen3MoeConfig(
         **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
         mlp_only_layers=[0],
@@ -56,14 +63,17 @@ def _hf_config(kind: str) -> object:
 
 
 def _randomise(model: torch.nn.Module) -> None:
-    """Norm weights away from 1 (QK-norm and the block norms must be read, not assumed) and decisive routers (at
-    std 0.02 a near-tie could flip between two implementations on rounding alone)."""
+    """Norm weights away from 1 (QK-norm and the block norms must be read, not assumed), biases and sinks away from
+    their zero init (each must land in its place), and decisive routers (at std 0.02 a near-tie could flip between
+    two implementations on rounding alone)."""
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif "gate" in name and p.dim() == 2 and p.shape[0] <= 8:  # a router
+            elif "bias" in name or "sinks" in name or "experts.b" in name:
+                p.normal_(0.0, 0.5, generator=gen)
+            elif ("router" in name or ".gate." in name) and p.dim() == 2 and p.shape[0] == 4:
                 p.normal_(0.0, 1.0, generator=gen)
 
 
@@ -114,17 +124,21 @@ def test_transformers_checkpoint_imports_with_equal_logits_and_greedy_tokens(tmp
     from_hf(tmp_path / "hf", tmp_path / "a.toml")
     sections = read_toml(str(tmp_path / "a.toml"))
     fields = {k: v for k, v in sections["model"].items() if k != "init_from"}
-    assert fields["family"] == "qwen3" and fields["qk_norm"] and fields["head_size"] == 16
+    assert fields["family"] == kind.removesuffix("_moe") and fields["head_size"] == 16
     args = resolve_model_args(ModelConfig(**fields), None, 32, moe=MoEConfig(**sections.get("moe", {})))
     model = build_model(args, seed=1, device="cpu")
     load_hf_weights(model, tmp_path / "hf")
     model.eval()
-    assert sum(isinstance(b.feed_forward, MoE) for b in model.layers.values()) == (2 if "moe" in kind else 0)
+    moe_blocks = {"qwen3": 0, "qwen3_moe": 2, "gpt_oss": 3}[kind]
+    assert sum(isinstance(b.feed_forward, MoE) for b in model.layers.values()) == moe_blocks
     x = _tokens()
     with torch.no_grad():
         diff = (hf(x).logits - model(x)).abs().max().item()
     assert diff <= 1e-5
     _greedy_equal(model, hf)
+
+
+PUBLISHED = QWEN3_PUBLISHED | GPT_OSS_PUBLISHED
 
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))
@@ -134,5 +148,6 @@ def test_published_presets_count_the_published_parameters(preset):
     total, active = PUBLISHED[preset]
     # The model cards round to one decimal (1.72B is "1.7B").
     assert counts["total"] / 1e9 == pytest.approx(total, rel=0.02)
-    if active is not None:  # the cards' activated count includes the embedding
-        assert (counts["active"] + args.vocab_size * args.dim) / 1e9 == pytest.approx(active, rel=0.02)
+    if active is not None:  # Qwen3's cards count the input embedding as active, GPT-OSS's card does not
+        embedding = args.vocab_size * args.dim if args.family == "qwen3" else 0
+        assert (counts["active"] + embedding) / 1e9 == pytest.approx(active, rel=0.02)

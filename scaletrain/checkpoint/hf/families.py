@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from scaletrain.checkpoint.hf import deepseek_v3, llama, qwen3
+from scaletrain.checkpoint.hf import deepseek_v3, gpt_oss, llama, qwen3
 from scaletrain.checkpoint.hf.files import Source
 from scaletrain.models.llama import ModelArgs
 
@@ -43,7 +43,12 @@ class Adapter(Protocol):
         """Where our entry `name` is read from, among the HF tensors `names`."""
 
 
-ADAPTERS: dict[str, Adapter] = {"llama": llama, "qwen3": qwen3, "deepseek_v3": deepseek_v3}  # type: ignore[dict-item]
+ADAPTERS: dict[str, Adapter] = {
+    "llama": llama,
+    "qwen3": qwen3,
+    "deepseek_v3": deepseek_v3,
+    "gpt_oss": gpt_oss,
+}  # type: ignore[dict-item]
 
 
 def adapter(family: str) -> Adapter:

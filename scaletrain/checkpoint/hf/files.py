@@ -25,12 +25,14 @@ class Source:
 
     names: the HF tensors; several are stacked on a new dim 0 (one per expert); none gives zeros.
     chunk: 0 or 1 takes that half of dim 1 of the one tensor (a fused gate_up_proj: w1 then w3); -1 the whole.
-    transform: applied to the block of dim 0 a rank needs (its experts), read whole on the other dims, to give
-    our layout (e.g. GPT-OSS's interleaved, transposed gate_up_proj); the rank's region is cut out after it."""
+    transform: makes our layout of the one tensor (e.g. GPT-OSS's interleaved, transposed gate_up_proj); the
+    rank's region is cut out after it. rows: the transform keeps dim 0 (the experts), so only the rows of dim 0 a
+    rank needs are read (whole on the other dims); else the whole tensor is read (small ones only)."""
 
     names: list[str]
     chunk: int = -1
     transform: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+    rows: bool = True
 
 
 FEW = 3  # tensor names shown in a message; the rest are counted

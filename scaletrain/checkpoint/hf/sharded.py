@@ -80,12 +80,10 @@ def _read(handles: dict[str, object], target: _Target, src: Source) -> torch.Ten
     if not names:
         return torch.zeros(target.local.shape)
     if src.transform is not None:
-        rows = (
-            handles[names[0]].get_slice(names[0])[region[0]]
-            if region
-            else handles[names[0]].get_tensor(names[0])
-        )
-        return src.transform(rows)[(slice(None), *region[1:])] if region else src.transform(rows)
+        hf = handles[names[0]]
+        if src.rows:
+            return src.transform(hf.get_slice(names[0])[region[0]])[(slice(None), *region[1:])]
+        return src.transform(hf.get_tensor(names[0]))[tuple(region)]
     if len(names) > 1:
         experts = names[region[0]]
         if not experts:
