@@ -5,12 +5,13 @@ the same optimizer so that one state dict, one LR schedule and one checkpoint co
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 # Jordan's quintic (torch.optim.Muon's and Moonlight's): the slope at 0 is pushed as high as it goes, so 5 steps
 # lift small singular values fast, at the price of landing in ~[0.7, 1.2] instead of exactly 1.
@@ -73,6 +74,166 @@ def _coordinate(index: int, shape: tuple[int, ...]) -> list[int]:
     return out[::-1]
 
 
+def newton_schulz_flops(shape: tuple[int, ...], steps: int) -> float:
+    """FLOPs of `newton_schulz` on a matrix (or a stack of them) of `shape`: per iteration the Gram matrix
+    (2 m^2 n), its square (2 m^3) and the product with X (2 m^2 n), m <= n the short side. What the ranks split
+    between them, and the planner's count (planning/estimators/muon.py)."""
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * steps * (4 * m * m * n + 2 * m**3)
+
+
+# Whole fp32 matrices exchanged per collective. A call has a fixed cost (a rendezvous of every rank, a launch) paid
+# per bucket instead of per matrix, and a step of several buckets lets the next bucket's exchange run while this
+# one is orthogonalised. One block of the 30M benchmark model is 13.6 MB: about a block per bucket.
+BUCKET_BYTES = 16 * 2**20
+
+
+@dataclass
+class Job:
+    """One matrix of a Muon step: its parameter, the update to orthogonalise (this rank's shard of it where the
+    parameter is sharded), the lr multiplier of its step, the rank that orthogonalises it, the dim sharded."""
+
+    p: torch.Tensor
+    update: torch.Tensor
+    alpha: float
+    owner: int = 0
+    dim: int = 0
+
+    def piece(self, n: int, r: int) -> tuple[int, int, torch.Size]:
+        """Offset, length and shape of rank r's shard of the whole update, as DTensor's Shard(dim) places it
+        (torch.chunk's split: ceil(L/n) rows each, the last ones shorter or empty)."""
+        length = self.p.shape[self.dim]
+        chunk = -(-length // n)
+        start = min(r * chunk, length)
+        size = min(start + chunk, length) - start
+        shape = list(self.p.shape)
+        shape[self.dim] = size
+        return start, size, torch.Size(shape)
+
+
+def _buckets(jobs: list[Job], n: int, steps: int) -> list[list[Job]]:
+    """`jobs` in order, cut every BUCKET_BYTES, each given an owner among n ranks: within a bucket the costliest
+    first to the least loaded rank so far (loads carried over buckets; ties to the lowest rank), so each rank
+    orthogonalises about 1/n of the FLOPs. Every rank computes the same answer from the same shapes."""
+    out: list[list[Job]] = [[]]
+    size = 0
+    for j in jobs:
+        if size >= BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(j)
+        size += 4 * j.p.numel()
+    load = [0.0] * n
+    for bucket in out:
+        for j in sorted(bucket, key=lambda j: -newton_schulz_flops(j.p.shape, steps)):
+            j.owner = min(range(n), key=lambda r: (load[r], r))
+            load[j.owner] += newton_schulz_flops(j.p.shape, steps)
+    return [b for b in out if b]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _apply(job: Job, ortho: torch.Tensor, shrink: float) -> None:
+    """W <- W (1 - lr wd) - lr s O on this rank's shard (the same two element-wise ops a DTensor would run)."""
+    w = _local(job.p)
+    w.mul_(shrink)
+    w.add_(ortho.view(w.shape).to(w.dtype), alpha=job.alpha)
+
+
+def _sharded_exchange(jobs: list[Job], group: dist.ProcessGroup, steps: int, shrink: float) -> None:
+    """Orthogonalise `jobs`, each sharded over `group` along its `dim`, and apply them. Per bucket one
+    all_to_all sends every shard to its matrix's owner only, the owner orthogonalises the matrices it assembled,
+    and a second all_to_all sends each rank its shard of the results back: each rank receives about 1/n of the
+    matrices whole and sends them back once (a gather to all and a broadcast back receive all of them twice). The next
+    bucket's gather is on the wire while this bucket is orthogonalised, and this bucket's scatter while the next
+    one is. fp32 on the wire: newton_schulz runs in fp32 anyway, and a bf16 shard widened to fp32 is exact."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    buckets = _buckets(jobs, n, steps)
+    device = _local(jobs[0].update).device
+
+    def gather(bucket: list[Job]) -> tuple:
+        send = [_local(j.update).reshape(-1).float() for o in range(n) for j in bucket if j.owner == o]
+        sends = [sum(_local(j.update).numel() for j in bucket if j.owner == o) for o in range(n)]
+        recvs = [sum(j.piece(n, r)[2].numel() for j in bucket if j.owner == me) for r in range(n)]
+        recv = torch.empty(sum(recvs), device=device)
+        work = dist.all_to_all_single(recv, torch.cat(send) if send else recv[:0], recvs, sends,
+                                      group=group, async_op=True)  # fmt: skip
+        return work, recv, recvs, sends
+
+    def scatter(bucket: list[Job], gathered: tuple) -> tuple:
+        work, recv, recvs, sends = gathered
+        work.wait()
+        mine = [j for j in bucket if j.owner == me]
+        by_rank = [
+            seg.split([j.piece(n, r)[2].numel() for j in mine]) for r, seg in enumerate(recv.split(recvs))
+        ]
+        send = []
+        orthos = []
+        for i, j in enumerate(mine):
+            full = torch.cat([by_rank[r][i].view(j.piece(n, r)[2]) for r in range(n)], dim=j.dim)
+            orthos.append(newton_schulz(full, steps))
+        for r in range(n):
+            send += [o.narrow(j.dim, *j.piece(n, r)[:2]).reshape(-1) for j, o in zip(mine, orthos)]
+        back = torch.empty(sum(sends), device=device)
+        work = dist.all_to_all_single(back, torch.cat(send) if send else back[:0], sends, recvs,
+                                      group=group, async_op=True)  # fmt: skip
+        return work, back, sends
+
+    def finish(bucket: list[Job], scattered: tuple) -> None:
+        work, back, sends = scattered
+        work.wait()
+        for o, seg in enumerate(back.split(sends)):
+            theirs = [j for j in bucket if j.owner == o]
+            for j, ortho in zip(theirs, seg.split([_local(j.update).numel() for j in theirs])):
+                _apply(j, ortho, shrink)
+
+    gathered = gather(buckets[0])
+    previous = None
+    for i, bucket in enumerate(buckets):
+        nxt = gather(buckets[i + 1]) if i + 1 < len(buckets) else None
+        scattered = scatter(bucket, gathered)
+        if previous is not None:
+            finish(*previous)
+        previous, gathered = (bucket, scattered), nxt
+    finish(*previous)
+
+
+def _replicated_exchange(jobs: list[Job], group: dist.ProcessGroup, steps: int, shrink: float) -> None:
+    """Orthogonalise `jobs`, whole and equal on every rank of `group` (DDP's replicas), and apply them: each rank
+    orthogonalises its owned ~1/n, and one all_gather per bucket hands every rank every result (padded to the
+    largest share). The next bucket is orthogonalised while this one's results travel."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    previous = None
+    for bucket in [*_buckets(jobs, n, steps), None]:
+        if bucket is not None:
+            mine = [newton_schulz(j.update, steps).reshape(-1) for j in bucket if j.owner == me]
+            shares = [sum(j.p.numel() for j in bucket if j.owner == r) for r in range(n)]
+            buf = torch.zeros(max(shares), device=bucket[0].update.device)
+            if mine:
+                buf[: shares[me]] = torch.cat(mine)
+            outs = [torch.empty_like(buf) for _ in range(n)]
+            work = dist.all_gather(outs, buf, group=group, async_op=True)
+        if previous is not None:
+            done, (pwork, pouts) = previous
+            pwork.wait()
+            for r, out in enumerate(pouts):
+                theirs = [j for j in done if j.owner == r]
+                for j, ortho in zip(theirs, out.split([j.p.numel() for j in theirs])):
+                    _apply(j, ortho, shrink)
+        previous = (bucket, (work, outs)) if bucket is not None else None
+
+
+def _sharded_dim(t: DTensor) -> int | None:
+    """The one mesh dim `t` is sharded over by a plain Shard (the others replicate it): FSDP, HSDP, zero2, TP
+    alone. None for the rest (TP x FSDP's strided shards, EP's expert meshes)."""
+    sharded = [k for k, pl in enumerate(t.placements) if not pl.is_replicate()]
+    if len(sharded) == 1 and type(t.placements[sharded[0]]) is Shard:
+        return sharded[0]
+    return None
+
+
 class Muon(torch.optim.AdamW):
     """Muon for the param groups marked `muon: True`, AdamW (this class's parent, unchanged) for the others.
 
@@ -81,19 +242,20 @@ class Muon(torch.optim.AdamW):
     `update_scale`. State: `momentum_buffer`, shaped and placed as the parameter, so DCP saves and reshards it by
     name as it does AdamW's moments, and a `step` count.
 
-    Distributed: Newton-Schulz needs the whole matrix. A plain tensor (one process, DDP, pipeline stages without
-    data sharding, ZeRO-1's shard of whole parameters) is whole on its rank and orthogonalised there (under DDP
-    every rank computes every matrix: its gradients are already all-reduced, so nothing is sent; zero1 spreads
-    that work). A DTensor (FSDP, HSDP, zero2, TP, EP and their hybrids) is gathered with `full_tensor()` (the
-    all-gather over its sharded mesh dims, the same gather FSDP runs for a forward), orthogonalised by one owner
-    only, taken in turn over the mesh's ranks matrix by matrix so every rank computes ~1/N of them, then broadcast
-    from the owner along each mesh dim (last dim first: after dim d every rank that shares the owner's
-    coordinates before d holds it) and each rank keeps its shard (`distribute_tensor` without communication).
-    Why this and not a gather to the owner and a scatter back: it handles every placement DTensor has (uneven
-    FSDP shards, TP x FSDP's strided shards, HSDP's replicas, EP's expert mesh) with two public collectives, and
-    every rank applies the owner's very bits, so replicas stay bitwise equal and the result equals the single
-    process's up to the gradients' own reduction order. Its cost: each rank receives each matrix twice (the
-    gather and the broadcast) instead of once; benchmarks/muon.py measures the step time."""
+    Distributed (issue 40): Newton-Schulz needs the whole matrix, and each rank orthogonalises about 1/N of the
+    matrices (by FLOPs), in buckets of several matrices per collective:
+    - a DTensor sharded over one mesh dim (FSDP, HSDP's shard dim, zero2, TP alone): `_sharded_exchange`, an
+      all_to_all of the shards to each matrix's owner and one back, per bucket, overlapped with the next bucket;
+    - a plain tensor replicated over `replicas` (DDP: its gradients are all-reduced, every rank holds them whole):
+      `_replicated_exchange`, each rank orthogonalises its share and an all_gather per bucket shares the results;
+    - a plain tensor without `replicas` (one process, pipeline stages without data parallelism, ZeRO-1's shard of
+      whole parameters, spread by ZeRO's own partition) or a replicated DTensor: orthogonalised where it is;
+    - any other placement (TP x FSDP's strided shards, EP's expert meshes): gathered
+      whole with `full_tensor()`, orthogonalised by one owner taken in turn over the mesh, and broadcast back
+      along each mesh dim (one matrix per collective: the general path every placement DTensor has goes through).
+    Every path applies the owner's very bits on every rank, so replicas stay bitwise equal, and orthogonalises
+    exactly the tensor one process would: the result equals the single process's up to the gradients' own
+    reduction order. benchmarks/muon_cost.py measures the step time against AdamW's."""
 
     def __init__(
         self,
@@ -109,11 +271,15 @@ class Muon(torch.optim.AdamW):
         adjust_lr: str = "match_rms_adamw",
         foreach: bool | None = None,
         fused: bool | None = None,
+        replicas: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
                          fused=fused)  # fmt: skip
         muon = dict(muon=False, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr=adjust_lr)
         self.defaults.update(muon)
+        # The ranks that hold this optimizer's plain matrices whole and equal (DDP's data-parallel group): they
+        # split the Newton-Schulz work. Not a default: ZeRO-1 rebuilds this class per shard without it.
+        self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
         for group in self.param_groups:
             for k, v in muon.items():
                 group.setdefault(k, v)
@@ -133,14 +299,15 @@ class Muon(torch.optim.AdamW):
             super().step()
         finally:
             self.param_groups = groups
-        turn = 0  # whose turn it is to orthogonalise the next gathered matrix
+        turn = 0  # whose turn it is to orthogonalise the next matrix of the general (per-matrix) path
         for group in groups:
             if group["muon"]:
                 turn = self._muon_step(group, turn)
         return loss
 
     def _muon_step(self, group: dict, turn: int) -> int:
-        lr, decay, beta = group["lr"], group["weight_decay"], group["momentum"]
+        lr, beta = group["lr"], group["momentum"]
+        jobs = []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -153,19 +320,36 @@ class Muon(torch.optim.AdamW):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - beta)
             update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
-            ortho, turn = self._orthogonalised(update, group["ns_steps"], turn)
-            p.mul_(1 - lr * decay)
-            p.add_(ortho.to(p.dtype), alpha=-lr * update_scale(p.shape, group["adjust_lr"]))
+            jobs.append(Job(p, update, -lr * update_scale(p.shape, group["adjust_lr"])))
+        return self.orthogonalise(jobs, group["ns_steps"], 1 - lr * group["weight_decay"], turn)
+
+    def orthogonalise(self, jobs: list[Job], steps: int, shrink: float, turn: int = 0) -> int:
+        """W <- W shrink + alpha newton_schulz(U) for every job, each by the path its placement takes (the class
+        docstring); returns the general path's next turn. Every rank of a mesh calls it with the same jobs."""
+        sharded: dict[tuple, list[Job]] = {}  # by (mesh, mesh dim): one exchange per process group
+        replicated: list[Job] = []
+        for job in jobs:
+            update = job.update
+            if isinstance(update, DTensor) and (k := _sharded_dim(update)) is not None:
+                job.dim = update.placements[k].dim
+                sharded.setdefault((update.device_mesh, k), []).append(job)
+            elif isinstance(update, DTensor) and not all(pl.is_replicate() for pl in update.placements):
+                ortho, turn = self._gathered(update, steps, turn)
+                _apply(job, ortho.to_local(), shrink)
+            elif not isinstance(update, DTensor) and self.replicas is not None:
+                replicated.append(job)
+            else:  # whole here, and every rank holding it computes the same: nothing to send
+                _apply(job, newton_schulz(_local(update), steps), shrink)
+        for (mesh, k), group in sharded.items():
+            _sharded_exchange(group, mesh.get_group(k), steps, shrink)
+        if replicated:
+            _replicated_exchange(replicated, self.replicas, steps, shrink)
         return turn
 
-    def _orthogonalised(self, update: torch.Tensor, steps: int, turn: int) -> tuple[torch.Tensor, int]:
-        """newton_schulz of the whole `update`, placed as `update` is; and the next owner's turn."""
-        if not isinstance(update, DTensor):
-            return newton_schulz(update, steps), turn
+    def _gathered(self, update: DTensor, steps: int, turn: int) -> tuple[DTensor, int]:
+        """newton_schulz of the whole `update` by the rank whose turn it is, placed as `update` is; and the next
+        turn. The general path: any placement, one matrix per collective."""
         mesh, placements = update.device_mesh, update.placements
-        if all(pl.is_replicate() for pl in placements):  # whole on every rank: no one needs to send anything
-            local = newton_schulz(update.to_local(), steps)
-            return DTensor.from_local(local, mesh, placements, run_check=False), turn
         full = update.full_tensor()
         owner = _coordinate(turn % mesh.size(), tuple(mesh.shape))
         ortho = (

@@ -33,10 +33,13 @@ from scaletrain.parallel.mesh import ParallelDims
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, device: torch.device, replicas: dist.ProcessGroup | None = None
+) -> torch.optim.AdamW:
     """Norm weights and biases (1-D tensors) get no weight decay: shrinking them only fights the normalisation.
     optimizer.name muon: the hidden matrices (muon.hidden_matrices) form a Muon group with their own lr and decay,
-    the rest stays on AdamW as above, in one `Muon` optimizer (an AdamW that also steps its Muon group)."""
+    the rest stays on AdamW as above, in one `Muon` optimizer (an AdamW that also steps its Muon group);
+    `replicas`, the ranks holding the same whole matrices (DDP), split its Newton-Schulz work."""
     params = [p for p in model.parameters() if p.requires_grad]
     hidden = hidden_matrices(model) if cfg.name == "muon" else []
     on_muon = {id(p) for p in hidden}
@@ -50,7 +53,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     impl = adamw_implementation(cfg.implementation, device.type)
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"}
     if cfg.name == "muon":
-        return _build_muon(groups, hidden, cfg, kwargs)
+        return _build_muon(groups, hidden, cfg, kwargs | {"replicas": replicas})
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
 
 
@@ -123,9 +126,12 @@ def optimizer_builder(
     opt_cfg: OptimizerConfig, mode: str, dp_cp: DeviceMesh | None, device: torch.device
 ) -> Callable[[nn.Module], torch.optim.Optimizer]:
     """How each model part gets its optimizer: ZeRO-1 shards AdamW's state over the data-parallel ranks, every
-    other mode uses plain AdamW (FSDP/ZeRO-2 already shard what it holds)."""
+    other mode uses plain AdamW (FSDP/ZeRO-2 already shard what it holds). Under DDP the data-parallel ranks
+    hold every matrix whole: Muon splits its Newton-Schulz work over them."""
     if mode == "zero1" and dp_cp is not None and dp_cp.size() > 1:
         return lambda part: build_zero1_optimizer(part, opt_cfg, device, dp_cp)
+    if mode == "ddp" and dp_cp is not None and dp_cp.size() > 1:
+        return lambda part: build_optimizer(part, opt_cfg, device, dp_cp.get_group())
     return lambda part: build_optimizer(part, opt_cfg, device)
 
 

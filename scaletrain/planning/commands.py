@@ -80,6 +80,7 @@ def describe_estimate(plan: Plan, profile: DeviceProfile) -> str:
             "dp_comm_exposed_s",
             "bubble_s",
             "optimizer_s",
+            "muon_s",
             "overhead_s",
         )
         if t.get(k)

@@ -1,5 +1,6 @@
 """Muon on one process (scaletrain/optim/muon.py): Newton-Schulz against the SVD's orthogonal factor, the update
-against torch.optim.Muon's, which parameters go to Muon and which stay on AdamW, and the state round trip."""
+against torch.optim.Muon's, which parameters go to Muon and which stay on AdamW, the state round trip, how the
+distributed step splits the matrices over ranks, and the planner's count of Muon's cost."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ import math
 import pytest
 import torch
 
-from scaletrain.config import Config, OptimizerConfig
+from scaletrain.config import Config, MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.config.io import to_dict
+from scaletrain.models import ModelArgs
+from scaletrain.optim import muon
 from scaletrain.optim.muon import Muon, hidden_matrices, newton_schulz, update_scale
 from scaletrain.optim.optimizers import Optimizers, build_optimizer
+from scaletrain.planning.estimators.hardware import GPUS
+from scaletrain.planning.estimators.muon import hidden_shapes
+from scaletrain.planning.estimators.time import step_time
 from scaletrain.run.resume import resume_problems
 from scaletrain.validate import validate
 from tests.fixtures import tiny
@@ -186,3 +192,36 @@ def test_validate_names_bad_muon_settings_and_refuses_offload():
     assert any(p.startswith("optimizer.muon_momentum must be in [0, 1)") for p in problems)
     assert any(p.startswith("optimizer.name muon with memory.optimizer_offload is refused") for p in problems)
     assert not [p for p in validate(Config(), 1, check_run_dir=False) if "muon" in p]
+
+
+def test_bucket_owners_split_the_newton_schulz_flops_evenly():
+    # The 30M benchmark model's 56 matrices over 4 ranks (issue 40): buckets of about BUCKET_BYTES in order, each
+    # matrix owned by one rank, each rank's FLOPs within 10% of a quarter (by turns: 4 ranks took 14 matrices each
+    # whatever their size).
+    args = ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_hidden=1536, vocab_size=512)
+    jobs = [muon.Job(torch.empty(s, device="meta"), torch.empty(0), 1.0) for s in hidden_shapes(args)]
+    buckets = muon._buckets(jobs, 4, 5)
+    assert [j for b in buckets for j in b] == jobs and len(buckets) > 1
+    biggest = max(4 * j.p.numel() for j in jobs)
+    assert all(sum(4 * j.p.numel() for j in b) < muon.BUCKET_BYTES + biggest for b in buckets)
+    load = [sum(muon.newton_schulz_flops(j.p.shape, 5) for j in jobs if j.owner == r) for r in range(4)]
+    assert max(load) <= 1.1 * sum(load) / 4, load
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_planner_counts_the_matrices_muon_steps_and_its_share_falls_with_tokens(moe):
+    model = tiny(n_experts=4, top_k=2, moe_hidden=32, first_dense=1, shared_experts=1) if moe else tiny()
+    assert sorted(hidden_shapes(model.args)) == sorted(tuple(p.shape) for p in hidden_matrices(model))
+    args = ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_hidden=1536, vocab_size=512)
+
+    def ratio(tokens: int) -> tuple[float, dict]:
+        t = {name: step_time(args, ParallelConfig(data_parallel="fsdp"), TrainingConfig(micro_batch=8),
+                             MemoryConfig(), 128, 64, GPUS["h100"], global_batch=tokens // 128,
+                             optimizer=OptimizerConfig(name=name)) for name in ("adamw", "muon")}  # fmt: skip
+        return t["muon"]["step_time_s"] / t["adamw"]["step_time_s"], t
+
+    small, t = ratio(2048 * 64)
+    large, _ = ratio(2**20)
+    assert t["adamw"]["muon_s"] == 0 < t["muon"]["muon_s"]
+    assert t["muon"]["step_time_s"] == pytest.approx(t["adamw"]["step_time_s"] + t["muon"]["muon_s"])
+    assert 1 < large < small

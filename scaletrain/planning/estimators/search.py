@@ -150,6 +150,7 @@ def estimate(
         gpus_per_node=gpus_per_node,
         precision=cfg.precision.compute,
         mechanism=cfg.precision.mechanism,
+        optimizer=cfg.optimizer,
     )
     return Plan(cfg, layout, worst, time, [r["total"] for r in ranks])
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scaletrain.config import MemoryConfig, ParallelConfig, TrainingConfig
+from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.metrics.mfu import flops_per_token
 from scaletrain.models.llama import ModelArgs
 from scaletrain.parallel.layout import Layout, resolve_microbatches
@@ -15,6 +15,7 @@ from scaletrain.parallel.pipeline import stages_per_rank
 from scaletrain.planning.estimators.hardware import DeviceProfile
 from scaletrain.planning.estimators.memory import block_parameters, compute_bytes_of, layer_activation_bytes
 from scaletrain.planning.estimators.moe import dispatch_bytes, ffn_shape
+from scaletrain.planning.estimators.muon import muon_ranks, muon_step_s
 from scaletrain.precision.policy import mfu_precision
 
 # Share of a block's element-wise forward that selective recompute runs again in backward: the norms, RoPE,
@@ -289,10 +290,12 @@ def step_time(
     gpus_per_node: int | None = None,
     precision: str = "fp32",
     mechanism: str = "auto",
+    optimizer: OptimizerConfig | None = None,
 ) -> dict[str, float]:
     """Seconds per optimizer step and its breakdown: compute (forward, backward, recompute, element-wise, casts), each
     communication's exposed share, the pipeline bubble, the optimizer and a fixed overhead; with tokens_per_s and
-    mfu. `global_batch` in sequences; `precision`, `mechanism`: precision.compute and .mechanism. Raises ConfigError if the layout does not
+    mfu. `global_batch` in sequences; `precision`, `mechanism`: precision.compute and .mechanism; `optimizer`:
+    Muon's cost where its name is muon (AdamW's otherwise, and by default). Raises ConfigError if the layout does not
     tile the world."""
     p, dims = parallel, Layout.resolve(parallel, training, seq_len, world_size).checked()
     node = gpus_per_node or profile.devices_per_node
@@ -327,8 +330,11 @@ def step_time(
     n_local = _local_params(args, p, dims)
     out["optimizer_s"] = n_local * ADAM_TRAFFIC / (profile.memory_bw * share)
     out["overhead_s"] = profile.step_overhead_s * _slowdown(profile, share) if profile.kind == "cpu" else 0
+    out["muon_s"] = 0.0
+    if optimizer is not None and optimizer.name == "muon":
+        out.update(_muon(args, dims, profile, links, share, slow, optimizer.muon_ns_steps))
     keys = ("compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_p2p_s", "dp_comm_exposed_s", "bubble_s",
-            "optimizer_s")  # fmt: skip
+            "optimizer_s", "muon_s")  # fmt: skip
     out["step_time_s"] = sum(out[k] for k in keys) + out["overhead_s"]
     tokens = global_batch * seq_len
     out["tokens_per_s"] = tokens / out["step_time_s"]
@@ -338,6 +344,18 @@ def step_time(
     out["mfu"] = out["tokens_per_s"] * out["flops_per_token"] / (peak * world_size)
     out.update(micro_batch=micro, microbatches=m)
     return out
+
+
+def _muon(
+    args: ModelArgs, dims: Layout, profile: DeviceProfile, links: dict, share: float, slow: float, steps: int
+) -> dict[str, float]:
+    """muon_step_s on this device: Newton-Schulz at the fp32 matmul rate of the rank's cores, the exchange on the
+    data-parallel group's link (calibrated where the profile measured the group size)."""
+    n = muon_ranks(dims)
+    link = links["dp_cp" if dims.parallel.data_parallel in ("ddp", "zero1") else "dp_shard_cp"]
+    t0, rate = _matmul_rate(profile, "fp32")
+    exchange = lambda ranks, size: _calibrated(profile, "all_gather", ranks, size, link)  # noqa: E731
+    return muon_step_s(args, dims, steps, (t0 * slow, rate * share), exchange, _call_s(profile, n, slow))
 
 
 def _peak(profile: DeviceProfile, precision: str, share: float) -> float:
