@@ -195,16 +195,22 @@ def usable_cpus(cgroup_root: Path = _CGROUP) -> int:
     return max(1, cpus)
 
 
-def host_memory_bytes(meminfo: str = "/proc/meminfo", worker: bool = False) -> int:
+MEMINFO = "/proc/meminfo"  # the kernel's memory figures (a test points it at a file of its own)
+
+
+def host_memory_bytes(meminfo: str | None = None, worker: bool | None = None) -> int:
     """Memory this host's processes can have now: the kernel's MemAvailable (free plus reclaimable page cache) where
     it says, never more than the physical memory. Other jobs on a shared host hold the rest, and the kernel's OOM
     killer ends a run that needs it (issue 35: a run accepted against the physical 23.5 GiB was killed while other
-    tests held ~2 GiB). `worker`: the physical memory (a started job's own ranks already hold part of it)."""
+    tests held ~2 GiB). `worker` (None: this process is a launched worker, LOCAL_RANK set): the physical memory (a
+    started job's own ranks already hold part of it; its launcher checked what was available)."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if worker is None:
+        worker = "LOCAL_RANK" in os.environ
     if worker:
         return physical
     try:
-        text = Path(meminfo).read_text()
+        text = Path(meminfo or MEMINFO).read_text()
     except OSError:
         return physical
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)

@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import CPU_OVERHEAD_BYTES, PLANNED_GPUS, GpuSpec, match_gpu, usable_cpus
+from scaletrain.hardware import (
+    CPU_OVERHEAD_BYTES,
+    PLANNED_GPUS,
+    GpuSpec,
+    host_memory_bytes,
+    match_gpu,
+    usable_cpus,
+)
 
 GiB = 2**30
 GB = 10**9
@@ -199,16 +206,17 @@ def load_profile(kind: str, cache_dir: Path | None = None) -> DeviceProfile:
     kind = kind.lower()
     if kind not in KINDS:
         raise ValueError(f"--device '{kind}' is unknown; choose one of {', '.join(KINDS)}")
+    profile = dataclasses.replace(DEFAULT_CPU) if kind == "cpu" else dataclasses.replace(GPUS[kind])
     if cache_dir is not None:
         try:
             saved = DeviceProfile.from_json(json.loads(profile_path(cache_dir, kind).read_text()))
         except (OSError, ValueError, TypeError):
             saved = None
-        if saved is not None and saved.kind == ("cpu" if kind == "cpu" else "gpu"):
-            return saved
-    if kind == "cpu":
-        return DEFAULT_CPU
-    return dataclasses.replace(GPUS[kind])
+        if saved is not None and saved.kind == profile.kind:
+            profile = saved
+    if kind == "cpu":  # this host, as the memory check sees it: what the kernel has available now (issue 35)
+        profile.memory_bytes = host_memory_bytes()
+    return profile
 
 
 def local_gpu_profile(name: str, cache_dir: Path | None = None) -> DeviceProfile:

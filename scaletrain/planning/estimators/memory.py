@@ -379,13 +379,13 @@ def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int
 
 
 def describe(estimate: dict[str, float]) -> str:
-    """e.g. "43.1 GiB per process (parameters 3.7, gradients 3.7, ..., overhead 2.0)"; zero parts left out; the
+    """e.g. "43.1 GiB per process (parameters 3.74, gradients 3.74, ..., overhead 2)"; zero parts left out; the
     initialisation peak named when it is the total."""
-    parts = ", ".join(f"{k} {estimate[k] / GiB:.1f}" for k in PARTS if estimate[k])
+    parts = ", ".join(f"{k} {estimate[k] / GiB:.3g}" for k in PARTS if estimate[k])
     init = estimate.get("init", 0.0)
     if init >= estimate["total"] > sum(estimate[k] for k in PARTS):
-        parts += f"; at initialisation {init / GiB:.1f}: its share and the largest parameter drawn whole"
-    return f"{estimate['total'] / GiB:.1f} GiB per process ({parts})"
+        parts += f"; at initialisation {init / GiB:.3g}: its share and the largest parameter drawn whole"
+    return f"{estimate['total'] / GiB:.3g} GiB per process ({parts})"
 
 
 def memory_problem(
@@ -432,13 +432,14 @@ def memory_problem(
         e = estimate(p, t, world_size, m)
         # The first that fits of each knob: candidates come in the order least change first.
         if e is not None and e["total"] <= room and knob.split()[0] not in fixes:
-            fixes[knob.split()[0]] = f"{knob} ({e['total'] / GiB:.1f} GiB)"
+            fixes[knob.split()[0]] = f"{knob} ({e['total'] / GiB:.3g} GiB)"
     if not fixes:
         fixes["more"] = _more_ranks(parallel, training, world_size, room, estimate)
     if need["total"] <= device_bytes:
         over = (
-            f"within the estimate's stated error ({100 * error:.0f}%, the spread measured by "
-            f"benchmarks/memory_matrix.py) of the {device_bytes / GiB:.2f} GiB {where}, where the kernel may kill it"
+            f"with the estimate's stated error of {100 * error:.0f}% (the worst miss benchmarks/memory_matrix.py "
+            f"measured) up to {need['total'] * (1 + error) / GiB:.2f} GiB: within its error of the "
+            f"{device_bytes / GiB:.2f} GiB {where}, where the kernel may kill it"
         )
     else:
         over = f"{(need['total'] - device_bytes) / GiB:.1f} GiB more than the {device_bytes / GiB:.1f} GiB {where}"
@@ -543,8 +544,9 @@ def device_memory(cfg: Config, world_size: int) -> tuple[int, str, int]:
     cuda = uses_cuda(cfg.training.device)
     if cuda:
         return torch.cuda.get_device_properties(0).total_memory, "GPU", GPU_OVERHEAD_BYTES
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), 1)
     # Before launch, what the host has free now; a worker, whose peers already hold their share, checks against
     # the physical memory (its launcher made the first check).
-    host = host_memory_bytes(worker="LOCAL_RANK" in os.environ)
-    return host // max(local, 1), "host memory share", CPU_OVERHEAD_BYTES
+    host = host_memory_bytes()
+    where = f"host memory share ({host / GiB:.1f} GiB available now over {local} local process(es))"
+    return host // local, where, CPU_OVERHEAD_BYTES
