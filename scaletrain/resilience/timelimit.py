@@ -155,8 +155,9 @@ class JobLimits:
 
     def time_up(self, step: int, save_s: float) -> bool:
         """After each step: True on every rank when the time limit stops the job now (one small all-reduce on the
-        CPU group, only with run.time_limit set); writes the time_limit event."""
-        if not self.limit_s or not self.agree(self.due(save_s)):
+        CPU group, only with run.time_limit set); writes the time_limit event. Never after the last step: the run
+        is finished there, and a stop would have a requeue script spend an allocation on a run with nothing left."""
+        if not self.limit_s or step >= self.steps or not self.agree(self.due(save_s)):
             return False
         self.reason = "time_limit"
         elapsed = self.clock() - self.start_s

@@ -85,6 +85,15 @@ def test_every_start_makes_one_step_and_no_limit_means_no_collective():
     assert not off.time_up(1, 0.0) and calls == [True]  # off: not even the all-reduce
 
 
+def test_the_last_step_finishes_the_run_rather_than_stopping_it():
+    """Past the limit at the last step (100 of 100): the run is finished (exit 0), not stopped to be continued
+    (exit 75, on which the Slurm recipe requeues it for an allocation with nothing left to train)."""
+    clock = Clock(5000.0)
+    limits = _limits("60s", clock)
+    limits.begin(99)
+    assert not limits.time_up(100, 0.0) and limits.stopped(100) is None
+
+
 def test_two_ranks_with_different_clocks_stop_after_the_same_step():
     """Rank 1's clock is 30 s ahead; the all-reduce (MAX of the flags, faked over a barrier) stops both."""
     flags, barrier = [False, False], threading.Barrier(2)
