@@ -121,22 +121,6 @@ def mla_init_names(args: ModelArgs) -> tuple[list[str], list[str]]:
     return [*q, "attention.wkv_a", "attention.wkv_b"], [*norms, "attention.kv_norm.weight"]
 
 
-def mla_problems(args: ModelArgs) -> list[str]:
-    """The MLA shape as resolved: each head size positive and the rotary part even (RoPE rotates pairs)."""
-    problems = [
-        f"model.{name} must be >= 1 with model.kv_lora_rank > 0 (MLA), got {getattr(args, name)}"
-        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        if getattr(args, name) < 1
-    ]
-    if args.qk_rope_head_dim > 0 and args.qk_rope_head_dim % 2:
-        problems.append(
-            f"model.qk_rope_head_dim {args.qk_rope_head_dim} is odd; RoPE rotates pairs of channels"
-        )
-    if args.q_lora_rank < 0:
-        problems.append(f"model.q_lora_rank must be >= 0 (0: no query latent), got {args.q_lora_rank}")
-    return problems
-
-
 def mla_kv_cache_bytes(args: ModelArgs, n_layers: int, tokens: int, elt: int) -> int:
     """Bytes MLA's decoding cache holds for `tokens` positions: the latent and the rotary key, per layer."""
     return n_layers * tokens * (args.kv_lora_rank + args.qk_rope_head_dim) * elt

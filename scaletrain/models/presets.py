@@ -12,6 +12,7 @@ import difflib
 import torch
 
 from scaletrain.config import ModelConfig, MoEConfig
+from scaletrain.models.deepseek_v3 import DEEPSEEK_V3_PRESETS, deepseek_problems
 from scaletrain.models.gpt_oss import GPT_OSS_PRESETS
 from scaletrain.models.llama import ModelArgs, Transformer
 from scaletrain.models.moe import is_moe_layer
@@ -85,28 +86,9 @@ PRESETS: dict[str, dict] = {
         first_dense=1,
         norm_topk=False,
     ),
-    # DeepSeek-V3-like (DeepSeek-AI 2024): 256 routed experts top-8 with sigmoid scores plus 1 shared, the first 3
-    # blocks dense. Multi-head latent attention is not implemented: grouped-query attention (128 query and 8 kv
-    # heads of 56 dims, ~109M parameters a layer) stands in for MLA (~187M a layer), so this counts ~666B total
-    # and ~32B active (without the embedding) where DeepSeek-V3 has 671B and 37B. Neither its multi-token
-    # prediction module, its node-limited (grouped) routing nor its routed-weight scale of 2.5 is modelled.
-    "deepseek_v3_671b": dict(
-        dim=7168,
-        n_layers=61,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_hidden=18432,
-        vocab_size=129280,
-        n_experts=256,
-        top_k=8,
-        moe_hidden=2048,
-        shared_experts=1,
-        first_dense=3,
-        router="sigmoid",
-    ),
 }
 # Each family's shapes live in its module (models/<family>.py) and are named here once.
-PRESETS |= QWEN3_PRESETS | GPT_OSS_PRESETS
+PRESETS |= QWEN3_PRESETS | GPT_OSS_PRESETS | DEEPSEEK_V3_PRESETS
 
 # MoEConfig field -> ModelArgs field where the names differ; the rest keep their name.
 MOE_FIELDS = {"hidden": "moe_hidden", "every": "moe_every", "bias": "moe_bias"}
@@ -224,6 +206,7 @@ def model_shape_problems(args: ModelArgs, m: ModelConfig, tokenizer_vocab: int |
             f"key/value head among n_heads / n_kv_heads query heads); set model.n_kv_heads to one of "
             f"{_divisors_near(heads, kv)}"
         )
+    problems += deepseek_problems(args)
     if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab:
         problems.append(
             f"{field('vocab_size')} is smaller than the tokenizer's {tokenizer_vocab} tokens, so some token ids "

@@ -17,8 +17,10 @@ from scaletrain.checkpoint.hf.core import export_hf, load_hf_weights, verify_wit
 from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.config.io import read_toml
 from scaletrain.inference.generate import generate
-from scaletrain.models import build_model, resolve_model_args
+from scaletrain.models import build_meta_model, build_model, count_parameters, resolve_model_args
+from scaletrain.models.deepseek_v3 import PUBLISHED
 from scaletrain.models.llama import ModelArgs, build_feed_forward
+from scaletrain.models.mla import MLA
 from scaletrain.models.moe import MoE
 from scaletrain.optim.optimizers import RoutingBias
 
@@ -206,3 +208,14 @@ def test_per_expert_load_balances_over_steps_on_a_skewed_router():
     assert ratios[0] > 3.0  # 4 is every token's two experts among 0 and 1
     assert sum(ratios[-20:]) / 20 < 1.3 and max(ratios[-20:]) < 1.5
     assert torch.equal(moe.router.gate.weight, gate)
+
+
+def test_preset_counts_match_the_published_model():
+    """DeepSeek-V3 on the meta device: 671B parameters, 37B activated per token (with the input embedding, as the
+    paper counts them; the MTP module apart)."""
+    args = resolve_model_args(ModelConfig(preset="deepseek_v3_671b"), None, 4096)
+    n = count_parameters(build_meta_model(args))
+    total, active = PUBLISHED["deepseek_v3_671b"]
+    assert n["total"] == pytest.approx(total, rel=0.002)
+    assert n["active"] + args.vocab_size * args.dim == pytest.approx(active, rel=0.02)
+    assert sum(isinstance(b.attention, MLA) for b in build_meta_model(args).layers.values()) == 61

@@ -293,17 +293,14 @@ def test_debug_moe_active_parameters_are_top_k_of_the_routed_experts():
 
 
 def test_moe_preset_parameter_counts_match_the_published_models():
-    emb = {"mixtral_8x7b": 32000 * 4096, "deepseek_moe_16b": 102400 * 2048, "deepseek_v3_671b": 129280 * 7168}
+    emb = {"mixtral_8x7b": 32000 * 4096, "deepseek_moe_16b": 102400 * 2048}
     mixtral = counts("mixtral_8x7b")
     assert mixtral["total"] == pytest.approx(46.7e9, rel=0.003)
     assert mixtral["active"] + emb["mixtral_8x7b"] == pytest.approx(12.9e9, rel=0.005)  # published with emb.
     ds = counts("deepseek_moe_16b")
     assert ds["total"] == pytest.approx(16.4e9, rel=0.01)
     assert ds["active"] + emb["deepseek_moe_16b"] == pytest.approx(2.8e9, rel=0.02)
-    # GQA stands in for MLA (~78M fewer parameters in each of 61 layers): 666B of DeepSeek-V3's 671B.
-    v3 = counts("deepseek_v3_671b")
-    assert 660e9 < v3["total"] < 671e9
-    assert 31e9 < v3["active"] + emb["deepseek_v3_671b"] < 37e9
+    # deepseek_v3_671b, with MLA since issue 36: tests/unit/test_deepseek_v3.py against the published counts.
 
 
 def test_debug_moe_trains():
