@@ -7,22 +7,24 @@
 #   OUT=$OUT bash benchmarks/gpu_check.sh                       # on the GPU machine (about 7 minutes)
 #   DEVICE=cpu PRESET=debug bash benchmarks/gpu_check.sh        # the dry run of the same plumbing on a CPU
 #
-# Knobs (environment): DEVICE, PRESET, SEQ, BATCH, BUDGET, PHASES, COMPILE, KEEP, PY (gpu_check.py's docstring).
+# Knobs (environment): DEVICE, PRESET, SEQ, BATCH, BUDGET, PHASES, COMPILE, KEEP, PY (gpu_check.py's docstring);
+# WHEELS, the folder of wheels to bring along (default .gpu_wheels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 export PY OUT=${OUT:-./gpu_check_out}
 mkdir -p "$OUT"
-wheels=(.gpu_wheels/*.whl)
+wheels=()
+if [[ -d ${WHEELS:-.gpu_wheels} ]]; then wheels=("$(cd "${WHEELS:-.gpu_wheels}" && pwd)"/*.whl); fi
 path=$PWD
-if [[ -e ${wheels[0]} ]]; then
+if [[ ${#wheels[@]} -gt 0 && -e ${wheels[0]} ]]; then
     site=$(mktemp -d)
     if PIP_NO_INDEX=1 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
         "${wheels[@]}"; then
         path=$path:$site
     else # no pip: a pure-Python wheel imports as a zip
         echo "pip could not install ${wheels[*]}: putting the wheels themselves on PYTHONPATH"
-        path=$path$(printf ':%s' "${wheels[@]/#/$PWD/}")
+        path=$path$(printf ':%s' "${wheels[@]}")
     fi
 fi
 export PYTHONPATH=$path${PYTHONPATH:+:$PYTHONPATH}

@@ -3,6 +3,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.preflight import LAST_RUN
 
 # Tests run on a 2-core machine beside other processes: one thread each unless a test says otherwise. Tokenised
@@ -39,6 +41,12 @@ def pytest_collection_modifyitems(items: list) -> None:
         return next((i for i, name in enumerate(SLOW_FIRST) if path.endswith(name)), len(SLOW_FIRST))
 
     items.sort(key=rank)  # stable: the order within a file stays
+    # The GPU check (benchmarks/gpu_check.sh) runs tests/gpu only: a gpu test elsewhere would never run anywhere.
+    misplaced = [i.nodeid for i in items if i.get_closest_marker("gpu") and "tests/gpu/" not in i.nodeid]
+    if misplaced:
+        raise pytest.UsageError(
+            f"marked gpu outside tests/gpu, where the GPU check never runs them: {misplaced}"
+        )
 
 
 def pytest_sessionstart(session) -> None:

@@ -17,7 +17,8 @@ from scaletrain.models.moe import MoE
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from tests.distributed.reference import gather_state, unwrap
-from tests.distributed.spawn import spawn
+from tests.distributed.spawn import spawn, spawn_gathered
+from tests.gpu.test_cuda import _sharded_init_facts
 
 CPU = torch.device("cpu")
 SEED = 7
@@ -107,3 +108,16 @@ def results(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_layout_starts_from_the_single_process_weights(results, name):
     assert results[name] == []
+
+
+def _gpu_check_section(rank: int, world_size: int) -> dict:
+    return _sharded_init_facts(CPU, None)
+
+
+def test_the_gpu_checks_section_holds_on_the_cpu(tmp_path):
+    """The GPU check's sharded-init section (tests/gpu/test_cuda.py: FSDP2 on a one-rank device mesh, then
+    materialise) run on the CPU, so its logic is tested where no GPU is."""
+    (facts,) = spawn_gathered(_gpu_check_section, 1, str(tmp_path / "facts.json"))
+    assert facts == {
+        "cpu": {"shards": True, "devices": ["cpu"], "differ": [], "missing": [], "rng_moved": False}
+    }

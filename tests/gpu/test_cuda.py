@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from scaletrain.checkpoint import CheckpointManager, ModelState, TrainState
@@ -31,9 +32,12 @@ from scaletrain.config import (
     TrainingConfig,
 )
 from scaletrain.metrics.memory import peak_memory_mib
+from scaletrain.models import ModelArgs, build_meta_model, build_model
+from scaletrain.models.moe import _GROUPED_OK, grouped_mm_usable
 from scaletrain.optim.optimizers import Optimizers, build_optimizer, optimizer_builder
 from scaletrain.parallel.data_parallel import apply_fsdp, full_state_dict
 from scaletrain.parallel.expert_parallel import apply_ep
+from scaletrain.parallel.materialize import materialize
 from scaletrain.parallel.mesh import (
     DistEnv,
     ParallelDims,
@@ -51,6 +55,7 @@ from tests.distributed.reference import OPT, STEPS, full_model, global_batches, 
 from tests.distributed.spawn import spawn
 from tests.helpers import DEBUG, QUICK, events, free_port, read_jsonl, run_cli
 from tests.unit.test_device_branches import kept_process_settings
+from tests.unit.test_moe import DIM, make_moe
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,6 +104,7 @@ def _group_worker(rank: int, world_size: int, device_name: str, out: str) -> Non
         ("control_plane", _control_plane_facts),
         ("fsdp", _fsdp_facts),
         ("moe", _moe_facts),
+        ("sharded_init", _sharded_init_facts),
     ):
         facts[name] = _guarded(section, device, Path(out).parent / name)
     Path(out).write_text(json.dumps(facts))
@@ -301,6 +307,39 @@ def _checkpoint_facts(
         and wq.device.type == device.type
         and all(after[k].device.type == device.type for k in moments if k.endswith("exp_avg")),
     }
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _sharded_init_facts(device: torch.device, tmp: Path) -> dict:
+    """Issue 23's sharded initialisation as a run does it: the model built on meta, sharded by FSDP2 over a one-rank
+    device mesh, then materialised. Per storage (the device; the host under FSDP's CPU offload): whether its
+    parameters are DTensor shards, where they live, which differ from the single-process weights drawn on the device
+    (bit for bit), and whether the device RNG is left elsewhere than that init leaves it."""
+    args = ModelArgs(
+        dim=48, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=90, vocab_size=131, max_seq_len=16
+    )
+    want = {k: v.cpu() for k, v in build_model(args, 7, device).state_dict().items()}
+    rng = _rng_state(device)
+    facts = {}
+    for storage in dict.fromkeys([device.type, "cpu"]):
+        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard_cp",))
+        offload = CPUOffloadPolicy(pin_memory=False) if storage != device.type else None
+        model = apply_fsdp(build_meta_model(args), mesh, reshard_after_forward=True, offload_policy=offload)
+        materialize(model, 7, device, storage_device=torch.device(storage))
+        got = model.state_dict()
+        facts[storage] = {
+            "shards": all(isinstance(v, DTensor) for v in got.values()),
+            "devices": sorted({v.to_local().device.type for v in got.values()}),
+            "differ": sorted(
+                k for k, v in got.items() if k in want and not torch.equal(v.to_local().cpu(), want[k])
+            ),
+            "missing": sorted(want.keys() - got.keys()),
+            "rng_moved": not torch.equal(_rng_state(device), rng),
+        }
+    return facts
 
 
 @pytest.fixture(scope="module")
@@ -654,24 +693,29 @@ def test_busy_time_from_cuda_events_is_positive_and_within_the_wall_time():
 
 
 @pytest.mark.parametrize("storage", ["cuda", "cpu"])
-def test_sharded_initialisation_on_cuda_draws_the_single_process_weights(storage):
-    """Issue 23: materialise draws every parameter whole on the GPU (the same CUDA generator as build_model there)
-    and keeps it where the shards live: on the GPU, or on the host under FSDP's CPU offload (storage "cpu"); bit
-    for bit the single-process CUDA weights, with the truncated normal of models/init (torch's sampler where this
-    torch's differs). CPU twin: tests/distributed/test_sharded_init.py (20 layouts on 4 gloo ranks)."""
-    from scaletrain.models import ModelArgs, build_meta_model, build_model
-    from scaletrain.parallel.materialize import materialize
+def test_sharded_initialisation_on_cuda_draws_the_single_process_weights(group_facts, storage):
+    """Issue 23: a model sharded by FSDP2 on meta and materialised draws every parameter whole on the GPU (the same
+    CUDA generator as build_model there) and keeps its shard where the shards live: on the GPU, or on the host under
+    FSDP's CPU offload (storage "cpu"); bit for bit the single-process CUDA weights, with the truncated normal of
+    models/init. CPU twins: tests/distributed/test_sharded_init.py (20 layouts on 4 gloo ranks) and this section run on
+    the CPU (tests/distributed/test_sharded_init.py::test_the_gpu_checks_section_holds_on_the_cpu)."""
+    f = _ok(group_facts["sharded_init"])[storage]
+    assert f == {"shards": True, "devices": [storage], "differ": [], "missing": [], "rng_moved": False}, f
 
-    args = ModelArgs(
-        dim=48, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=90, vocab_size=131, max_seq_len=16
-    )
-    want = {k: v.cpu() for k, v in build_model(args, 7, CUDA).state_dict().items()}
-    cuda_rng = torch.cuda.get_rng_state()
-    model = build_meta_model(args)
-    materialize(model, 7, CUDA, storage_device=torch.device(storage))
-    got = model.state_dict()
-    assert {t.device.type for t in got.values()} == {storage}
-    assert got.keys() == want.keys()
-    for k, v in got.items():
-        assert torch.equal(v.cpu(), want[k]), k
-    assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs CUDA sm90+"
+)
+def test_moe_on_hopper_uses_grouped_mm_and_equals_the_loop():
+    """Under tests/gpu, so the GPU check runs it (marked gpu in tests/unit, it never ran). CPU twin of the choice:
+    tests/unit/test_moe.py's grouped-mm probe tests."""
+    moe = make_moe().to("cuda", torch.bfloat16)
+    x = torch.randn(4, 64, DIM, device="cuda", dtype=torch.bfloat16)
+    assert grouped_mm_usable(x)
+    grouped = moe(x)
+    _GROUPED_OK["cuda:0"] = False  # force the loop
+    try:
+        loop = moe(x)
+    finally:
+        _GROUPED_OK.clear()
+    torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2)
