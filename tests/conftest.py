@@ -13,6 +13,9 @@ from tests.preflight import LAST_RUN
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SCALETRAIN_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "tests"))
+# Plans use the built-in CPU defaults instead of probing this CPU (seconds per fresh cache, and many tests plan in a
+# cache of their own); tests/unit/test_probe.py probes.
+os.environ.setdefault("SCALETRAIN_PROBE", "0")
 
 
 # The longest files first, so that a worker is not left with one of them while the other has finished. xdist's

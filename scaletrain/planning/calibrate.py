@@ -108,6 +108,16 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     measure_step_overhead(0.0)
+    times = time_collectives(world)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": times, "rss": rss}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def time_collectives(world: int) -> dict[str, list[tuple[int, float]]]:
+    """{op: [(bytes, seconds)]}: each collective at each of COLLECTIVE_BYTES over the default group of `world`."""
     times: dict[str, list[tuple[int, float]]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
     for size in COLLECTIVE_BYTES:
         n = size // 4
@@ -125,11 +135,21 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             # The same number of calls on every rank (no time budget), each after a barrier: the first sets up the
             # pairs' buffers, the fastest of the rest counts.
             times[name].append((size, best_time(op, 0.0, least=5, before=dist.barrier)))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "rss": rss}))
-    dist.barrier()
-    dist.destroy_process_group()
+    return times
+
+
+def fit_collectives(times: dict[str, list[tuple[int, float]]], nproc: int) -> dict[str, tuple[float, float]]:
+    """{op: (latency per ring step, bandwidth in the ring formula's convention)} fitted to time_collectives' times
+    over nproc ranks (none for one rank)."""
+    fitted = {}
+    for name, points in times.items():
+        if nproc < 2:
+            break
+        factor = (2 if name == "all_reduce" else 1) * (nproc - 1) / nproc
+        steps = (2 if name == "all_reduce" else 1) * (nproc - 1)
+        a, b = fit_line([factor * s for s, _ in points], [t for _, t in points])
+        fitted[name] = (a / steps, 1.0 / max(b, 1e-15))
+    return fitted
 
 
 def measure_collectives(nproc: int) -> tuple[dict[str, tuple[float, float]], int]:
@@ -145,15 +165,7 @@ def measure_collectives(nproc: int) -> tuple[dict[str, tuple[float, float]], int
         out = str(Path(d) / "result")
         mp.start_processes(_rank, args=(nproc, port, out), nprocs=nproc, start_method="spawn")
         data = json.loads(Path(out).read_text())
-    fitted = {}
-    for name, points in data["times"].items():
-        if nproc < 2:
-            break
-        factor = (2 if name == "all_reduce" else 1) * (nproc - 1) / nproc
-        steps = (2 if name == "all_reduce" else 1) * (nproc - 1)
-        a, b = fit_line([factor * s for s, _ in points], [t for _, t in points])
-        fitted[name] = (a / steps, 1.0 / max(b, 1e-15))
-    return fitted, int(data["rss"])
+    return fit_collectives(data["times"], nproc), int(data["rss"])
 
 
 TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "2", "--model.n_kv_heads", "1"]

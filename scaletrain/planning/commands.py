@@ -19,7 +19,9 @@ from scaletrain.parallel.layout import Layout, layout_problems
 from scaletrain.planning.estimators.hardware import (
     GPUS,
     KINDS,
+    UNCALIBRATED,
     DeviceProfile,
+    cached_probe,
     load_profile,
     local_gpu_profile,
     profile_caveat,
@@ -39,11 +41,22 @@ from scaletrain.planning.estimators.search import (
 
 
 def profile_for(cfg: Config, kind: str | None) -> DeviceProfile:
-    """The profile of `kind`, or (None) of the device this config trains on: a known GPU by name, else the CPU."""
+    """The profile of `kind`, or (None) of the device this config trains on: a known GPU by name, else the CPU. A CPU
+    neither calibrated nor probed for this model and torch is probed now (planning/probe.py, seconds), except in a
+    launched worker (its launcher probed) or where SCALETRAIN_PROBE=0 (the built-in defaults, as the tests plan)."""
     cache = resolve_cache_dir(cfg.data)
     if kind is None and uses_cuda(cfg.training.device):
         return local_gpu_profile(torch.cuda.get_device_name(0), cache)
-    return load_profile(kind or "cpu", cache)
+    profile = load_profile(kind or "cpu", cache)
+    probe = os.environ.get("SCALETRAIN_PROBE", "1") != "0" and "LOCAL_RANK" not in os.environ
+    if profile.source == UNCALIBRATED and probe:
+        # Imported where a probe runs: it brings in the calibration's measurements, which a plan on a cached or
+        # calibrated profile never needs (and, at module level, would put cli's import chain past its bound).
+        from scaletrain.planning.probe import run_probe
+
+        run_probe(cache, cached_probe(cache)[1])
+        return load_profile("cpu", cache)
+    return profile
 
 
 def plan_json(plan: Plan, profile: DeviceProfile) -> dict:
@@ -140,7 +153,7 @@ def run_plan(
     seeded += ["--training.global_batch_tokens", str(global_batch_tokens or seq_len * devices)]
     cfg = parse_unvalidated(config, seeded + overrides)
     args = model_args(cfg)
-    profile = load_profile(kind, resolve_cache_dir(cfg.data))
+    profile = profile_for(cfg, kind)
     node = gpus_per_node if kind != "cpu" else profile.devices_per_node
     plans, rejected, example = search(cfg, args, devices, profile, node)
     gb = Layout.of(cfg, devices).global_batch

@@ -9,11 +9,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import (
     CPU_OVERHEAD_BYTES,
     PLANNED_GPUS,
     GpuSpec,
+    cpu_model_name,
     host_memory_bytes,
     match_gpu,
     usable_cpus,
@@ -88,6 +91,9 @@ class DeviceProfile:
     # Why the calibration's machine was busy ("" when it was not): its figures are then a share of the cores, and
     # every plan that uses the profile says so (planning/calibrate.busy_reason).
     busy: str = ""
+    # A probed CPU (planning/probe.py): what the held-out layout it ran found, and |predicted/measured - 1| there.
+    validated: str = ""
+    expected_error: float = 0.0
     cores: int = 0  # CPU cores shared by the local processes (0: a GPU, one device per process)
     threads: int = (
         1  # the threads the CPU matmul rate was measured with (the rate scales with min(threads, cores))
@@ -160,10 +166,16 @@ UNCALIBRATED_BAND = (
 
 
 def profile_caveat(profile: DeviceProfile) -> str | None:
-    """The warning a plan on `profile` carries: the uncalibrated CPU default's error band, or a calibration taken
-    on a busy machine; None for a calibrated quiet CPU and for a GPU's datasheet profile (its own table says so)."""
+    """The warning a plan on `profile` carries: the uncalibrated CPU default's error band, a probed CPU's measured
+    error, or a calibration taken on a busy machine; None for a calibrated quiet CPU and for a GPU's datasheet
+    profile (its own table says so)."""
     if profile.kind == "cpu" and profile.source == UNCALIBRATED:
         return UNCALIBRATED_BAND
+    if profile.validated:
+        return (
+            f"probed, not calibrated: step time {profile.validated}; memory 4-11% above the measured peak on "
+            "held-out layouts; `scaletrain plan --calibrate` (about 5 minutes) refines the step time"
+        )
     if profile.busy:
         return f"this profile was calibrated under load ({profile.busy}); {REDO}"
     return None
@@ -192,6 +204,33 @@ DEFAULT_CPU = DeviceProfile(
 )
 KINDS = (*GPUS, "cpu")
 PROFILE_FILE = "planner_profile.json"
+PROBE_FILE = (
+    "planner_probe.json"  # a CPU's probe (planning/probe.py), used until `plan --calibrate` saves a profile
+)
+PROBE_VERSION = 1  # raised when what the probe measures changes: an older cache is measured again
+
+
+def probe_key() -> dict:
+    """What a cached probe is valid for: this CPU model, its usable cores and the torch version."""
+    return {
+        "cpu": cpu_model_name(),
+        "cores": usable_cpus(),
+        "torch": torch.__version__,
+        "version": PROBE_VERSION,
+    }
+
+
+def cached_probe(cache_dir: Path) -> tuple[DeviceProfile | None, str]:
+    """(the probe cached in `cache_dir` for this CPU and torch, None and why there is none)."""
+    try:
+        saved = json.loads((cache_dir / PROBE_FILE).read_text())
+        if saved["key"] == probe_key():
+            return DeviceProfile.from_json(saved["profile"]), ""
+        return None, f"the cached one was measured for {saved['key']}"
+    except FileNotFoundError:
+        return None, "none is cached"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"the cached one is unreadable ({type(e).__name__})"
 
 
 def profile_path(cache_dir: Path, kind: str = "cpu") -> Path:
@@ -202,7 +241,8 @@ def profile_path(cache_dir: Path, kind: str = "cpu") -> Path:
 
 def load_profile(kind: str, cache_dir: Path | None = None) -> DeviceProfile:
     """The profile of `kind` (h100, h200, a100, b200, cpu): the calibrated one in `cache_dir` when it exists and is
-    of that kind, else the datasheet (GPUs) or the uncalibrated default (cpu). ValueError for an unknown kind."""
+    of that kind, else the datasheet (GPUs), or for a CPU its cached probe, else the uncalibrated default.
+    ValueError for an unknown kind."""
     kind = kind.lower()
     if kind not in KINDS:
         raise ValueError(f"--device '{kind}' is unknown; choose one of {', '.join(KINDS)}")
@@ -214,6 +254,8 @@ def load_profile(kind: str, cache_dir: Path | None = None) -> DeviceProfile:
             saved = None
         if saved is not None and saved.kind == profile.kind:
             profile = saved
+        elif kind == "cpu":
+            profile = cached_probe(cache_dir)[0] or profile
     if kind == "cpu":  # this host, as the memory check sees it: what the kernel has available now (issue 35)
         profile.memory_bytes = host_memory_bytes()
     return profile

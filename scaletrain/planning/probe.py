@@ -1,0 +1,184 @@
+"""The first plan on an uncalibrated CPU measures what its estimate needs, in seconds (issue 35): matmul rates per
+dtype (and at every core), a block's fixed cost and element-wise bandwidth, AdamW's pass, autocast's casts, gloo
+collectives over 2 ranks by message size, and one tiny fsdp step that fits the fixed cost of a collective call in
+training. The same 2 ranks then time a held-out layout (another shape and batch, never fitted), and its
+predicted/measured is the error every plan on the probe states. Cached per CPU model, core count and torch
+version; `plan --calibrate` (calibrate.py, minutes) replaces it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from scaletrain.hardware import best_time, cpu_model_name, usable_cpus
+from scaletrain.parallel.layout import Layout
+from scaletrain.planning.calibrate import (
+    _fit,
+    fit_collectives,
+    measure_block,
+    measure_step_overhead,
+    time_collectives,
+)
+from scaletrain.planning.estimators.hardware import DEFAULT_CPU, PROBE_FILE, DeviceProfile, probe_key
+from scaletrain.planning.estimators.inputs import model_args, parse_unvalidated
+from scaletrain.planning.estimators.search import estimate
+from scaletrain.planning.estimators.time import ADAM_TRAFFIC
+from scaletrain.planning.measure import measure_adam_bandwidth, measure_cast, measure_matmul
+
+# The step the probe fits the collective call's cost on (fsdp, the debug config's family at dim 64) and the held-out
+# step it validates with (fsdp over 2 ranks again, but the debug model's shape, 4x the tokens per rank).
+FIT = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "2", "--model.n_kv_heads", "1"]
+FIT += ["--model.ffn_hidden", "128", "--data.seq_len", "64", "--training.global_batch", "4"]
+FIT += ["--training.micro_batch", "2", "--parallel.data_parallel", "fsdp", "--training.threads", "1"]
+HELD_OUT = ["--model.dim", "128", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2"]
+HELD_OUT += ["--model.ffn_hidden", "352", "--data.seq_len", "128", "--training.global_batch", "8"]
+HELD_OUT += ["--training.micro_batch", "4", "--parallel.data_parallel", "fsdp", "--training.threads", "1"]
+RANKS = 2
+
+
+def run_probe(cache_dir: Path, why: str, log=None) -> DeviceProfile:
+    """Measure this CPU (measure) and cache the result in `cache_dir` for this CPU model and torch; `log` (stderr by
+    default) says that it did, why (`why`: cached_probe's reason) and where."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log(f"measuring this CPU for the planner ({why}; about 15 s, once per CPU model and torch version) ...")
+    start = time.perf_counter()
+    path = cache_dir / PROBE_FILE
+    profile = measure(log)
+    took = time.perf_counter() - start
+    profile = dataclasses.replace(
+        profile, source=f"probed {time.strftime('%Y-%m-%d %H:%M')} in {took:.0f} s, cached in {path}"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": probe_key(), "seconds": took, "profile": profile.to_json()}, indent=1))
+    os.replace(tmp, path)
+    log(f"measured in {took:.0f} s; cached in {path}")
+    return profile
+
+
+def measure(log) -> DeviceProfile:
+    """Every measurement of the probe, into one profile whose `validated` states the held-out error."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32, bf16 = measure_matmul(torch.float32), measure_matmul(torch.bfloat16)
+        # The time model scales the one-thread rate by the threads a rank gets: logged beside what every core does.
+        one, every_core = _rate_512(1), _rate_512(usable_cpus())
+        torch.set_num_threads(1)
+        op_overhead, ew_bw, sel_fixed, sel_share = measure_block(fp32)
+        adam_bw = measure_adam_bandwidth(ADAM_TRAFFIC)
+        cast_t0, cast_bw = measure_cast()
+        step_overhead = measure_step_overhead(op_overhead)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = _run_ranks()
+    collectives = {f"{k}@{RANKS}": v for k, v in fit_collectives(ranks["times"], RANKS).items()}
+    log(
+        f"probe: matmul fp32 {fp32[1] / 1e9:.1f} GFLOP/s per thread (512^3: {one / 1e9:.1f} on 1 thread, "
+        f"{every_core / 1e9:.1f} on {usable_cpus()}); bf16 {bf16[1] / 1e9:.1f}; block {op_overhead * 1e3:.2f} ms fixed, element-wise {ew_bw / 1e9:.2f} GB/s; "
+        + ", ".join(
+            f"{k} {lat * 1e6:.0f} us/step {bw / 1e9:.2f} GB/s" for k, (lat, bw) in collectives.items()
+        )
+    )
+    profile = dataclasses.replace(
+        DEFAULT_CPU,
+        name=f"{cpu_model_name()} (torch {torch.__version__})",
+        peak_flops={"fp32": fp32[1], "bf16": bf16[1]},
+        matmul={"fp32": fp32, "bf16": bf16},
+        memory_bw=(ew_bw + adam_bw) / 2,
+        op_overhead_s=op_overhead,
+        cast_t0_s=cast_t0,
+        cast_bw=cast_bw,
+        selective_block_s=sel_fixed,
+        selective_share=sel_share,
+        step_overhead_s=step_overhead,
+        threads=1,
+        collectives=collectives,
+        intra_bw=collectives[f"all_reduce@{RANKS}"][1],
+        intra_latency=collectives[f"all_reduce@{RANKS}"][0],
+        source="probed",
+    )
+    fit_cfg = parse_unvalidated(None, FIT)
+    call = _fit(fit_cfg, RANKS, profile, {"step_time_s": ranks["fit_s"]}, call_by_ranks={str(RANKS): 1.0})
+    profile = dataclasses.replace(profile, collective_call_s=call, call_by_ranks={str(RANKS): call})
+    held = parse_unvalidated(None, HELD_OUT)
+    predicted = estimate(held, model_args(held), Layout.of(held, RANKS), profile).time["step_time_s"]
+    error = predicted / ranks["held_out_s"] - 1
+    validated = (
+        f"{100 * error:+.0f}% on a held-out layout the probe ran (fsdp over {RANKS} ranks, dim 128, 4 layers: "
+        f"predicted {predicted * 1e3:.0f} ms, measured {ranks['held_out_s'] * 1e3:.0f} ms per step, load average "
+        f"{os.getloadavg()[0]:.1f})"
+    )
+    log(f"probe: collective call {call * 1e3:.2f} ms; step time {validated}")
+    return dataclasses.replace(profile, validated=validated, expected_error=abs(error))
+
+
+def _rate_512(threads: int) -> float:
+    """FLOP/s of a 512^3 fp32 matmul on `threads` threads."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    return 2 * 512**3 / best_time(lambda: torch.mm(a, b))
+
+
+def _run_ranks() -> dict:
+    """Spawn RANKS gloo processes and return rank 0's figures (_rank)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "result")
+        mp.start_processes(_rank, args=(RANKS, port, out), nprocs=RANKS, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    """One probe rank: gloo collectives by message size (as calibrate times them), then the fitted and the held-out
+    layouts' training steps as train.py builds them; rank 0 writes the fastest time of each."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = {
+        "times": time_collectives(world),
+        "fit_s": _step_s(FIT, world),
+        "held_out_s": _step_s(HELD_OUT, world),
+    }
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _step_s(overrides: list[str], world: int) -> float:
+    """The fastest of a few training steps (forward and backward, clipping, AdamW) of `overrides`' layout, built as
+    every run builds it (train.build_core), each started together on every rank."""
+    from scaletrain.models import build_model
+    from scaletrain.parallel.mesh import ParallelDims
+    from scaletrain.train import build_core  # in the spawned rank only: a worker imports the trainer
+
+    cfg = parse_unvalidated(None, overrides)
+    args = model_args(cfg)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    dims.build_mesh("cpu")
+    _, optimizers, runner = build_core(
+        build_model(args, 0, "cpu"), dims, cfg.parallel, cfg.training, cfg.optimizer,
+        device=torch.device("cpu"), n_microbatches=1, memory=cfg.memory,
+    )  # fmt: skip
+    local = cfg.training.global_batch // dims.dp_size
+    x = torch.randint(0, args.vocab_size, (local, cfg.data.seq_len))
+
+    def step() -> None:
+        runner.forward_backward(x, x)
+        runner.clip()
+        optimizers.step()
+
+    return best_time(step, 0.0, least=4, before=dist.barrier)
