@@ -23,6 +23,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.hardware import cuda_available, uses_cuda
 from scaletrain.metrics.profile import profile_problems
 from scaletrain.metrics.writer import metrics_problems
+from scaletrain.models.llama import ModelArgs
 from scaletrain.models.presets import (
     PRESETS,
     model_problems,
@@ -161,7 +162,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     problems += memory_problems(cfg.memory, device, cfg.parallel.data_parallel, layout.fsdp)
     # precision.compute against the layout (where the FSDP2 policy can apply) and the device (fp8's hardware)
     problems += precision_problems(cfg.precision, layout.fsdp, device, tp=cfg.parallel.tp)
-    problems += _attention(cfg)
+    problems += _attention(cfg, args)
     # The layout checks build on the resolved shapes and the batch split only, so they are reported with every other
     # problem at once; the memory check plans the whole job, so it runs only on a config with nothing else wrong.
     if args is not None and not shapes and not training:
@@ -171,15 +172,16 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     return problems
 
 
-def _attention(cfg: Config) -> list[str]:
+def _attention(cfg: Config, args: ModelArgs | None) -> list[str]:
     """model.attention, model.window and data.document_mask against the device (and, in attention_problems, the
     parallel layout)."""
     m, problems = cfg.model, []
-    if m.window < 0 or m.window_every < 1:
+    if (m.window or 0) < 0 or (m.window_every is not None and m.window_every < 1):
         problems.append(
             f"model.window must be >= 0 (0: off) and model.window_every >= 1, got {m.window} and {m.window_every}"
         )
-    masked = cfg.data.document_mask or m.window > 0
+    window = args.window if args is not None else m.window or 0  # the preset's when unset
+    masked = cfg.data.document_mask or window > 0
     t = cfg.training
     cuda = uses_cuda(t.device)
     if m.attention in ("efficient", "cudnn", "flex") and not cuda:
@@ -193,7 +195,7 @@ def _attention(cfg: Config) -> list[str]:
             "model.attention 'flash' takes no mask on CUDA, and data.document_mask or model.window needs one; "
             "use auto (FlexAttention) or efficient"
         )
-    return problems + attention_problems(cfg)
+    return problems + (attention_problems(cfg, args) if args is not None else [])
 
 
 def _training(t: TrainingConfig, layout: Layout) -> list[str]:

@@ -48,10 +48,12 @@ class ModelConfig:
     attention: Literal["auto", "flash", "efficient", "cudnn", "math", "flex"] = "auto"
     """Attention kernel. auto: SDPA's own pick, and for masks FlexAttention on CUDA, masked SDPA elsewhere;
     flash/efficient/cudnn/math: force that SDPA backend; flex: FlexAttention throughout (CUDA only)."""
-    window: int = 0
-    """Sliding-window attention (Mistral style): query i sees keys i - window < j <= i. 0: off (full causal)."""
-    window_every: int = 1
-    """With model.window: the window on every k-th layer (layers 0, k, 2k, ...); 1: all, 2: every other."""
+    window: int | None = None
+    """Sliding-window attention (Mistral style): query i sees keys i - window < j <= i. 0: off (full causal).
+    Unset: the preset's (0 but for GPT-OSS's 128)."""
+    window_every: int | None = None
+    """With model.window: the window on every k-th layer (layers 0, k, 2k, ...); 1: all, 2: every other. Unset:
+    the preset's (1; GPT-OSS 2)."""
     family: Literal["llama", "qwen3", "gpt_oss", "deepseek_v3"] | None = None
     """The Hugging Face family the model converts as (`convert --to hf`, model.init_from): llama (Llama, or
     Mixtral with MoE), qwen3 (Qwen3, or Qwen3-MoE), gpt_oss, deepseek_v3. Unset: the preset's. It names the

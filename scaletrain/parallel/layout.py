@@ -121,7 +121,11 @@ def layout_problems(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
     """Every rule of the layout at once: the batch split, attention under cp/pp, sizes that tile the world, tp/cp
     divisibility, expert parallel and the pipeline's micro-batch rules; what the planner's search asks of each
     candidate (validate checks the same rules, each where its message belongs)."""
-    return batch_problems(cfg.training, layout) + attention_problems(cfg) + rank_problems(cfg, layout, args)
+    return (
+        batch_problems(cfg.training, layout)
+        + attention_problems(cfg, args)
+        + rank_problems(cfg, layout, args)
+    )
 
 
 def batch_problems(t: TrainingConfig, layout: Layout) -> list[str]:
@@ -147,10 +151,16 @@ def batch_problems(t: TrainingConfig, layout: Layout) -> list[str]:
     return problems + ramp_problems(t.batch_ramp, gb, t.steps, t.micro_batch, dp_size, layout.pp)
 
 
-def attention_problems(cfg: Config) -> list[str]:
-    """Attention masks and kernels that a split sequence (cp) or a pipeline stage (pp) cannot take."""
+def attention_problems(cfg: Config, args: ModelArgs) -> list[str]:
+    """Attention masks and kernels that a split sequence (cp) or a pipeline stage (pp) cannot take (the window and
+    the sinks as the model resolves them: a preset may set them)."""
     m, p, problems = cfg.model, cfg.parallel, []
-    masked = cfg.data.document_mask or m.window > 0
+    masked = cfg.data.document_mask or args.window > 0
+    if p.cp > 1 and args.attention_sinks:
+        problems.append(
+            "model.attention_sinks (GPT-OSS) is not supported with parallel.cp > 1: ring attention has no sink term "
+            "in its softmax; set parallel.cp = 1"
+        )
     if p.cp > 1:
         # Ring attention masks blocks by position only; skipping fully masked blocks is future work.
         if masked:

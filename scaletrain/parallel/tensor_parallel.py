@@ -10,7 +10,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -58,6 +58,19 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, self._replicate_params, self._input_fn, self._output_fn)
 
 
+class HeadShard(ParallelStyle):
+    """A module's parameters split on dim 0 over the tp mesh, for one value per attention head (GPT-OSS's sinks):
+    rank r holds the heads ColwiseParallel gives it in wq. The module is read, not called (HeadSinks.local)."""
+
+    @staticmethod
+    def _shard(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(p_name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._shard)
+
+
 def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
     """The Megatron split, as torchtitan's llama plan: q/k/v and w1/w3 by output columns (each rank owns whole
     heads and a slice of the MLP hidden size), wo and w2 by input rows, so each block needs one all-reduce forward
@@ -90,6 +103,14 @@ def tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -
             )
         for w in ("wq", "wk", "wv"):
             plan[p + f"attention.{w}"] = ColwiseParallel()
+        attention = model.layers[name].attention
+        if getattr(attention, "q_norm", None) is not None:
+            # QK-norm (Qwen3) runs on this rank's heads, [batch, seq, heads, head_dim] split on dim 2: its weight
+            # replicated, its gradient summed over the ranks' heads (torchtitan's Qwen3 plan).
+            for n in ("q_norm", "k_norm"):
+                plan[p + f"attention.{n}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        if getattr(attention, "sinks", None) is not None:
+            plan[p + "attention.sinks"] = HeadShard()  # GPT-OSS's sinks: one per head, split as the heads
         plan[p + "attention.wo"] = RowwiseParallel(output_layouts=seq, use_local_output=local)
         plan[p + "ffn_norm"] = norm_style()
         if isinstance(model.layers[name].feed_forward, MoE):

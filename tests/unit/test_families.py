@@ -13,12 +13,14 @@ from scaletrain.checkpoint.convert import from_hf
 from scaletrain.checkpoint.hf.core import export_hf, load_hf_weights, verify_with_transformers
 from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.config.io import read_toml
+from scaletrain.errors import ConfigError
 from scaletrain.inference.generate import generate
 from scaletrain.models import ModelArgs, build_meta_model, build_model, resolve_model_args
 from scaletrain.models.gpt_oss import PUBLISHED as GPT_OSS_PUBLISHED
 from scaletrain.models.llama import count_parameters
 from scaletrain.models.moe import MoE
 from scaletrain.models.qwen3 import PUBLISHED as QWEN3_PUBLISHED
+from scaletrain.validate import load_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -151,3 +153,22 @@ def test_published_presets_count_the_published_parameters(preset):
     if active is not None:  # Qwen3's cards count the input embedding as active, GPT-OSS's card does not
         embedding = args.vocab_size * args.dim if args.family == "qwen3" else 0
         assert (counts["active"] + embedding) / 1e9 == pytest.approx(active, rel=0.02)
+
+
+def _problems(*overrides: str, world_size: int = 1) -> list[str]:
+    try:
+        load_config(None, list(overrides), world_size=world_size, check_run_dir=False)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def test_a_family_preset_keeps_its_features_and_context_parallel_is_refused_for_gpt_oss():
+    # The preset's window (unset in [model]) is what the model builds with and what the validator checks.
+    args = resolve_model_args(ModelConfig(preset="debug_gpt_oss"), None, 64)
+    assert (args.window, args.window_every, args.attention_sinks, args.family) == (16, 2, True, "gpt_oss")
+    refused = _problems("--model.preset", "debug_gpt_oss", "--parallel.cp", "2", world_size=2)
+    assert any("model.attention_sinks" in p and "parallel.cp" in p for p in refused), refused
+    assert any("model.window are not supported with parallel.cp > 1" in p for p in refused), refused
+    # Qwen3 has neither: context parallel is accepted (ring attention runs its QK-normed heads like any others).
+    assert _problems("--model.preset", "debug_qwen3", "--parallel.cp", "2", world_size=2) == []
