@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import os
 import platform
 import sys
@@ -22,12 +23,14 @@ import torch
 from scaletrain import __version__
 from scaletrain.checkpoint.convert import from_hf, parse_size, to_hf, to_quantized
 from scaletrain.checkpoint.hf.files import EXPORT_DTYPES
+from scaletrain.checkpoint.run_model import read_data_position
 from scaletrain.compare.bench import results_json, run_bench
 from scaletrain.compare.parity import ATOL, RTOL, run_parity
 from scaletrain.config import Config, MetricsConfig
 from scaletrain.config.io import all_keys, help_text, to_dict
 from scaletrain.data import load_tokenizer, prepare_data
 from scaletrain.data.sources import Skipped, embedded_corpus_files, list_files, read_documents
+from scaletrain.data.streaming import describe_position
 from scaletrain.data.tokenizer import train_bpe
 from scaletrain.errors import CONFIG_EXIT_CODE, ConfigError, report_errors
 from scaletrain.hardware import gpu_count, uses_cuda
@@ -57,6 +60,7 @@ scaletrain parity       --config FILE --layouts "tp=2" "pp=2,pp_schedule=1f1b" .
 scaletrain generate     RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S] [--tokenizer T] [--device D] [--json]
 scaletrain eval         RUN_DIR|HF_DIR --data FILE_OR_GLOB [--field F] [--seq-len S] [--tokenizer T] [--batch B] [--max-windows N] [--device D] [--json]
 scaletrain report       RUN_DIR [RUN_DIR ...] [--out DIR]
+scaletrain data-position RUN_DIR|CHECKPOINT [--json]
 scaletrain bench        --config FILE --variants "precision.compute=bf16" "parallel.grad_compression=powersgd" ... [--nproc N] [--steps 20] [--rounds 3] [--json FILE] [--section.key VALUE ...]
 scaletrain plan         --model PRESET --devices N --device h100|h200|a100|b200|cpu [--gpus-per-node 8] --seq-len S --global-batch-tokens T [--top K] [--json]  |  --config FILE --nproc N [--device KIND] [--json] [--section.key VALUE ...]  |  --calibrate [--nproc N]
 """
@@ -149,6 +153,7 @@ def build_parser() -> _Parser:
     root.commands = {"train": train, "prepare-data": prep, "parity": parity, "convert": convert}
     root.commands.update(_add_inference_commands(commands))
     root.commands["report"] = _add_report_command(commands)
+    root.commands["data-position"] = _add_data_position_command(commands)
     root.commands["plan"] = _add_plan_command(commands)
     root.commands["bench"] = _add_bench_command(commands)
     return root
@@ -362,6 +367,39 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 def _report(args: argparse.Namespace, overrides: list[str]) -> int:
     page = write_report([Path(p) for p in args.runs], Path(args.out) if args.out else None)
     print(f"report: {page}")
+    return 0
+
+
+def _add_data_position_command(commands: argparse._SubParsersAction) -> _Parser:
+    position = commands.add_parser(
+        "data-position", overrides=False, help="where a run's data loader stands: read and left, per source"
+    )
+    position.add_argument(
+        "path", metavar="RUN_DIR", help="a run directory (its newest intact checkpoint) or a checkpoint"
+    )
+    position.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    position.set_defaults(run=_data_position)
+    return position
+
+
+def _data_position(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg, state, ckpt = read_data_position(_entered(args.path))
+    if not cfg.data.streaming:
+        summary = {"checkpoint": ckpt, "next_sample": int(state["next_sample"]), "sources": []}
+    else:
+        summary = {"checkpoint": ckpt, "next_sample": int(state["next_sample"]),
+                   "sources": describe_position(cfg.data, state)}  # fmt: skip
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"{ckpt}: next sample {summary['next_sample']:,} of the mixed stream")
+    if not cfg.data.streaming:
+        print("prepared shards (data.streaming off): the mixture is a function of the sample index alone")
+    for s in summary["sources"]:
+        print(f"{s['source']} ({s['path']}): epoch {s['epoch']}, shard {s['shard']} of {s['shards']} "
+              f"({s['current']}) at token {s['token_offset']:,}, shuffle seed {s['seed']}; "
+              f"{s['samples']:,} samples ({s['tokens_trained']:,} tokens) trained; "
+              f"{s['shards_left']} shard(s), {s['mib_left']:,} MiB left in this epoch")  # fmt: skip
     return 0
 
 

@@ -154,7 +154,10 @@ def launch_local(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
     run_dir = Path(cfg.run.dir)  # the CLI resolved it (scaletrain.run.directory)
-    prepare_data(cfg.data, load_tokenizer(cfg.data.tokenizer), log=log.info)
+    if (
+        not cfg.data.streaming
+    ):  # tokenised once here, not by each worker; a streamed source is read as it trains
+        prepare_data(cfg.data, load_tokenizer(cfg.data.tokenizer), log=log.info)
     worker_args = [*overrides, "--run.dir", str(run_dir)]
     if cfg.run.name:
         worker_args += ["--run.name", cfg.run.name]

@@ -139,3 +139,17 @@ def load_run_model(
     model.init_weights()  # the RoPE buffers (not saved); every saved tensor is read over its values
     _dcp_load({"model": ModelState([model])}, ckpt.reader)
     return model, ckpt.cfg, ckpt.tokenizer, ckpt.path
+
+
+def read_data_position(src: Path) -> tuple[Config, dict[str, int | float], str]:
+    """The data loader's position saved in the newest intact checkpoint of a run directory (or in the checkpoint
+    directory `src`), with the run's config and the checkpoint read; no model tensor is read."""
+    ckpt = open_run_checkpoint(src)
+    saved = {
+        k.removeprefix("data."): m
+        for k, m in ckpt.metadata.state_dict_metadata.items()
+        if k.startswith("data.")
+    }
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()}
+    _dcp_load({"data": state}, ckpt.reader)
+    return ckpt.cfg, {k: v.item() for k, v in state.items()}, ckpt.path

@@ -280,3 +280,21 @@ def build_streaming_loader(data: DataConfig, tokenizer: ByteTokenizer | HFTokeni
         )
     schedule = MixtureSchedule.of(data, run_tokens)
     return StreamingLoader(streams, schedule, data.seq_len, global_batch, dp_rank, dp_size, held_out)
+
+
+def describe_position(data: DataConfig, state: dict[str, int | float]) -> list[dict]:
+    """Each source's saved position (a loader's state_dict) as a user reads it: what was trained from it and what
+    is left of its current epoch. Lists the sources again, for the shards' names and sizes."""
+    out = []
+    for i, (src, name) in enumerate(zip(data.sources, source_names(data))):
+        shards = list_shards(src, i)[: -1 if data.val_fraction > 0 else None]  # the last one held out
+        pos = {k: int(state[f"s{i}_{k}"]) for k in POSITION_FIELDS}
+        order = np.random.default_rng(pos["seed"]).permutation(len(shards))
+        left = [shards[j] for j in order[pos["shard"] :]]  # the current shard, then those not started
+        out.append({
+            "source": name, "path": src.path, "epoch": pos["epoch"] + 1, "shard": pos["shard"] + 1,
+            "shards": len(shards), "current": left[0].url, "token_offset": pos["offset"], "seed": pos["seed"],
+            "samples": pos["samples"], "tokens_trained": pos["samples"] * data.seq_len,
+            "shards_left": len(left) - 1, "mib_left": round(sum(s.size for s in left[1:]) / 2**20, 3),
+        })  # fmt: skip
+    return out

@@ -123,3 +123,13 @@ def test_a_source_that_cannot_be_listed_is_refused_before_launch(s3, tmp_path: P
         f"data.sources[2].path s3://{BUCKET}/b/ cannot be listed: EndpointConnectionError"
     )
     assert time.monotonic() - t < 10  # refused at once, not after the client's retries
+
+
+def test_the_cache_stays_within_its_bound(s3, tmp_path: Path):
+    _, local = s3
+    reference = run_steps(loader(data_cfg([str(local / "a")], tmp_path)), 12)
+    ld = loader(data_cfg([f"s3://{BUCKET}/a/"], tmp_path, stream_cache_mb=0, read_ahead=1))
+    assert run_steps(ld, 12) == reference  # 4 shards, each fetched, read and dropped in turn
+    ld.close()
+    cached = list((tmp_path / "c" / "stream").iterdir())
+    assert ld.streams[0].cache.fetched >= 4 and len(cached) <= 2, cached  # the one fetched ahead, at most

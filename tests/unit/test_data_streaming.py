@@ -178,3 +178,15 @@ def test_streaming_config_is_checked_before_launch(tmp_path: Path):
     assert schedule_problems(DataConfig(schedule=[MixStage(weights=[1])]), 10) == [
         "data.schedule needs data.streaming = true (prepared shards mix by fixed weights)"
     ]
+
+
+def test_a_rollback_past_bad_batches_moves_every_source_past_them(tmp_path: Path):
+    dirs = write_corpus(tmp_path)
+    cfg = data_cfg([str(p) for p in dirs], tmp_path, weights=[2, 1])
+    reference = run_steps(loader(cfg), 8)
+    ld = loader(cfg)
+    run_steps(ld, 2)
+    snapshot = ld.state_dict()
+    run_steps(ld, 3)  # steps 3-5, then a spike: back to the snapshot, skipping them (resilience.guard)
+    ld.load_state_dict({**snapshot, "next_sample": ld.state_dict()["next_sample"]})
+    assert run_steps(ld, 3) == reference[5 * 4 :]
