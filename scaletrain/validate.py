@@ -121,6 +121,12 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
                 "each compiled block into pieces, and compiled MoE has not been tested against eager; set "
                 "training.compile = false"
             )
+        if args.mla and cfg.optimizer.qk_clip > 0:
+            problems.append(
+                "optimizer.qk_clip with multi-head latent attention (model.kv_lora_rank > 0) is refused: QK-clip "
+                "measures and rescales wq and wk per head, and MLA's keys come from a latent shared by every head; "
+                "set optimizer.qk_clip = 0"
+            )
         problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp)
     problems += data_problems(cfg.data)
     problems += schedule_problems(cfg.data, _run_tokens(cfg.training, layout, cfg.data.seq_len))

@@ -217,6 +217,14 @@ def rank_problems(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
             data_parallel=p.data_parallel,
             dp=layout.dp_size * p.cp,
         )
+    if args.mla and (p.tp > 1 or p.cp > 1):
+        problems.append(
+            "multi-head latent attention (model.kv_lora_rank > 0) is not supported with parallel.tp > 1 or cp > 1: "
+            "the tensor-parallel plan splits wq/wk/wv by heads, where MLA has latent projections (wq_a, wkv_a) "
+            "that no head split divides, and ring attention takes one head size for keys and values (MLA's "
+            "differ); neither is trained against the single process, so set parallel.tp = 1 and parallel.cp = 1 "
+            "(fsdp, ep and pp are: tests/distributed/test_deepseek_v3.py)"
+        )
     return problems
 
 

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.models.llama import Transformer, logits_unmeasured
 from scaletrain.models.loss import token_mean
+from scaletrain.models.moe import MoE
 
 log = logging.getLogger(__name__)
 
@@ -256,11 +257,20 @@ def build_schedule(
 class _Stage(PipelineStage):
     """A PipelineStage whose shape inference measures nothing: torch runs each stage's forward once on
     uninitialised inputs (torch.empty) to learn the activations' shapes, whose logits QK-clip must not take for the
-    step's maxima (torch 2.13 names it _forward_metadata_inference; torchtitan overrides it likewise)."""
+    step's maxima (torch 2.13 names it _forward_metadata_inference; torchtitan overrides it likewise), and whose
+    routing the MoE layers must not count: the first step's load would move the routing biases (moe.bias_update_rate)
+    by tokens that do not exist (issue 36: pp 2 left the single process at step 2)."""
 
     def _forward_metadata_inference(self, *args, **kwargs):
+        moe = [m for m in self.submod.modules() if isinstance(m, MoE)]
+        held = [[b.clone() for b in m.buffers()] for m in moe]
         with logits_unmeasured(self.submod):
-            return super()._forward_metadata_inference(*args, **kwargs)
+            out = super()._forward_metadata_inference(*args, **kwargs)
+        with torch.no_grad():
+            for m, saved in zip(moe, held, strict=True):
+                for b, v in zip(m.buffers(), saved, strict=True):
+                    b.copy_(v)
+        return out
 
 
 class _MicrobatchMean:

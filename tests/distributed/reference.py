@@ -91,6 +91,7 @@ def train_steps(
     first: int = 0,
     load: str = "",
     save: str = "",
+    routing_bias_rate: float = 0.0,
 ) -> Run:
     """Train `model` (consumed) on the global `batches` in the layout `pcfg`, as train.py does.
 
@@ -100,11 +101,12 @@ def train_steps(
     (recompute, offload) and `ramp` (training.batch_ramp, whose steps' batches differ in size) are handed to
     build_core as train.py does; default off. A resume: a DCP checkpoint of the model and optimizer (as train.py
     saves them) is loaded from `load` first and only batches[first:] are trained, of a schedule still len(batches)
-    long; `save`: one is saved there before step len(batches) // 2."""
+    long; `save`: one is saved there before step len(batches) // 2. `routing_bias_rate`: moe.bias_update_rate."""
     if dims.mesh is None and dims.world_size > 1:
         dims.build_mesh("cpu")
     pm, optimizers, runner = build_core(model, dims, pcfg, replace(tcfg, steps=len(batches)), opt_cfg, device=CPU,
-                                        n_microbatches=n_microbatches, memory=memory, ramp=ramp)  # fmt: skip
+                                        n_microbatches=n_microbatches, memory=memory, ramp=ramp,
+                                        routing_bias_rate=routing_bias_rate)  # fmt: skip
     state = {"model": ModelState(pm.parts), "optimizer": optimizers}
     if load:
         dcp.load(state, checkpoint_id=load)
@@ -191,6 +193,7 @@ def reference_run(
     micro_batch: int = 4,
     grad_clip: float = 1.0,
     after_backward: Callable[[int, ParallelModel], None] | None = None,
+    routing_bias_rate: float = 0.0,
 ) -> Run:
     """Train a copy of `model` on one process (the same StepRunner and Optimizers, no mesh): the reference."""
     pcfg = ParallelConfig()
@@ -201,6 +204,7 @@ def reference_run(
         batches,
         TrainingConfig(micro_batch=micro_batch, grad_clip=grad_clip),
         after_backward=after_backward,
+        routing_bias_rate=routing_bias_rate,
     )
 
 

@@ -16,6 +16,7 @@ from scaletrain.checkpoint.hf import deepseek_v3 as adapter
 from scaletrain.checkpoint.hf.core import export_hf, load_hf_weights, verify_with_transformers
 from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.config.io import read_toml
+from scaletrain.errors import ConfigError
 from scaletrain.inference.generate import generate
 from scaletrain.models import build_meta_model, build_model, count_parameters, resolve_model_args
 from scaletrain.models.deepseek_v3 import PUBLISHED
@@ -23,6 +24,7 @@ from scaletrain.models.llama import ModelArgs, build_feed_forward
 from scaletrain.models.mla import MLA
 from scaletrain.models.moe import MoE
 from scaletrain.optim.optimizers import RoutingBias
+from scaletrain.validate import load_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -219,3 +221,32 @@ def test_preset_counts_match_the_published_model():
     assert n["total"] == pytest.approx(total, rel=0.002)
     assert n["active"] + args.vocab_size * args.dim == pytest.approx(active, rel=0.02)
     assert sum(isinstance(b.attention, MLA) for b in build_meta_model(args).layers.values()) == 61
+
+
+DS = ["--model.preset", "debug_deepseek_v3", "--parallel.data_parallel", "fsdp"]
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--parallel.tp", "2"], "not supported with parallel.tp > 1 or cp > 1"),
+        (["--parallel.cp", "2"], "not supported with parallel.tp > 1 or cp > 1"),
+        (["--optimizer.qk_clip", "100"], "optimizer.qk_clip with multi-head latent attention"),
+        (["--moe.n_group", "3"], "moe.n_group 3 must divide moe.n_experts 8"),
+        (["--moe.topk_group", "1", "--moe.top_k", "3"], "moe.top_k 3 exceeds the 2 experts"),
+        (["--model.qk_rope_head_dim", "7"], "model.qk_rope_head_dim 7 is odd"),
+    ],
+)
+def test_the_validator_refuses_what_mla_and_grouped_routing_cannot_take(flags, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*DS, *flags], world_size=2)
+    assert any(words in p for p in e.value.problems), e.value.problems
+
+
+def test_the_validator_accepts_the_layouts_trained_against_the_single_process():
+    # tests/distributed/test_deepseek_v3.py trains these (and pp 2 with 1F1B) against one process.
+    for flags in ([], ["--parallel.ep", "2"], ["--parallel.pp", "2", "--training.micro_batch", "2"]):
+        cfg = load_config(
+            None, [*DS, "--training.global_batch", "8", "--training.micro_batch", "4", *flags], 2
+        )
+        assert cfg.model.preset == "debug_deepseek_v3"
