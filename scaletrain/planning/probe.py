@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scaletrain.hardware import best_time, cpu_model_name, usable_cpus
+from scaletrain.hardware import best_time, busy_reason, cpu_model_name, usable_cpus
 from scaletrain.parallel.layout import Layout
 from scaletrain.planning.calibrate import (
     _fit,
@@ -53,11 +53,11 @@ def run_probe(cache_dir: Path, why: str, log=None) -> DeviceProfile:
     log(f"measuring this CPU for the planner ({why}; about 15 s, once per CPU model and torch version) ...")
     start = time.perf_counter()
     path = cache_dir / PROBE_FILE
+    busy = busy_reason()  # before the probe's own processes add to the load
     profile = measure(log)
     took = time.perf_counter() - start
-    profile = dataclasses.replace(
-        profile, source=f"probed {time.strftime('%Y-%m-%d %H:%M')} in {took:.0f} s, cached in {path}"
-    )
+    source = f"probed {time.strftime('%Y-%m-%d %H:%M')} in {took:.0f} s, cached in {path}"
+    profile = dataclasses.replace(profile, source=source, busy=busy or "")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"key": probe_key(), "seconds": took, "profile": profile.to_json()}, indent=1))

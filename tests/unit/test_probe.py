@@ -33,6 +33,8 @@ def probing(monkeypatch, tmp_path):
         return dataclasses.replace(DEFAULT_CPU, op_overhead_s=4e-3, validated=VALIDATED, expected_error=0.12)
 
     monkeypatch.setattr(probe, "measure", fake)
+    for module in (probe, hardware):  # a quiet machine unless a test says otherwise
+        monkeypatch.setattr(module, "busy_reason", lambda: None)
     return tmp_path, calls
 
 
@@ -89,6 +91,22 @@ def test_a_stale_or_corrupt_cache_is_measured_again(probing, capsys, written, wh
     out, err = _plan(capsys)
     assert calls == [1, 1] and why in err and VALIDATED in out
     assert json.loads(path.read_text())["key"] == hardware.probe_key()  # the new figures replaced it
+
+
+def test_a_probe_taken_under_load_says_so_and_is_measured_again_once_the_machine_is_quiet(
+    probing, monkeypatch, capsys
+):
+    cache, calls = probing
+    monkeypatch.setattr(probe, "busy_reason", lambda: "load average 30.00 > 0.5 x 2 usable CPUs")
+    monkeypatch.setattr(hardware, "busy_reason", lambda: "load average 30.00 > 0.5 x 2 usable CPUs")
+    out, _ = _plan(capsys)
+    assert "probed under load (load average 30.00" in out and calls == [1]
+    _plan(capsys)
+    assert calls == [1]  # still busy: the cached figures serve
+    monkeypatch.setattr(probe, "busy_reason", lambda: None)
+    monkeypatch.setattr(hardware, "busy_reason", lambda: None)
+    out, err = _plan(capsys)
+    assert calls == [1, 1] and "measured on a busy machine" in err and "under load" not in out
 
 
 def test_no_probe_in_a_worker_or_when_switched_off(probing, monkeypatch, capsys):

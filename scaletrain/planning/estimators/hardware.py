@@ -16,6 +16,7 @@ from scaletrain.hardware import (
     CPU_OVERHEAD_BYTES,
     PLANNED_GPUS,
     GpuSpec,
+    busy_reason,
     cpu_model_name,
     host_memory_bytes,
     match_gpu,
@@ -172,9 +173,12 @@ def profile_caveat(profile: DeviceProfile) -> str | None:
     if profile.kind == "cpu" and profile.source == UNCALIBRATED:
         return UNCALIBRATED_BAND
     if profile.validated:
+        under = (
+            f" under load ({profile.busy}: measured again when the machine is quiet)" if profile.busy else ""
+        )
         return (
-            f"probed, not calibrated: step time {profile.validated}; memory 4-11% above the measured peak on "
-            "held-out layouts; `scaletrain plan --calibrate` (about 5 minutes) refines the step time"
+            f"probed{under}, not calibrated: step time {profile.validated}; memory 4-11% above the measured peak "
+            "on held-out layouts; `scaletrain plan --calibrate` (about 5 minutes) refines the step time"
         )
     if profile.busy:
         return f"this profile was calibrated under load ({profile.busy}); {REDO}"
@@ -224,9 +228,12 @@ def cached_probe(cache_dir: Path) -> tuple[DeviceProfile | None, str]:
     """(the probe cached in `cache_dir` for this CPU and torch, None and why there is none)."""
     try:
         saved = json.loads((cache_dir / PROBE_FILE).read_text())
-        if saved["key"] == probe_key():
-            return DeviceProfile.from_json(saved["profile"]), ""
-        return None, f"the cached one was measured for {saved['key']}"
+        if saved["key"] != probe_key():
+            return None, f"the cached one was measured for {saved['key']}"
+        profile = DeviceProfile.from_json(saved["profile"])
+        if profile.busy and busy_reason() is None:  # measured under load, and now there is a quiet moment
+            return None, f"the cached one was measured on a busy machine ({profile.busy}) and it is quiet now"
+        return profile, ""
     except FileNotFoundError:
         return None, "none is cached"
     except (OSError, ValueError, KeyError, TypeError) as e:
