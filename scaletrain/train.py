@@ -17,6 +17,7 @@ import torch
 
 from scaletrain import metrics
 from scaletrain.checkpoint import CheckpointManager, LoaderState, ModelState, TrainState, build_checkpointing
+from scaletrain.checkpoint.hf.in_training import FinalExport
 from scaletrain.checkpoint.hf.sharded import load_hf_sharded
 from scaletrain.config import Config, MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.config.io import to_dict
@@ -135,6 +136,8 @@ class Job:
     ft: ReplicaGroup | NoReplicaGroup
     lease: RankLease  # this process's hold on its rank in the run directory
     eval: Evaluation  # training.eval_interval: validation with the step's forward, each result kept by step
+    # checkpoint.last_save_in_hf: the final weights also as a Hugging Face directory; None when off
+    final_export: FinalExport | None
 
     def tokens(self, step: int) -> int:
         """Tokens trained by steps 1..step."""
@@ -169,7 +172,10 @@ class Job:
         """The final save (protected by the memory tier), then fault_tolerance's parameter digest and leaving the
         quorum. Returns why the job ended early, to be continued: time_limit, stop_at_step (exit 75), Ctrl-C (130)."""
         stopped = self.limits.stopped(step) or self.preemption.stop_reason()
-        self.ckpt.close(step, finished=step == self.cfg.training.steps)
+        finished = step == self.cfg.training.steps
+        self.ckpt.close(step, finished=finished)
+        if finished and self.final_export is not None:
+            self.final_export(step)  # checkpoint.last_save_in_hf
         self.ft.close()
         return stopped
 
@@ -231,7 +237,9 @@ def build(cfg: Config) -> Job:
     # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
     # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    batches = BatchRamp.of(cfg.training.batch_ramp, layout.global_batch)  # each step's global batch (validated)
+    batches = BatchRamp.of(
+        cfg.training.batch_ramp, layout.global_batch
+    )  # each step's global batch (validated)
     dp = fault_tolerance.data_slice(dims.dp_rank, layout.dp_size, cfg.fault_tolerance)  # (rank, size)
     loader = first(lambda: build_loader(cfg.data, tokenizer, layout.global_batch, *dp, cfg.training.seed, log.info,
                                         batches.consumed(cfg.training.steps) * cfg.data.seq_len))  # fmt: skip
@@ -293,7 +301,15 @@ def build(cfg: Config) -> Job:
                 parameters=n_params["total"], peak_flops_source=peak_source,
                 nodes=nodes, **batches.announce(cfg.training.batch_ramp),
                 **ft.describe())  # fmt: skip
-    return Job(*parts, preemption, limits, meter, batches, info, moe, ft, lease, evaluation)
+    final_export = None
+    if (
+        cfg.checkpoint.last_save_in_hf
+    ):  # written by the first rank (fault_tolerance: of group 0), gathered by all
+        tok_file = Path(cfg.data.tokenizer) if cfg.data.tokenizer != "byte" else None
+        final_export = FinalExport(pm.parts, args, run.path, env.is_main and cfg.fault_tolerance.group <= 0,
+                                   partial(broadcast_object, group=dims.control), writer.event, tok_file,
+                                   tokenizer.eod_id, getattr(tokenizer, "eod_token", None))  # fmt: skip
+    return Job(*parts, preemption, limits, meter, batches, info, moe, ft, lease, evaluation, final_export)
 
 
 def _log(job: Job, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict:

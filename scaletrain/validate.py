@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scaletrain.checkpoint.hf.core import init_from_problems
+from scaletrain.checkpoint.hf.in_training import pipeline_problem
 from scaletrain.checkpoint.problems import checkpoint_problems, run_dir_problems, saving_problems
 from scaletrain.config import Config, TrainingConfig
 from scaletrain.config.io import fields_typed, parse_config, resolve_paths, saved_config, to_dict
@@ -152,6 +153,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     cuda = uses_cuda(cfg.training.device)
     problems += profile_problems(cfg.profile, cfg.training.steps, world_size, cuda)
     problems += checkpoint_problems(cfg.checkpoint)
+    problems += [p for p in [pipeline_problem(cfg.checkpoint.last_save_in_hf, cfg.parallel.pp)] if p]
     problems += saving_problems(cfg.checkpoint, check_storage=check_run_dir)
     # fault_tolerance: a replica group g > 0 started again heals from a live peer; it never reads the checkpoints.
     problems += (

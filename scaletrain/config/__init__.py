@@ -416,6 +416,12 @@ class CheckpointConfig:
     snapshot_ttl_hours: float = 24.0
     """Snapshots of other jobs that wrote nothing for this long are removed from shared memory when a tier opens
     (a job that crashed for good leaves them behind). 0: never."""
+    last_save_in_hf: bool = False
+    """At the end of training (the final step), the job also writes its weights as a Hugging Face directory,
+    <run.dir>/hf-step-NNNNNNNN (sharded safetensors, config.json, the tokenizer; fp32), gathered a tensor at a time
+    by every rank and written by the first: transformers loads it, and model.init_from = "hf:DIR" starts a run from
+    it. Weights only: a resume reads the DCP checkpoints, which also hold the optimizer state and the data position.
+    Refused with parallel.pp > 1 (use `scaletrain convert --to hf` after the run)."""
 
 
 FaultKind = Literal[

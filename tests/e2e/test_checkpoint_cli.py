@@ -13,6 +13,8 @@ import torch
 
 from scaletrain.checkpoint.hf.files import INDEX_FILE, hf_tensor_files
 from scaletrain.checkpoint.run_model import load_run_model
+from scaletrain.errors import ConfigError
+from scaletrain.validate import load_config
 from tests.helpers import ROOT, per_step, read_jsonl, run_cli, train_args, train_cli
 
 DET = dict(
@@ -148,3 +150,25 @@ def test_hf_import_refuses_pickle_weights(tmp_path):
     torch.save({"x": torch.zeros(1)}, hf / "pytorch_model.bin")
     proc = run_cli("convert", "--from", "hf", str(hf), "--out", str(tmp_path / "c.toml"), check=False)
     assert proc.returncode == 1 and "pickle files, which are never loaded" in proc.stderr
+
+
+def test_last_save_in_hf_writes_the_final_weights_from_the_sharded_job_as_convert_does(tmp_path):
+    """checkpoint.last_save_in_hf on 2 fsdp ranks: every tensor is gathered from its shards and written by the job
+    itself, bit for bit what `convert --to hf` makes from the final checkpoint afterwards (which checks the logits
+    against transformers); pp is refused with the way to export instead."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    fsdp = ["--parallel.data_parallel", "fsdp"]
+    train_cli(run, *fsdp, nproc=2, steps=3, training__eval_interval=0, checkpoint__last_save_in_hf="true")
+    (saved,) = [e for e in read_jsonl(run / "events.jsonl") if e["kind"].startswith("hf_")]
+    assert (saved["kind"], saved["step"], saved["reason"]) == ("hf_saved", 3, None)
+    out, converted = run / "hf-step-00000003", tmp_path / "converted"
+    assert "logits match" in run_cli("convert", "--to", "hf", str(run), str(converted)).stdout
+    got, want = load_file(out / "model.safetensors"), load_file(converted / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (converted / "config.json").read_text()
+    )
+    with pytest.raises(ConfigError, match="scaletrain convert --to hf"):
+        load_config(None, ["--parallel.pp", "2", "--checkpoint.last_save_in_hf", "true"], world_size=2)
