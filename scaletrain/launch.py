@@ -154,9 +154,8 @@ def launch_local(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
     run_dir = Path(cfg.run.dir)  # the CLI resolved it (scaletrain.run.directory)
-    if (
-        not cfg.data.streaming
-    ):  # tokenised once here, not by each worker; a streamed source is read as it trains
+    # Tokenised once here, not by each worker; a streamed source (data.streaming) is read as it trains.
+    if not cfg.data.streaming:
         prepare_data(cfg.data, load_tokenizer(cfg.data.tokenizer), log=log.info)
     worker_args = [*overrides, "--run.dir", str(run_dir)]
     if cfg.run.name:

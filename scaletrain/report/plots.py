@@ -108,6 +108,29 @@ def _events(ax: Axes, runs: list[Run]) -> bool:
     return bool(kinds)
 
 
+def _data_mix(ax: Axes, runs: list[Run]) -> bool:
+    """data.streaming: each source's realised share of the samples per logged step (data_share/NAME), a line per
+    run and source; the schedule's stages and blends show as its steps and slopes."""
+    drawn = False
+    for i, run in enumerate(runs):
+        keys = sorted({k for m in run.metrics for k in m if k.startswith("data_share/")})
+        for j, key in enumerate(keys):
+            steps, shares = series(run, key)
+            name = key.removeprefix("data_share/")
+            label = f"{run.name} {name}" if len(runs) > 1 else name
+            ax.plot(
+                steps,
+                shares,
+                color=_colour(i * len(keys) + j),
+                lw=1.4,
+                ls=["-", "--", ":"][i % 3],
+                label=label,
+            )
+            drawn = drawn or bool(steps)
+    ax.set_ylabel("share of samples")
+    return drawn
+
+
 GOODPUT_PARTS = [
     ("productive_s", "training", "#2ca02c"),
     ("eval_s", "evaluation", "#1f77b4"),
@@ -154,6 +177,7 @@ PLOTS: list[tuple[str, str, Callable[[Axes, list[Run]], bool], bool]] = [
     ("tokens_per_s", "Throughput", _metric("tokens_per_s", "tokens/s"), True),
     ("mfu", "Model FLOPs utilisation", _metric("mfu", "MFU (%)", scale=100.0), True),
     ("memory", "Peak memory", _metric("mem_peak_mib", "MiB"), True),
+    ("data_mix", "Data mixture: the share of the samples per source", _data_mix, True),
     ("goodput", "Goodput: where the wall-clock time went", _goodput, False),
     ("events", "Events", _events, True),
 ]
