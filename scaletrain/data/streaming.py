@@ -14,6 +14,8 @@ checkpoint of it continues on any number of ranks, or under a schedule changed f
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -129,6 +131,12 @@ class SourceStream:
         self.samples += 1
         return out
 
+    @functools.cached_property
+    def listing(self) -> int:
+        """A 62-bit digest of the shards' URLs and sizes: a position means nothing over another list of shards."""
+        h = hashlib.sha256("".join(f"{s.url}\0{s.size}\n" for s in self.shards).encode())
+        return int.from_bytes(h.digest()[:8], "little") >> 2
+
     def position(self) -> dict[str, int]:
         return {"epoch": self.epoch, "shard": self.shard, "offset": self.offset,
                 "seed": shuffle_seed(self.seed, self.index, self.epoch), "samples": self.samples}  # fmt: skip
@@ -213,10 +221,17 @@ class StreamingLoader:
         for i, s in enumerate(self.streams):
             sd.update({f"s{i}_{k}": v for k, v in s.position().items()})
             sd[f"s{i}_credit"] = float(self.credits[i])
+            sd[f"s{i}_listing"] = s.listing
         return sd
 
     def load_state_dict(self, sd: dict[str, int | float]) -> None:
         for i, s in enumerate(self.streams):
+            if f"s{i}_listing" in sd and int(sd[f"s{i}_listing"]) != s.listing:
+                raise UserError(
+                    f"{s.name}'s shards changed since this position was saved (files added, removed or rewritten "
+                    "under its path): the saved position cannot be continued exactly; restore the files, or start a "
+                    "new run"
+                )
             s.set_position({k: sd[f"s{i}_{k}"] for k in POSITION_FIELDS})
             self.credits[i] = float(sd[f"s{i}_credit"])
         self.next_sample = sum(s.samples for s in self.streams)

@@ -18,6 +18,7 @@ from scaletrain.data.loader import data_problems
 from scaletrain.data.schedule import MixtureSchedule, schedule_problems
 from scaletrain.data.streaming import SourceDry, StreamingLoader, build_streaming_loader
 from scaletrain.data.tokenizer import ByteTokenizer
+from scaletrain.errors import UserError
 
 SEQ = 16
 _DOC = re.compile(r"<([a-z])(\d)(\d\d)>")
@@ -190,3 +191,13 @@ def test_a_rollback_past_bad_batches_moves_every_source_past_them(tmp_path: Path
     run_steps(ld, 3)  # steps 3-5, then a spike: back to the snapshot, skipping them (resilience.guard)
     ld.load_state_dict({**snapshot, "next_sample": ld.state_dict()["next_sample"]})
     assert run_steps(ld, 3) == reference[5 * 4 :]
+
+
+def test_a_position_over_a_changed_list_of_shards_is_refused(tmp_path: Path):
+    [d] = write_corpus(tmp_path, "a")
+    ld = loader(data_cfg([str(d)], tmp_path))
+    run_steps(ld, 2)
+    state = ld.state_dict()
+    (d / "part-9.jsonl").write_text(json.dumps({"text": "<a900>new"}) + "\n")  # a shard added under the path
+    with pytest.raises(UserError, match="shards changed since this position was saved"):
+        loader(data_cfg([str(d)], tmp_path)).load_state_dict(state)
