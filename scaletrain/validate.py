@@ -128,6 +128,11 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
                 "measures and rescales wq and wk per head, and MLA's keys come from a latent shared by every head; "
                 "set optimizer.qk_clip = 0"
             )
+        if args.mtp_depth and cfg.data.document_mask:
+            problems.append(
+                "model.mtp_depth with data.document_mask is refused: the MTP block attends causally over the whole "
+                "packed sequence; set data.document_mask = false or model.mtp_depth = 0"
+            )
         problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp)
     problems += data_problems(cfg.data)
     problems += schedule_problems(cfg.data, _run_tokens(cfg.training, layout, cfg.data.seq_len))

@@ -78,6 +78,11 @@ class ModelConfig:
     """MLA: each head's query/key channels that carry RoPE (the key part shared by all heads)."""
     v_head_dim: int | None = None
     """MLA: each head's value channels."""
+    mtp_depth: int | None = None
+    """Multi-token prediction (DeepSeek-V3): 1 adds one MTP module (a block predicting the token after next) whose
+    loss is added to the training loss; 0: off. Evaluation and generation never run it."""
+    mtp_loss_coef: float | None = None
+    """The MTP loss's weight (DeepSeek-V3's lambda: 0.3, then 0.1); the logged training loss includes it."""
 
 
 @dataclass

@@ -75,6 +75,9 @@ class ModelArgs(Protocol):
     n_group: int
     topk_group: int
     route_scale: float
+    mtp_depth: int
+    mtp_loss_coef: float
+    window: int
 
 
 def deepseek_problems(args: ModelArgs) -> list[str]:
@@ -90,6 +93,14 @@ def deepseek_problems(args: ModelArgs) -> list[str]:
         ]
         if args.qk_rope_head_dim % 2:
             problems.append(f"model.qk_rope_head_dim {args.qk_rope_head_dim} is odd; RoPE rotates pairs")
+    if args.mtp_depth not in (0, 1):
+        problems.append(f"model.mtp_depth must be 0 or 1 (one MTP module), got {args.mtp_depth}")
+    if args.mtp_depth and args.mtp_loss_coef < 0:
+        problems.append(f"model.mtp_loss_coef must be >= 0, got {args.mtp_loss_coef}")
+    if args.mtp_depth and args.window > 0:
+        problems.append(
+            "model.mtp_depth with model.window is refused: the MTP block attends causally, unwindowed"
+        )
     if args.route_scale <= 0:
         problems.append(f"moe.route_scale must be > 0, got {args.route_scale}")
     g, e = args.n_group, args.n_experts

@@ -29,6 +29,7 @@ from scaletrain.models.init import trunc_normal
 from scaletrain.models.loss import output_loss
 from scaletrain.models.mla import LATENT_NORM_EPS, MLA, mla_init_names
 from scaletrain.models.moe import MoE, is_moe_layer, moe_init_plan
+from scaletrain.models.mtp import MTP, mtp_loss
 
 if TYPE_CHECKING:
     from scaletrain.models.kv_cache import KVCache, LayerCache
@@ -85,6 +86,9 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Multi-token prediction (DeepSeek-V3, models/mtp.py): 1 adds its module and its loss, weighted by mtp_loss_coef.
+    mtp_depth: int = 0
+    mtp_loss_coef: float = 0.3  # DeepSeek-V3's lambda for its first 10T tokens (0.1 after)
 
     @property
     def head_dim(self) -> int:
@@ -304,6 +308,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Its block is the block after the last (a MoE block where those are).
+        self.mtp: MTP | None = None
+        if args.mtp_depth:
+            norms = [RMSNorm(args.dim, args.norm_eps) for _ in range(3)]
+            self.mtp = MTP(args.dim, norms[0], norms[1], TransformerBlock(args, args.n_layers), norms[2])
         # Not persistent: recomputed by init_weights, so checkpoints hold only learned state.
         self.register_buffer("rope", rope_cache(args), persistent=False)
         if args.tie_embeddings:
@@ -346,10 +355,17 @@ class Transformer(nn.Module):
             for name, layer in self.layers.items():
                 h = layer(h, cos, sin, masks=masks, kv=cache.layers[name])
             cache.advance(h.shape[1])
+        last = h
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
-        return self.output(h) if targets is None else output_loss(self.output, h, targets)
+        if targets is None:
+            return self.output(h)
+        loss = output_loss(self.output, h, targets)
+        if self.mtp is not None and self.training:
+            coef = self.args.mtp_loss_coef
+            loss = loss + mtp_loss(self.mtp, last, targets, self.tok_embeddings, self.output, cos, sin, coef)
+        return loss
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
@@ -368,7 +384,8 @@ class Transformer(nn.Module):
     def init_buffers(self, device: torch.device) -> None:
         """The RoPE table and the MoE blocks' routing bias and load statistics: no RNG draws."""
         self.rope = rope_cache(self.args, device)
-        for layer in self.layers.values():
+        blocks = [*self.layers.values(), *([self.mtp.block] if self.mtp is not None else [])]
+        for layer in blocks:
             if isinstance(layer.feed_forward, MoE):
                 layer.feed_forward.init_buffers()
 
@@ -381,8 +398,9 @@ class Transformer(nn.Module):
         args, std = self.args, self.args.init_std
         depth_std = std / math.sqrt(2 * args.n_layers)
         plan = [("tok_embeddings.weight", partial(nn.init.normal_, std=std))]
-        for i in range(args.n_layers):
-            p = f"layers.{i}."
+        # The MTP module's block is drawn like a block n_layers (models/mtp.py).
+        blocks = [(f"layers.{i}.", i) for i in range(args.n_layers)]
+        for p, i in blocks + ([("mtp.block.", args.n_layers)] if args.mtp_depth else []):
             moe = is_moe_layer(args, i)
             # Dense blocks draw from the RNG in the same order as before MoE existed (golden losses stay equal).
             gqa = ["attention.wq", "attention.wk", "attention.wv"]
@@ -406,10 +424,15 @@ class Transformer(nn.Module):
                 plan += [(f"{p}attention.{n}.bias", nn.init.zeros_) for n in ("wq", "wk", "wv", "wo")]
             if args.attention_sinks:
                 plan.append((f"{p}attention.sinks.weight", nn.init.zeros_))
+        if args.mtp_depth:
+            plan.append(("mtp.eh_proj.weight", trunc_normal(std)))
+            plan += [(f"mtp.{n}.weight", nn.init.ones_) for n in ("enorm", "hnorm", "norm")]
         plan.append(("norm.weight", nn.init.ones_))
         if not args.tie_embeddings:
             plan.append(("output.weight", trunc_normal(args.dim**-0.5)))
-        return plan
+        # The MTP module draws last, so that switching it on leaves every other initial weight as it was.
+        mtp = [entry for entry in plan if entry[0].startswith("mtp.")]
+        return [entry for entry in plan if not entry[0].startswith("mtp.")] + mtp
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

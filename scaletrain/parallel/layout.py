@@ -225,6 +225,13 @@ def rank_problems(cfg: Config, layout: Layout, args: ModelArgs) -> list[str]:
             "differ); neither is trained against the single process, so set parallel.tp = 1 and parallel.cp = 1 "
             "(fsdp, ep and pp are: tests/distributed/test_deepseek_v3.py)"
         )
+    if args.mtp_depth and (p.pp > 1 or p.ep > 1 or p.tp > 1 or p.cp > 1):
+        problems.append(
+            "model.mtp_depth > 0 is not supported with parallel.pp, ep, tp or cp > 1: the MTP module sits beside "
+            "the output on no pipeline stage, outside the blocks that expert and tensor parallel split, and "
+            "takes whole sequences; it is trained against the single process under fsdp "
+            "(tests/distributed/test_deepseek_v3.py); set those to 1 or model.mtp_depth = 0"
+        )
     return problems
 
 

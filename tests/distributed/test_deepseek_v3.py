@@ -1,7 +1,7 @@
 """The DeepSeek-V3 family in the layouts the validator accepts for it, each trained 10 steps in fp32 against the
 single process (losses, grad norms, every final parameter and routing bias; tests/distributed/reference.py): MLA
 with a query latent, sigmoid routing in 4 groups (top 2) with the routed scale, a shared expert, a dense first
-block, the balance loss and the auxiliary-loss-free bias update on. One spawn of 2 processes runs every case; tp and
+block, the balance loss and the auxiliary-loss-free bias update on; and under fsdp with the MTP module's loss. One spawn of 2 processes runs every case; tp and
 cp are refused for MLA (tests/unit/test_deepseek_v3.py)."""
 
 from __future__ import annotations
@@ -49,15 +49,19 @@ CASES = {
     "fsdp2": dict(**FSDP),
     "ep2_fsdp2": dict(ep=2, **FSDP),
     "pp2": dict(pp=2, pp_schedule="1f1b", m=2),
+    # With the multi-token prediction module and its loss (model.mtp_depth 1), against its own reference.
+    "fsdp2_mtp": dict(mtp=True, **FSDP),
 }
+MTP = dict(mtp_depth=1, mtp_loss_coef=0.3)
 
 
 def case(rank: int, world_size: int, spec: dict) -> dict:
     spec = dict(spec)
-    ref, m = spec.pop("ref"), spec.pop("m", 1)
+    ref, m, mtp = spec.pop("ref"), spec.pop("m", 1), spec.pop("mtp", False)
+    ref = ref["mtp" if mtp else "plain"]
     pcfg = ParallelConfig(**spec)
     dims = ParallelDims.from_config(pcfg, world_size)
-    args = tiny_args(**ARGS)
+    args = tiny_args(**ARGS, **(MTP if mtp else {}))
     batches = global_batches(args, GLOBAL_BATCH)
     local = batches[0][0].shape[0] // dims.dp_size
     tcfg = TrainingConfig(micro_batch=local // m, grad_clip=1.0)
@@ -67,10 +71,13 @@ def case(rank: int, world_size: int, spec: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    args = tiny_args(**ARGS)
-    ref = reference_run(full_model(args), global_batches(args, GLOBAL_BATCH), 2, routing_bias_rate=RATE)
-    summary = {"losses": ref.losses, "norms": ref.grad_norms, "state": ref.state}
-    assert any(k.endswith("router.expert_bias") and v.abs().sum() > 0 for k, v in ref.state.items())
+    summary = {}
+    for name, extra in (("plain", {}), ("mtp", MTP)):
+        args = tiny_args(**ARGS, **extra)
+        ref = reference_run(full_model(args), global_batches(args, GLOBAL_BATCH), 2, routing_bias_rate=RATE)
+        summary[name] = {"losses": ref.losses, "norms": ref.grad_norms, "state": ref.state}
+        assert any(k.endswith("router.expert_bias") and v.abs().sum() > 0 for k, v in ref.state.items())
+    assert any(k.startswith("mtp.") for k in summary["mtp"]["state"])
     cases = {name: {**spec, "ref": summary} for name, spec in CASES.items()}
     return run_layouts(tmp_path_factory, 2, cases, case, atol_params=PARAM_ATOL)
 

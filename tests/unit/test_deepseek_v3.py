@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from scaletrain.checkpoint.convert import from_hf
 from scaletrain.checkpoint.hf import deepseek_v3 as adapter
@@ -235,6 +236,13 @@ DS = ["--model.preset", "debug_deepseek_v3", "--parallel.data_parallel", "fsdp"]
         (["--moe.n_group", "3"], "moe.n_group 3 must divide moe.n_experts 8"),
         (["--moe.topk_group", "1", "--moe.top_k", "3"], "moe.top_k 3 exceeds the 2 experts"),
         (["--model.qk_rope_head_dim", "7"], "model.qk_rope_head_dim 7 is odd"),
+        (["--model.mtp_depth", "1", "--parallel.ep", "2"], "model.mtp_depth > 0 is not supported with"),
+        (["--model.mtp_depth", "1", "--parallel.pp", "2"], "model.mtp_depth > 0 is not supported with"),
+        (
+            ["--model.mtp_depth", "1", "--data.document_mask", "true"],
+            "model.mtp_depth with data.document_mask",
+        ),
+        (["--model.mtp_depth", "2"], "model.mtp_depth must be 0 or 1"),
     ],
 )
 def test_the_validator_refuses_what_mla_and_grouped_routing_cannot_take(flags, words):
@@ -245,8 +253,42 @@ def test_the_validator_refuses_what_mla_and_grouped_routing_cannot_take(flags, w
 
 def test_the_validator_accepts_the_layouts_trained_against_the_single_process():
     # tests/distributed/test_deepseek_v3.py trains these (and pp 2 with 1F1B) against one process.
-    for flags in ([], ["--parallel.ep", "2"], ["--parallel.pp", "2", "--training.micro_batch", "2"]):
+    pp = ["--parallel.pp", "2", "--training.micro_batch", "2"]
+    for flags in ([], ["--parallel.ep", "2"], pp, ["--model.mtp_depth", "1"]):
         cfg = load_config(
             None, [*DS, "--training.global_batch", "8", "--training.micro_batch", "4", *flags], 2
         )
         assert cfg.model.preset == "debug_deepseek_v3"
+
+
+# -- multi-token prediction ---------------------------------------------------------------------------------------
+
+
+def test_mtp_adds_its_weighted_loss_in_training_only():
+    """The step's mean loss is the main cross-entropy plus coef x the MTP module's mean cross-entropy, computed
+    here by hand from the module's pieces; evaluation (eval mode) and the logits ignore it; off adds nothing."""
+    args = dataclasses.replace(ARGS, mtp_depth=1, mtp_loss_coef=0.25)
+    model = build_model(args, seed=0, device="cpu")
+    x = _tokens(12)
+    y = torch.roll(x, -1, dims=1)
+    with torch.no_grad():
+        main = F.cross_entropy(model.eval()(x).flatten(0, 1), y.flatten())
+        mtp = model.mtp
+        hidden = model.tok_embeddings(x)
+        cos, sin = model.rope[: x.shape[1]].unbind(-2)
+        for layer in model.layers.values():
+            hidden = layer(hidden, cos, sin)
+        pieces = torch.cat([mtp.enorm(model.tok_embeddings(y[:, :-1])), mtp.hnorm(hidden[:, :-1])], dim=-1)
+        h = mtp.norm(mtp.block(mtp.eh_proj(pieces), cos[:-1], sin[:-1]))
+        extra = F.cross_entropy(model.output(h).flatten(0, 1), y[:, 1:].flatten())
+        trained = model.train()(x, targets=y) / y.numel()
+        evaluated = model.eval()(x, targets=y) / y.numel()
+    torch.testing.assert_close(trained, main + 0.25 * extra)
+    torch.testing.assert_close(evaluated, main)
+    plain = build_model(ARGS, seed=0, device="cpu")  # off: no module, the same draws for everything else
+    assert plain.mtp is None
+    ours = dict(model.named_parameters())
+    assert all(torch.equal(p, ours[k]) for k, p in plain.named_parameters())
+    loss = model.train()(x, targets=y)
+    loss.backward()
+    assert model.mtp.eh_proj.weight.grad.abs().sum() > 0

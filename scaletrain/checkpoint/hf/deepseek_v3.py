@@ -94,6 +94,12 @@ def export_problems(args: ModelArgs, buffers: dict[str, torch.Tensor]) -> list[s
         ),
         (args.qk_norm, f"model.qk_norm is true; {arch} has no QK-norm"),
         (args.window > 0, f"model.window is {args.window}; {arch} has no sliding window"),
+        (
+            args.mtp_depth > 0,
+            f"model.mtp_depth is {args.mtp_depth}; {arch} has no multi-token prediction module (DeepSeek's release "
+            "stores one as an extra layer that transformers skips), and exporting it is not implemented: export a "
+            "run without it",
+        ),
     ]
     if args.n_experts > 0:
         checks += [
