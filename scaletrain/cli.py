@@ -516,6 +516,9 @@ def _prepare_data(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         data = load_config(args.config, overrides).data
         tokenizer = load_tokenizer(data.tokenizer)
+    if data.streaming:
+        print("data.streaming: the sources are read and tokenised while training runs; nothing to prepare")
+        return 0
     for path, weight in prepare_data(data, tokenizer):
         print(f"prepared {path} (weight {weight})")
     return 0
