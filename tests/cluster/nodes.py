@@ -111,7 +111,7 @@ class Node:
         """Run `cmd` on the started node (its network, hostname, mounts and pids), as a shell on it would, from
         the project root, beside the node's command; returns its result (text)."""
         return subprocess.run(
-            ["nsenter", "--target", str(self.init_pid), "--net", "--uts", "--mount", "--pid", "--", *cmd],
+            ["nsenter", "--target", str(self.init_pid), "--net", "--uts", "--mount", "--pid", f"--wd={ROOT}", "--", *cmd],
             env={**os.environ, **(env or {})}, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
             check=check,
         )  # fmt: skip

@@ -32,6 +32,8 @@ def _conf(cluster: Cluster, dir: Path) -> str:
             f"SlurmctldHost={ctld.hostname}({ctld.address})",
             "SlurmUser=root",
             "AuthType=auth/munge",
+            # How long a requeued job waits before it may start again (120 s by default; 5 is the least).
+            "AuthInfo=cred_expire=5",
             "CredType=cred/munge",
             f"StateSaveLocation={dir}/slurmctld",
             f"SlurmdSpoolDir={dir}/slurmd-%n",
