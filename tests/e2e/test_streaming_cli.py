@@ -13,7 +13,7 @@ import pytest
 
 from scaletrain.checkpoint.run_model import read_data_position
 from scaletrain.data.streaming import describe_position
-from tests.helpers import losses, run_cli, train_cli
+from tests.helpers import losses, per_step, run_cli, train_cli
 from tests.unit.test_data_streaming import write_corpus
 
 pytest.importorskip("s3fs")
@@ -77,6 +77,10 @@ def test_s3_equals_local_and_a_2_rank_stop_continues_on_1(s3, tmp_path: Path):
     train_cli(tmp_path / "local", config=_config(tmp_path, [str(s3 / "a"), str(s3 / "b")]))
     train_cli(tmp_path / "s3", config=remote)
     reference = losses(tmp_path / "s3")
+    shares = per_step(tmp_path / "s3", ("data_share/web", "data_share/code"))  # the realised mixture, logged
+    assert shares[1] == pytest.approx((2 / 3, 1 / 3), abs=1 / 8) and shares[4] == pytest.approx(
+        (1 / 4, 3 / 4), abs=1 / 8
+    )
     assert reference == losses(tmp_path / "local") and len(reference) == 4  # bit for bit
     run = tmp_path / "resumed"
     assert train_cli(run, config=remote, nproc=2, run__stop_at_step=2, check=False).returncode == 75

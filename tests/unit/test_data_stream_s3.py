@@ -114,14 +114,17 @@ def test_the_endpoint_comes_from_the_environment_or_the_source(s3, monkeypatch, 
 
 def test_a_source_that_cannot_be_listed_is_refused_before_launch(s3, tmp_path: Path):
     t = time.monotonic()
-    cfg = data_cfg([f"s3://{BUCKET}/a/", "s3://no-such-bucket/x/", f"s3://{BUCKET}/b/"], tmp_path)
+    paths = [f"s3://{BUCKET}/a/", "s3://no-such-bucket/x/", f"s3://{BUCKET}/b/", f"s3://{BUCKET}/a/"]
+    cfg = data_cfg(paths, tmp_path)
     cfg.sources[2].endpoint_url = "http://127.0.0.1:9"  # nothing listens there
+    cfg.sources[3].profile = "no-such-profile"  # the source's profile is what botocore looks up
     problems = data_problems(cfg)
-    assert len(problems) == 2, problems
+    assert len(problems) == 3, problems
     assert "data.sources[1].path s3://no-such-bucket/x/ does not exist" in problems[0]
     assert problems[1].startswith(
         f"data.sources[2].path s3://{BUCKET}/b/ cannot be listed: EndpointConnectionError"
     )
+    assert problems[2].startswith(f"data.sources[3].path s3://{BUCKET}/a/ cannot be listed: ProfileNotFound")
     assert time.monotonic() - t < 10  # refused at once, not after the client's retries
 
 
