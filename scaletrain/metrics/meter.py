@@ -12,7 +12,7 @@ import torch
 
 from scaletrain.config import MetricsConfig
 from scaletrain.metrics.memory import peak_memory_mib
-from scaletrain.metrics.mfu import device_peak_flops, flops_per_token, mfu, over_peak_action
+from scaletrain.metrics.mfu import device_peak_flops, mfu, model_flops_per_token, over_peak_action
 from scaletrain.models.llama import ModelArgs
 from scaletrain.precision.policy import Precision
 
@@ -66,7 +66,7 @@ class StepMeter:
         peak, source = first(
             lambda: device_peak_flops(device, precision.mfu_peak, metrics.peak_tflops, cache_dir)
         )
-        flops_tok = flops_per_token(active_params, args.n_layers, args.dim, seq_len)
+        flops_tok = model_flops_per_token(active_params, args, seq_len)
         over_peak = over_peak_action(event, device, precision.mfu_peak, metrics.peak_tflops, cache_dir)
         return cls(tokens_per_step, flops_tok, peak * world_size, device, compile, over_peak), source
 

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from scaletrain.hardware import best_time, busy_reason, cpu_flags, cpu_model_name, gpu_peak_flops, usable_cpus
+from scaletrain.models.llama import ModelArgs, layer_window
 
 Precision = Literal["bf16", "fp32"]  # the peak a precision.compute is measured against (mfu_precision)
 
@@ -37,6 +38,36 @@ def flops_per_token(n_params: int, n_layers: int, dim: int, seq_len: int) -> flo
     Activation recomputation is not counted: MFU counts model FLOPs, not hardware FLOPs.
     """
     return 6.0 * n_params + 6.0 * n_layers * dim * seq_len
+
+
+def attended_keys(seq_len: int, window: int, as_run: bool = False) -> float:
+    """The keys a query attends to, averaged over a causal sequence of seq_len: s/2 (the convention above), or
+    under a sliding window w < s the band's area over s, w - w²/(2s) (which is s/2 at w = s). as_run: what a
+    kernel that computes the whole square computes (GPT-OSS's sink attention, models/attention.sink_attention): s."""
+    if as_run:
+        return float(seq_len)
+    return seq_len / 2 if window <= 0 or window >= seq_len else window - window * window / (2 * seq_len)
+
+
+def attention_flops_per_token(args: ModelArgs, seq_len: int, as_run: bool = False) -> float:
+    """Training FLOPs per token of attention's score and value matmuls over all layers, each layer with its own
+    window: 6·(qk width + v width)·keys, forward and backward (12·d·s/2 = 6·d·s per layer for a plain Llama).
+    The widths are n_heads·head_dim (head_size apart from dim / n_heads: Qwen3, GPT-OSS); under multi-head latent
+    attention qk_nope + qk_rope and v_head_dim per head. Sinks add one term per query and head: not counted."""
+    if getattr(args, "mla", False):
+        qk = args.n_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim)
+        v = args.n_heads * args.v_head_dim
+    else:
+        qk = v = args.n_heads * args.head_dim
+    sinks = as_run and args.attention_sinks
+    keys = sum(attended_keys(seq_len, layer_window(args, i), sinks) for i in range(args.n_layers))
+    return 6.0 * (qk + v) * keys
+
+
+def model_flops_per_token(n_params: int, args: ModelArgs, seq_len: int) -> float:
+    """flops_per_token for the model as it is built: 6·N plus its attention (attention_flops_per_token): equal
+    to flops_per_token for a Llama, less under sliding windows, per head size and MLA's widths."""
+    return 6.0 * n_params + attention_flops_per_token(args, seq_len)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_total: float) -> float:

@@ -15,6 +15,7 @@ from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.config.io import read_toml
 from scaletrain.errors import ConfigError
 from scaletrain.inference.generate import generate
+from scaletrain.metrics.mfu import attention_flops_per_token, flops_per_token, model_flops_per_token
 from scaletrain.models import ModelArgs, build_meta_model, build_model, resolve_model_args
 from scaletrain.models.gpt_oss import PUBLISHED as GPT_OSS_PUBLISHED
 from scaletrain.models.llama import count_parameters
@@ -172,3 +173,16 @@ def test_a_family_preset_keeps_its_features_and_context_parallel_is_refused_for_
     assert any("model.window are not supported with parallel.cp > 1" in p for p in refused), refused
     # Qwen3 has neither: context parallel is accepted (ring attention runs its QK-normed heads like any others).
     assert _problems("--model.preset", "debug_qwen3", "--parallel.cp", "2", world_size=2) == []
+
+
+def test_flops_count_each_layers_window_and_the_head_size():
+    args = ModelArgs(**BASE, **FAMILIES["gpt_oss"])  # window 6 on layers 0 and 2 of 3, head_size 16 x 4 heads
+    s, width = 32, 4 * 16
+    # Keys per query: the causal band's area over s, s/2 without a window and w - w²/(2s) with one.
+    keys = [6 - 36 / 64, s / 2, 6 - 36 / 64]
+    assert attention_flops_per_token(args, s) == pytest.approx(6 * 2 * width * sum(keys))
+    # As the sink kernel runs (the planner's time): the whole square, every layer.
+    assert attention_flops_per_token(args, s, as_run=True) == pytest.approx(6 * 2 * width * 3 * s)
+    # A Llama (head_dim x heads = dim, no window) keeps the 6N + 6·L·d·s of flops_per_token.
+    assert model_flops_per_token(1000, ModelArgs(**BASE), s) == flops_per_token(1000, 3, 32, s)
+    assert model_flops_per_token(1000, args, s) == 6000 + attention_flops_per_token(args, s)

@@ -160,7 +160,13 @@ def layer_activation_bytes(
         per_token = 3 * h / sp + (2 * h + 2 * kv + 2 * f + a) / tp
     else:
         per_token = (4 * h + 2) / sp + 2 * h + (2 * h + 2 * kv + a + 4 * f) / tp
-    return s * (per_token + s_moe) * elt
+    # GPT-OSS's sink attention (models/attention.sink_attention) is no fused kernel: it keeps the fp32 scores
+    # with the sink column and their softmax, 8 bytes per query, head and key, and k and v repeated to every
+    # head (derived, not measured). Recompute full stores none of it.
+    sinks = 0.0
+    if getattr(args, "attention_sinks", False) and recompute != "full":
+        sinks = s * a / tp * (8 * seq_len + 2 * args.head_dim * elt)
+    return s * (per_token + s_moe) * elt + sinks
 
 
 def activation_bytes(

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 
 from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
-from scaletrain.metrics.mfu import flops_per_token
-from scaletrain.models.llama import ModelArgs
+from scaletrain.metrics.mfu import attended_keys, model_flops_per_token
+from scaletrain.models.llama import ModelArgs, layer_window
 from scaletrain.parallel.layout import Layout, resolve_microbatches
 from scaletrain.parallel.pipeline import stages_per_rank
 from scaletrain.planning.estimators.hardware import DeviceProfile
@@ -139,6 +139,7 @@ class _Shape:
     q: float  # query width / tp
     kv: float  # key/value width / tp
     f: float  # ffn hidden / tp
+    keys: float = 0.0  # keys a query attends to, as the kernel runs (mfu.attended_keys); 0: seq / 2 (causal)
 
 
 def _matmuls(s: _Shape) -> list[float]:
@@ -147,8 +148,16 @@ def _matmuls(s: _Shape) -> list[float]:
     t, h = s.tokens, s.h
     proj = [2 * t * h * s.q, 2 * t * h * s.kv, 2 * t * h * s.kv, 2 * t * s.q * h]
     mlp = [2 * t * h * s.f, 2 * t * h * s.f, 2 * t * s.f * h]
-    attention = [2 * t * s.seq * s.q / 2] * 2
+    attention = [2 * t * (s.keys or s.seq / 2) * s.q] * 2
     return proj + mlp + attention
+
+
+def _keys_as_run(args: ModelArgs, layer: int, seq_len: int, kind: str) -> float:
+    """Keys per query layer `layer`'s kernel computes: a window's band where FlexAttention skips the masked blocks
+    (CUDA), the whole square where a boolean mask goes to SDPA (CPU) and in GPT-OSS's sink attention."""
+    window = layer_window(args, layer)
+    whole = getattr(args, "attention_sinks", False) or (window > 0 and kind == "cpu")
+    return attended_keys(seq_len, window, as_run=whole)
 
 
 def _block_times(
@@ -179,6 +188,7 @@ def _block_times(
         q=args.n_heads * args.head_dim / p.tp,
         kv=args.n_kv_heads * args.head_dim / p.tp,
         f=ffn.active_hidden / p.tp,  # MoE: the experts one token passes (top_k + shared)
+        keys=sum(_keys_as_run(args, i, seq_len, profile.kind) for i in range(args.n_layers)) / args.n_layers,
     )
     flops = _matmuls(shape)
     slow = GPU_ATTENTION_SHARE if profile.kind != "cpu" else 1.0
@@ -339,7 +349,7 @@ def step_time(
     tokens = global_batch * seq_len
     out["tokens_per_s"] = tokens / out["step_time_s"]
     n_params = _non_embedding_params(args)
-    out["flops_per_token"] = flops_per_token(n_params, args.n_layers, args.dim, seq_len)
+    out["flops_per_token"] = model_flops_per_token(n_params, args, seq_len)
     peak = _peak(profile, precision, share)
     out["mfu"] = out["tokens_per_s"] * out["flops_per_token"] / (peak * world_size)
     out.update(micro_batch=micro, microbatches=m)
