@@ -201,15 +201,3 @@ def read_hf_config(path: Path) -> dict:
     """config.json of an HF Llama directory that also has safetensors weights (UserError otherwise)."""
     weight_files(path)
     return json.loads((path / "config.json").read_text())
-
-
-def read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """config.json and the safetensors weights of an HF Llama directory. Pickle files are refused."""
-    weights: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, f in hf_tensor_files(path).items():
-        by_file.setdefault(f, []).append(name)
-    for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as st:
-            weights |= {name: st.get_tensor(name) for name in names}
-    return json.loads((path / "config.json").read_text()), weights

@@ -16,7 +16,6 @@ import re
 import torch
 
 from scaletrain.config import MoEConfig
-from scaletrain.errors import UserError
 from scaletrain.models.llama import ModelArgs
 from scaletrain.models.presets import MOE_FIELDS
 
@@ -174,48 +173,10 @@ def is_fused(names: list[str] | set[str], i: int) -> bool:
     return f"model.layers.{i}.mlp.experts.gate_up_proj" in names
 
 
-def from_hf_tensors(
-    weights: dict[str, torch.Tensor], n_layers: int, n_experts: int
-) -> dict[str, torch.Tensor]:
-    """Our MoE entries (router gate, zero routing bias, stacked experts) from the HF tensors, which are removed
-    from `weights`; UserError naming the HF tensors that are missing."""
-    missing = sorted(
-        n
-        for i in range(n_layers)
-        for n in layer_names(i, n_experts, is_fused(weights, i))
-        if n not in weights
-    )
-    if missing:
-        shown = ", ".join(missing[:3]) + (f" ({len(missing)} in all)" if len(missing) > 3 else "")
-        raise UserError(f"the Hugging Face Mixtral checkpoint lacks {shown}")
-    ours: dict[str, torch.Tensor] = {}
-    for i in range(n_layers):
-        ff = f"layers.{i}.feed_forward"
-        if is_fused(weights, i):
-            gate = weights.pop(f"model.layers.{i}.mlp.gate.weight")
-            w1, w3 = weights.pop(f"model.layers.{i}.mlp.experts.gate_up_proj").chunk(2, dim=1)
-            w2 = weights.pop(f"model.layers.{i}.mlp.experts.down_proj")
-        else:
-            prefix = f"model.layers.{i}.{_HUB}"
-            gate = weights.pop(f"{prefix}.gate.weight")
-            w1, w2, w3 = (
-                torch.stack([weights.pop(f"{prefix}.experts.{e}.{w}.weight") for e in range(n_experts)])
-                for w in ("w1", "w2", "w3")
-            )
-        ours |= {
-            f"{ff}.router.gate.weight": gate,
-            f"{ff}.router.expert_bias": torch.zeros(gate.shape[0]),
-            f"{ff}.experts.w1": w1,
-            f"{ff}.experts.w2": w2,
-            f"{ff}.experts.w3": w3,
-        }
-    return ours
-
-
 def import_source(name: str, names: set[str] | dict, n_experts: int) -> tuple[list[str], int] | None:
     """How our MoE entry `name` is read from a checkpoint holding the HF tensors `names`, without loading any:
     (HF names, chunk). One name per expert: the Hub layout, stacked on a new dim 0. One name and chunk 0 or 1:
-    that half, on dim 1, of the fused gate_up_proj (w1 then w3, as from_hf_tensors splits it). One name and
+    that half, on dim 1, of the fused gate_up_proj (w1 then w3). One name and
     chunk -1: read whole. No names: zeros (the routing bias, which Mixtral has not). None for a name outside the
     MoE feed-forward."""
     m = _OURS.fullmatch(name)
