@@ -24,6 +24,7 @@ os.environ.setdefault("SCALETRAIN_PROBE", "0")
 SLOW_FIRST = (
     "e2e/test_checkpoint_layouts.py",
     "distributed/test_hybrid_layouts.py",
+    "cluster/test_slurm.py",
     "cluster/test_node_loss.py",
     "cluster/test_partition.py",
     "e2e/test_resilience.py",
