@@ -44,6 +44,11 @@ class ModelArgs(Protocol):
     route_scale: float
 
 
+# MoEConfig field -> ModelArgs field where the names differ; the rest keep their name (resolve_model_args, and the
+# HF adapters' inverse).
+MOE_FIELDS = {"hidden": "moe_hidden", "every": "moe_every", "bias": "moe_bias"}
+
+
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     """Set every MoE layer's `aux_loss_scale` in `model` (whatever wraps it): 1/n_microbatches (x the fp16 loss
     scale). The step runner calls it before each forward; the value travels on the modules, not in a global."""

@@ -15,7 +15,7 @@ from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.models.deepseek_v3 import DEEPSEEK_V3_PRESETS, deepseek_problems
 from scaletrain.models.gpt_oss import GPT_OSS_PRESETS
 from scaletrain.models.llama import ModelArgs, Transformer
-from scaletrain.models.moe import is_moe_layer
+from scaletrain.models.moe import MOE_FIELDS, is_moe_layer
 from scaletrain.models.qwen3 import QWEN3_PRESETS
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, rope_scaling="llama3")
@@ -89,9 +89,6 @@ PRESETS: dict[str, dict] = {
 }
 # Each family's shapes live in its module (models/<family>.py) and are named here once.
 PRESETS |= QWEN3_PRESETS | GPT_OSS_PRESETS | DEEPSEEK_V3_PRESETS
-
-# MoEConfig field -> ModelArgs field where the names differ; the rest keep their name.
-MOE_FIELDS = {"hidden": "moe_hidden", "every": "moe_every", "bias": "moe_bias"}
 
 
 def pad_vocab(n: int, multiple: int = 64) -> int:

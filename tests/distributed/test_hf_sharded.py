@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from scaletrain.checkpoint.hf.core import args_from_hf_config, load_hf_weights
-from scaletrain.checkpoint.hf.sharded import load_hf_sharded
+from scaletrain.checkpoint.hf.core import args_from_hf_config
+from scaletrain.checkpoint.hf.sharded import load_hf_sharded, load_hf_weights
 from scaletrain.config import ParallelConfig
 from scaletrain.models import ModelArgs, build_model
 from scaletrain.parallel.mesh import ParallelDims

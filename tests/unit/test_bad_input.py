@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from scaletrain.checkpoint.convert import from_hf
-from scaletrain.checkpoint.hf.core import hf_dir_problems, load_hf_weights
+from scaletrain.checkpoint.hf.core import hf_dir_problems
+from scaletrain.checkpoint.hf.sharded import load_hf_weights
 from scaletrain.config import DataConfig, ModelConfig, SourceConfig
 from scaletrain.config.io import read_toml
 from scaletrain.data.prepare import prepare_data

@@ -14,13 +14,15 @@ import torch.nn.functional as F
 
 from scaletrain.checkpoint.convert import from_hf
 from scaletrain.checkpoint.hf import deepseek_v3 as adapter
-from scaletrain.checkpoint.hf.core import export_hf, load_hf_weights, verify_with_transformers
+from scaletrain.checkpoint.hf.core import export_hf, verify_with_transformers
+from scaletrain.checkpoint.hf.sharded import load_hf_weights
 from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.config.io import read_toml
 from scaletrain.errors import ConfigError
 from scaletrain.inference.generate import generate
 from scaletrain.models import build_meta_model, build_model, count_parameters, resolve_model_args
 from scaletrain.models.deepseek_v3 import PUBLISHED
+from scaletrain.models.kv_cache import KVCache
 from scaletrain.models.llama import ModelArgs, build_feed_forward
 from scaletrain.models.mla import MLA
 from scaletrain.models.moe import MoE
@@ -292,3 +294,24 @@ def test_mtp_adds_its_weighted_loss_in_training_only():
     loss = model.train()(x, targets=y)
     loss.backward()
     assert model.mtp.eh_proj.weight.grad.abs().sum() > 0
+
+
+def test_absorbed_decoding_equals_the_expanded_cache():
+    """Decoding steps in the latent space (wkv_b absorbed) give the logits of keys and values expanded per head,
+    and of the uncached forward over the whole sequence."""
+    model = build_model(ARGS, seed=4, device="cpu").eval()
+    _spread_router(model)
+    x = _tokens(14)[:1]
+    logits = {}
+    for absorb in (True, False):
+        for layer in model.layers.values():
+            layer.attention.absorb = absorb
+        cache = KVCache(ARGS.n_layers, x.shape[1])
+        with torch.no_grad():
+            steps = [model(x[:, :6], cache=cache)[:, -1]]
+            steps += [model(x[:, i : i + 1], cache=cache)[:, -1] for i in range(6, x.shape[1])]
+        logits[absorb] = torch.stack(steps[:-1], dim=1)
+    with torch.no_grad():
+        whole = model(x)[:, 5:-1]
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[True], whole, rtol=0, atol=1e-5)

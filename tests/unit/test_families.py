@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from scaletrain.checkpoint.convert import from_hf
-from scaletrain.checkpoint.hf.core import export_hf, load_hf_weights, verify_with_transformers
+from scaletrain.checkpoint.hf.core import export_hf, verify_with_transformers
+from scaletrain.checkpoint.hf.sharded import load_hf_weights
 from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.config.io import read_toml
 from scaletrain.errors import ConfigError

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from scaletrain.checkpoint.hf.core import export_hf, load_hf_weights
+from scaletrain.checkpoint.hf.core import export_hf
 from scaletrain.checkpoint.hf.files import INDEX_FILE, hf_tensor_files
+from scaletrain.checkpoint.hf.sharded import load_hf_weights
 from scaletrain.config import ModelConfig
 from scaletrain.errors import UserError
 from scaletrain.models import build_model, resolve_model_args

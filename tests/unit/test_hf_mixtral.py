@@ -22,9 +22,9 @@ from scaletrain.checkpoint.hf.core import (
     args_from_hf_config,
     export_hf,
     hf_dir_problems,
-    load_hf_weights,
     verify_with_transformers,
 )
+from scaletrain.checkpoint.hf.sharded import load_hf_weights
 from scaletrain.checkpoint.integrity import write_commit
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import Config, ModelConfig, MoEConfig

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from scaletrain.checkpoint.hf.core import args_from_hf_config, load_hf_weights
-from scaletrain.checkpoint.hf.sharded import load_hf_sharded
+from scaletrain.checkpoint.hf.core import args_from_hf_config
+from scaletrain.checkpoint.hf.sharded import load_hf_sharded, load_hf_weights
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models import ModelArgs, build_model
 

@@ -9,15 +9,13 @@ import contextlib
 import json
 import logging
 import math
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from scaletrain.checkpoint.hf import llama
-from scaletrain.checkpoint.hf.families import adapter, adapter_for_config, importable_types
+from scaletrain.checkpoint.hf.families import adapter, read_hf_config_fields, tensor_problems
 from scaletrain.checkpoint.hf.files import (
     EXPORT_DTYPES,
     INDEX_FILE,
@@ -30,7 +28,6 @@ from scaletrain.checkpoint.hf.files import (
     umask_permissions,
     weight_files,
 )
-from scaletrain.checkpoint.hf.mixtral import MOE_FIELDS as MOE_CONFIG_FIELDS
 from scaletrain.errors import ConfigError, UserError
 from scaletrain.models.llama import ModelArgs, Transformer
 
@@ -48,68 +45,10 @@ def args_from_hf_config(cfg: dict) -> dict:
     """ModelArgs fields from an HF Llama or Mixtral config.json (for Llama they are all model.* config fields; for
     Mixtral mixtral.config_sections splits off the [moe] ones); ConfigError naming every field our model would
     compute differently (biases, another activation or head size, a RoPE it does not implement)."""
-    fields, problems = _read_hf_config(cfg)
+    fields, problems = read_hf_config_fields(cfg)
     if problems:
         raise ConfigError(problems)
     return fields
-
-
-def _read_hf_config(cfg: dict) -> tuple[dict, list[str]]:
-    """(model.* fields, problems) of a config.json, by its family."""
-    family = adapter_for_config(cfg)
-    if family is None:
-        return {}, [
-            f"config.json has model_type '{cfg.get('model_type')}'; the model types that import are "
-            f"{importable_types()}"
-        ]
-    return family.import_config(cfg)
-
-
-def tensor_problems(names: list[str], args: ModelArgs, layers_from: str) -> list[str]:
-    """What in a checkpoint's tensor names a model of `args` has no place for: biases, layers at or beyond its
-    n_layers (`layers_from` names where that count comes from), experts at or beyond its n_experts, anything else
-    unexpected. Dropping them would load a different model than the one saved."""
-    family = adapter(args.family)
-    expected = family.import_names(args, set(names))
-    extra = [n for n in names if n not in expected and "rotary_emb" not in n]  # old HF saved RoPE's inv_freq
-    biases = [n for n in extra if n.endswith(".bias")]
-    beyond = [
-        n
-        for n in extra
-        if n not in biases and (m := llama.LAYER.fullmatch(n)) and int(m["i"]) >= args.n_layers
-    ]
-    experts = [
-        n
-        for n in extra
-        if n not in beyond and (m := _EXPERT.search(n)) and int(m["e"]) >= args.n_experts and args.n_experts
-    ]
-    other = [n for n in extra if n not in biases and n not in beyond and n not in experts]
-    problems = []
-    if biases:
-        problems.append(
-            f"{len(biases)} bias tensor(s) in the weights, e.g. {few(biases)}; our {family.NAME} has no biases"
-        )
-    if beyond:
-        layers = sorted({int(llama.LAYER.fullmatch(n)["i"]) for n in beyond})
-        problems.append(
-            f"tensor(s) of layer {', '.join(map(str, layers))}, beyond {layers_from} {args.n_layers}: "
-            f"{few(beyond)}; they would be dropped"
-        )
-    if experts:
-        problems.append(
-            f"tensor(s) of experts beyond the model's {args.n_experts} experts: {few(experts)}; they would be "
-            "dropped"
-        )
-    if other:
-        problems.append(
-            f"unexpected tensor(s) {few([repr(n) for n in other])}: not weights of a "
-            f"{family.architecture(args).removesuffix('ForCausalLM')} causal LM"
-        )
-    return problems
-
-
-# An expert's own tensor in the Hub layout, whatever the family (experts.{e}.<name>).
-_EXPERT = re.compile(r"\.experts\.(?P<e>\d+)\.")
 
 
 def hf_dir_problems(path: Path) -> list[str]:
@@ -120,7 +59,7 @@ def hf_dir_problems(path: Path) -> list[str]:
     except UserError as e:
         return [str(e)]
     cfg = json.loads((path / "config.json").read_text())
-    fields, problems = _read_hf_config(cfg)
+    fields, problems = read_hf_config_fields(cfg)
     if "n_layers" in fields:
         names = tensor_names(path)
         args = ModelArgs(**fields)
@@ -223,42 +162,6 @@ def _hf_tensors(
         for k, shape in shapes.items()
         for name, v in _to_hf(args, k, torch.empty(shape, dtype=dtype, device="meta")).items()
     ]
-
-
-_SHAPE_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size"}
-_TRAINING_CHOICES = {"capacity_factor", "aux_loss_coef", "z_loss_coef"}
-
-
-def _args_problems(args: ModelArgs, hf: dict) -> list[str]:
-    """model.* fields that differ from what config.json says the weights were trained with: same shapes, other
-    numbers (e.g. the 8B preset's Llama 3.1 RoPE scaling on Llama 3 weights, which have none)."""
-    # Every field config.json states but the shape (the tensors' shapes check it) and the MoE's training choices
-    # (capacity and the balance losses, left to the config); a dense config.json states n_experts 0.
-    hf = {"n_experts": 0, **hf}
-    keys = [k for k in hf if k not in _SHAPE_FIELDS | _TRAINING_CHOICES]
-    names = {k: f"moe.{MOE_CONFIG_FIELDS[k]}" if k in MOE_CONFIG_FIELDS else f"model.{k}" for k in keys}
-    return [
-        f"{names[k]} is {getattr(args, k)!r} but config.json has {hf[k]!r}; set {names[k]} = {hf[k]!r} (as "
-        "`scaletrain convert --from hf` writes it)"
-        for k in keys
-        if k in hf and getattr(args, k) != hf[k]
-    ]
-
-
-def import_problems(args: ModelArgs, cfg: dict, names: list[str]) -> list[str]:
-    """Why an HF checkpoint (its config.json and tensor names) would not load into a model of `args` as saved:
-    config.json's own problems, model.* fields that differ from it, tensors the model has no place for."""
-    fields, problems = _read_hf_config(cfg)
-    problems += _args_problems(args, fields)
-    return problems + tensor_problems(names, args, "model.n_layers")
-
-
-def load_hf_weights(model: Transformer, path: Path) -> None:
-    """Copy HF weights into an (already materialised, unsharded) model, checking config.json, names and shapes:
-    ConfigError naming every field and tensor that would not load as saved. The per-rank import on one rank."""
-    from scaletrain.checkpoint.hf.sharded import load_hf_sharded  # sharded.py builds on this module
-
-    load_hf_sharded([model], path, model.args)
 
 
 @contextlib.contextmanager

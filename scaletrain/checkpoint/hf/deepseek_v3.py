@@ -16,9 +16,8 @@ import torch
 
 from scaletrain.checkpoint.hf import llama
 from scaletrain.checkpoint.hf.files import Source
-from scaletrain.models.llama import ModelArgs
+from scaletrain.models.llama import ModelArgs, Transformer
 from scaletrain.models.moe import is_moe_layer
-from scaletrain.models.presets import build_meta_model
 
 NAME = "DeepSeek-V3"
 MODEL_TYPES = ("deepseek_v3",)
@@ -208,7 +207,9 @@ def _fused(names: set[str], i: int) -> bool:
 def import_names(args: ModelArgs, names: set[str]) -> set[str]:
     """Every HF tensor name a checkpoint of this shape holds (each MoE layer's experts in the layout it has)."""
     out = set()
-    for k, v in build_meta_model(args).state_dict().items():
+    with torch.device("meta"):  # shapes only (presets.build_meta_model, without its import chain)
+        model = Transformer(args)
+    for k, v in model.state_dict().items():
         m = _OURS.fullmatch(k)
         if m and m["rest"].startswith("experts.") and _fused(names, int(m["i"])):
             out |= set(import_source(args, k, names).names)

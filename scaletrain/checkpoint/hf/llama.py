@@ -6,13 +6,12 @@ feed-forward (mixtral.py)."""
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
-
-from scaletrain.checkpoint.hf import mixtral
-from scaletrain.checkpoint.hf.files import Source
 from scaletrain.errors import UserError
-from scaletrain.models.llama import ModelArgs
+
+if TYPE_CHECKING:
+    from scaletrain.models.llama import ModelArgs
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -168,67 +167,3 @@ def tensor_names(n_layers: int, moe: bool = False) -> set[str]:
     """The HF names of a Llama's tensors; with `moe` without the MLP's (a Mixtral's experts: mixtral.layer_names)."""
     per_layer = [f"{m}.weight" for m in _LAYER_NAMES.values() if not (moe and m.startswith("mlp."))]
     return set(_GLOBAL_NAMES) | {f"model.layers.{i}.{n}" for i in range(n_layers) for n in per_layer}
-
-
-# -- the family adapter (checkpoint/hf/families.py): a Llama, or with MoE blocks a Mixtral -------------------------
-
-NAME = "Llama"
-MODEL_TYPES = ("llama", "mixtral")
-
-
-def architecture(args: ModelArgs) -> str:
-    return mixtral.ARCHITECTURE if args.n_experts > 0 else ARCHITECTURE
-
-
-def export_config(args: ModelArgs, eod_id: int | None = None) -> dict:
-    cfg = config_json(args, eod_id)
-    if args.n_experts > 0:
-        del cfg["mlp_bias"], cfg["attention_bias"]  # not Mixtral fields (it has no biases)
-        cfg |= mixtral.config_json(args)
-    return cfg
-
-
-def import_config(cfg: dict) -> tuple[dict, list[str]]:
-    fields, problems = read_config(cfg)
-    if not fields:
-        return fields, problems
-    rope, rope_problems = read_rope(cfg, mixtral.DEFAULT_ROPE_THETA if mixtral.is_mixtral(cfg) else 10000.0)
-    fields |= rope | {"family": "llama"}
-    if mixtral.is_mixtral(cfg):
-        moe, moe_problems = mixtral.read_config(cfg)
-        fields |= moe
-        problems += moe_problems
-    return fields, problems + rope_problems
-
-
-def export_problems(args: ModelArgs, buffers: dict[str, torch.Tensor]) -> list[str]:
-    problems = (
-        [f"model.qk_norm is true; {ARCHITECTURE} has no QK-norm (family qwen3 has)"] if args.qk_norm else []
-    )
-    if args.n_experts > 0:
-        problems += mixtral.export_problems(args, buffers)
-    return problems
-
-
-def export_tensors(args: ModelArgs, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-    if args.tie_embeddings and name == "output.weight":
-        return {}  # HF re-ties lm_head to the embedding
-    moe = mixtral.to_hf_tensors(name, value)
-    return moe if moe is not None else {to_hf_name(name): value}
-
-
-def import_names(args: ModelArgs, names: set[str]) -> set[str]:
-    expected = tensor_names(args.n_layers, moe=args.n_experts > 0)
-    for i in range(args.n_layers if args.n_experts else 0):
-        expected |= mixtral.layer_names(i, args.n_experts, mixtral.is_fused(names, i))
-    return expected
-
-
-def import_source(args: ModelArgs, name: str, names: set[str]) -> Source:
-    moe = mixtral.import_source(name, names, args.n_experts) if args.n_experts else None
-    if moe is not None:
-        return Source(*moe)
-    if name == "output.weight" and args.tie_embeddings:
-        # Tied: the embedding is the one weight; a saved copy of it as lm_head is not read.
-        return Source(["model.embed_tokens.weight"])
-    return Source([to_hf_name(name)])

@@ -12,23 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
 from scaletrain.config import MoEConfig
-from scaletrain.models.llama import ModelArgs
-from scaletrain.models.presets import MOE_FIELDS
+from scaletrain.models.moe import MOE_FIELDS as _TO_ARGS
+
+if TYPE_CHECKING:
+    from scaletrain.models.llama import ModelArgs
 
 ARCHITECTURE = "MixtralForCausalLM"
 # MixtralConfig's RoPE base when config.json names none (transformers' default_theta for Mixtral).
 DEFAULT_ROPE_THETA = 1e6
 # ModelArgs field -> its [moe] config field (the inverse of resolve_model_args' mapping); the rest of ModelArgs
-# comes from [model].
-MOE_FIELDS = {
-    MOE_FIELDS.get(f.name, f.name): f.name
-    for f in dataclasses.fields(MoEConfig)
-    if MOE_FIELDS.get(f.name, f.name) in {a.name for a in dataclasses.fields(ModelArgs)}
-}
+# comes from [model]. (Names of [moe]'s training-only fields are in it too; no ModelArgs field has them.)
+MOE_FIELDS = {_TO_ARGS.get(f.name, f.name): f.name for f in dataclasses.fields(MoEConfig)}
 _HUB = "block_sparse_moe"
 _OURS = re.compile(
     r"layers\.(?P<i>\d+)\.feed_forward\.(?P<leaf>router\.gate\.weight|router\.expert_bias|experts\.w[123])"

@@ -10,13 +10,16 @@ layout and read both, as for Mixtral."""
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
 from scaletrain.checkpoint.hf import llama
 from scaletrain.checkpoint.hf.files import Source
-from scaletrain.models.llama import ModelArgs
 from scaletrain.models.moe import is_moe_layer
+
+if TYPE_CHECKING:
+    from scaletrain.models.llama import ModelArgs
 
 NAME = "Qwen3"
 MODEL_TYPES = ("qwen3", "qwen3_moe")

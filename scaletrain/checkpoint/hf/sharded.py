@@ -17,11 +17,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scaletrain.checkpoint.hf.core import import_problems
-from scaletrain.checkpoint.hf.families import adapter
+from scaletrain.checkpoint.hf.families import adapter, import_problems
 from scaletrain.checkpoint.hf.files import Source, few, hf_tensor_files, read_hf_config
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.models.llama import ModelArgs
+from scaletrain.models.llama import ModelArgs, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +127,9 @@ def load_hf_sharded(parts: list[nn.Module], path: Path, args: ModelArgs) -> int:
                 read += block.numel() * block.element_size()
     log.info("loaded %d tensors from %s: %.1f MB read by this rank", len(targets), path, read / 2**20)
     return read
+
+
+def load_hf_weights(model: Transformer, path: Path) -> None:
+    """Copy HF weights into an (already materialised, unsharded) model, checking config.json, names and shapes:
+    ConfigError naming every field and tensor that would not load as saved: the per-rank import on one rank."""
+    load_hf_sharded([model], path, model.args)
