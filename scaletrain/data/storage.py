@@ -63,7 +63,9 @@ def list_shards(src: SourceConfig, index: int) -> list[Shard]:
     its size; a source that cannot be listed, or matches nothing, is refused with its URL and the reason."""
     where = f"data.sources[{index}]"
     try:
-        fs, root = fsspec.core.url_to_fs(src.path, **storage_options(src))
+        # A filesystem of its own, not fsspec's cached instance: that one keeps the endpoint and credentials of the
+        # environment it was made in.
+        fs, root = fsspec.core.url_to_fs(src.path, skip_instance_cache=True, **storage_options(src))
         if _GLOB_CHARS & set(root):
             infos = fs.glob(root, detail=True)
         elif fs.isdir(root):
@@ -104,6 +106,7 @@ class ShardCache:
         self._pending: dict[str, Future] = {}
         self._lru: OrderedDict[str, int] = OrderedDict()  # local file name -> bytes, oldest first
         self._lock = threading.Lock()
+        self._fs: dict[int, fsspec.AbstractFileSystem] = {}
         self.hits = self.fetched = 0
         root.mkdir(parents=True, exist_ok=True)
         for p in sorted(
@@ -167,7 +170,7 @@ class ShardCache:
             with self._lock:
                 self._lru[name] = path.stat().st_size
             return
-        fs, remote = fsspec.core.url_to_fs(shard.url, **self.options[source])
+        fs, remote = self._filesystem(source, shard.url)
         tmp = path.with_suffix(f".part{os.getpid()}.{threading.get_ident()}")
         for attempt in range(FETCH_ATTEMPTS):
             try:
@@ -192,6 +195,17 @@ class ShardCache:
             self.fetched += 1
             self._lru[name] = shard.size
             self._evict()
+
+    def _filesystem(self, source: int, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        """The source's filesystem, made once for this cache (as list_shards does, not fsspec's shared instance),
+        and the path of `url` on it."""
+        with self._lock:
+            if source not in self._fs:
+                self._fs[source] = fsspec.core.url_to_fs(
+                    url, skip_instance_cache=True, **self.options[source]
+                )[0]
+            fs = self._fs[source]
+        return fs, fs._strip_protocol(url)
 
     def _evict(self) -> None:
         """Drop the least recently used shards not in use while the cache holds more than max_bytes (lock held)."""
