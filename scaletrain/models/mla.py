@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.models.attention import AttentionKernel
@@ -74,6 +75,8 @@ class MLA(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
         # SDPA's default scale, 1/sqrt(nope + rope), is MLA's (without YaRN's mscale, which import refuses).
         self.sdpa = AttentionKernel(args.attention)
+        # Decoding steps after the prompt attend in the latent space (`_absorbed`); False: keys and values expanded.
+        self.absorb = True
 
     def forward(
         self,
@@ -95,9 +98,12 @@ class MLA(nn.Module):
             k_rope.unsqueeze(2), cos, sin
         )  # [b, s, 1, rope]: one key for all heads
         if kv is not None:
+            decoding = kv.owner.pos > 0
             # Cached as one "head": [b, 1, len, kv_lora_rank] and [b, 1, len, rope], expanded per head below.
             latent, k_rope = kv.update(latent.unsqueeze(1), k_rope.transpose(1, 2))
             latent, k_rope = latent.squeeze(1), k_rope.transpose(1, 2)
+            if decoding and self.absorb:
+                return self._absorbed(q_nope, q_rope, latent, k_rope, masks)
         keys = latent.shape[1]
         k_nope, v = (
             self.wkv_b(latent)
@@ -111,6 +117,26 @@ class MLA(nn.Module):
         mask = masks[self.window] if masks is not None else None
         out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def _absorbed(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, masks
+    ) -> torch.Tensor:
+        """Attention with wkv_b absorbed (DeepSeek-V2, section 2.1.3): q_nope . (W_UK c) = (W_UK^T q_nope) . c, and
+        the values' W_UV applied once to the attended latent, so a step reads the cache's latents as they are
+        instead of expanding every cached position to each head's key and value. q_*: [b, s, heads, ·] of the new
+        positions; latent [b, len, r] and k_rope [b, len, 1, rope] of every position so far."""
+        bsz, seqlen = q_nope.shape[:2]
+        w = self.wkv_b.weight.view(-1, self.nope + self.v_head_dim, self.kv_lora_rank)  # [heads, nope + v, r]
+        w_uk, w_uv = w.split([self.nope, self.v_head_dim], dim=1)
+        q = torch.cat([torch.einsum("bshn,hnr->bshr", q_nope, w_uk), q_rope], dim=-1).transpose(1, 2)
+        k = torch.cat([latent, k_rope.squeeze(2)], dim=-1).unsqueeze(1)  # one key "head" shared by all
+        mask = masks[self.window] if masks is not None else None
+        scale = (self.nope + self.rope) ** -0.5  # the scale of the expanded form, not of the latent's width
+        out = F.scaled_dot_product_attention(
+            q, k, latent.unsqueeze(1), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out = torch.einsum("bhsr,hvr->bshv", out, w_uv)
+        return self.wo(out.reshape(bsz, seqlen, -1))
 
 
 def mla_init_names(args: ModelArgs) -> tuple[list[str], list[str]]:
