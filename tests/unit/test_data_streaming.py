@@ -201,3 +201,22 @@ def test_a_position_over_a_changed_list_of_shards_is_refused(tmp_path: Path):
     (d / "part-9.jsonl").write_text(json.dumps({"text": "<a900>new"}) + "\n")  # a shard added under the path
     with pytest.raises(UserError, match="shards changed since this position was saved"):
         loader(data_cfg([str(d)], tmp_path)).load_state_dict(state)
+
+
+def test_parquet_and_text_shards_stream_the_documents_jsonl_does(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    [d] = write_corpus(tmp_path, "a", shards=2, docs=6)
+    docs = {f.stem: [json.loads(line)["text"] for line in f.read_text().splitlines()] for f in d.iterdir()}
+    (tmp_path / "pq").mkdir()
+    (tmp_path / "txt").mkdir()
+    for stem, texts in docs.items():
+        pq.write_table(pa.table({"text": texts}), tmp_path / "pq" / f"{stem}.parquet", row_group_size=4)
+        for n, text in enumerate(texts):  # a text file is one document
+            (tmp_path / "txt" / f"{stem}-{n:02d}.txt").write_text(text)
+    want = source_streams(run_steps(loader(data_cfg([str(d)], tmp_path), batch=1), 12))["a"]
+    got = source_streams(run_steps(loader(data_cfg([str(tmp_path / "pq")], tmp_path), batch=1), 12))["a"]
+    assert got == want
+    texts = source_streams(run_steps(loader(data_cfg([str(tmp_path / "txt")], tmp_path), batch=1), 20))["a"]
+    assert sorted(doc_ids(texts)[:12]) == sorted(doc_ids(want)[:12])  # each file once, in a shuffled order
