@@ -122,17 +122,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
                 "each compiled block into pieces, and compiled MoE has not been tested against eager; set "
                 "training.compile = false"
             )
-        if args.mla and cfg.optimizer.qk_clip > 0:
-            problems.append(
-                "optimizer.qk_clip with multi-head latent attention (model.kv_lora_rank > 0) is refused: QK-clip "
-                "measures and rescales wq and wk per head, and MLA's keys come from a latent shared by every head; "
-                "set optimizer.qk_clip = 0"
-            )
-        if args.mtp_depth and cfg.data.document_mask:
-            problems.append(
-                "model.mtp_depth with data.document_mask is refused: the MTP block attends causally over the whole "
-                "packed sequence; set data.document_mask = false or model.mtp_depth = 0"
-            )
+        problems += _deepseek(cfg, args)
         problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp)
     problems += data_problems(cfg.data)
     problems += schedule_problems(cfg.data, _run_tokens(cfg.training, layout, cfg.data.seq_len))
@@ -182,6 +172,23 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
         problems += rank_problems(cfg, layout, args)
     if not problems and args is not None:
         problems += fits_in_memory_problems(cfg, layout, args)
+    return problems
+
+
+def _deepseek(cfg: Config, args: ModelArgs) -> list[str]:
+    """DeepSeek-V3's switches (MLA, multi-token prediction) against other sections' options."""
+    problems = []
+    if args.mla and cfg.optimizer.qk_clip > 0:
+        problems.append(
+            "optimizer.qk_clip with multi-head latent attention (model.kv_lora_rank > 0) is refused: QK-clip "
+            "measures and rescales wq and wk per head, and MLA's keys come from a latent shared by every head; "
+            "set optimizer.qk_clip = 0"
+        )
+    if args.mtp_depth and cfg.data.document_mask:
+        problems.append(
+            "model.mtp_depth with data.document_mask is refused: the MTP block attends causally over the whole "
+            "packed sequence; set data.document_mask = false or model.mtp_depth = 0"
+        )
     return problems
 
 
