@@ -27,6 +27,8 @@ from scaletrain.models.llama import ModelArgs, build_feed_forward
 from scaletrain.models.mla import MLA
 from scaletrain.models.moe import MoE
 from scaletrain.optim.optimizers import RoutingBias
+from scaletrain.planning.estimators.memory import block_parameters
+from scaletrain.planning.estimators.moe import ffn_shape
 from scaletrain.validate import load_config
 
 transformers = pytest.importorskip("transformers")
@@ -315,3 +317,14 @@ def test_absorbed_decoding_equals_the_expanded_cache():
         whole = model(x)[:, 5:-1]
     torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-5)
     torch.testing.assert_close(logits[True], whole, rtol=0, atol=1e-5)
+
+
+def test_the_planner_counts_mla_parameters_as_built():
+    """The memory estimate's per-block parameters (MLA's projections and latent norms, the MoE's dense part and
+    routed experts averaged over the blocks) add up to the model built on the meta device."""
+    for preset in ("debug_deepseek_v3", "deepseek_v3_671b"):
+        args = resolve_model_args(ModelConfig(preset=preset), 256, 4096)
+        split, rep = block_parameters(args)
+        blocks = args.n_layers * (split + rep + ffn_shape(args).routed)
+        tables = 2 * args.vocab_size * args.dim + args.dim
+        assert blocks + tables == pytest.approx(count_parameters(build_meta_model(args))["total"], rel=1e-12)

@@ -82,9 +82,34 @@ def block_parameters(args: ModelArgs) -> tuple[int, int]:
     """(split by tp, replicated) parameters of one transformer block: the matrices of attention and SwiGLU are
     split by tensor parallel, the two RMSNorm weights are replicated. Under MoE, the average block's dense part
     (shared experts and router included); its routed experts are `ffn_shape(args).routed`, split by ep."""
-    kv = args.n_kv_heads * args.head_dim
-    attention = 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * kv
-    return attention + ffn_shape(args).dense, 2 * args.dim
+    attention, norms = attention_parameters(args)
+    return attention + ffn_shape(args).dense, 2 * args.dim + norms
+
+
+def attention_parameters(args: ModelArgs) -> tuple[int, int]:
+    """(matrices, RMSNorm weights) of one block's attention: grouped-query attention's wq, wk, wv, wo; or multi-head
+    latent attention's (models/mla.py): the query latent's two projections (or wq), wkv_a to the kv latent and the
+    shared rotary key, wkv_b to each head's key and value, wo, and the latents' norms."""
+    if not getattr(args, "mla", False):
+        kv = args.n_kv_heads * args.head_dim
+        return 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * kv, 0
+    heads, qk = args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
+    r_q, r_kv = args.q_lora_rank, args.kv_lora_rank
+    q = (args.dim + heads * qk) * r_q if r_q else args.dim * heads * qk
+    kv = args.dim * (r_kv + args.qk_rope_head_dim) + r_kv * heads * (args.qk_nope_head_dim + args.v_head_dim)
+    return q + kv + heads * args.v_head_dim * args.dim, r_q + r_kv
+
+
+def attention_saved(args: ModelArgs) -> float:
+    """Elements per token that one block's attention saves for backward besides its input, split by tp: GQA's q
+    and output (2h) and k, v (2kv); MLA's q and k (heads x (nope + rope) each), v and output (heads x v_head_dim
+    each), and its latents: the query latent before and after its norm, wkv_a's output and the normed kv latent
+    (derived from models/mla.py, not measured; tensor parallel is refused for MLA)."""
+    if not getattr(args, "mla", False):
+        return 2 * args.dim + 2 * args.n_kv_heads * args.head_dim
+    heads, qk, v = args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
+    latents = 2 * args.q_lora_rank + 2 * args.kv_lora_rank + args.qk_rope_head_dim
+    return 2 * heads * qk + 2 * heads * v + latents
 
 
 def init_draw_bytes(args: ModelArgs) -> float:
@@ -151,15 +176,15 @@ def layer_activation_bytes(
     ffn = ffn_shape(
         args
     )  # MoE: the experts a token passes, and the dispatched copies (2 x top_k x h) it adds
-    h, kv, f, a, tp = args.dim, args.n_kv_heads * args.head_dim, ffn.active_hidden, args.n_heads, p.tp
+    h, f, a, tp = args.dim, ffn.active_hidden, args.n_heads, p.tp
     s_moe = ffn.moe_share * 2 * getattr(args, "top_k", 0) * h * (recompute != "full")
     sp = tp if p.sequence_parallel else 1  # what sequence parallel splits
     if recompute == "full":
         per_token = h / sp
     elif recompute == "selective":
-        per_token = 3 * h / sp + (2 * h + 2 * kv + 2 * f + a) / tp
+        per_token = 3 * h / sp + (attention_saved(args) + 2 * f + a) / tp
     else:
-        per_token = (4 * h + 2) / sp + 2 * h + (2 * h + 2 * kv + a + 4 * f) / tp
+        per_token = (4 * h + 2) / sp + 2 * h + (attention_saved(args) + a + 4 * f) / tp
     # GPT-OSS's sink attention (models/attention.sink_attention) is no fused kernel: it keeps the fp32 scores
     # with the sink column and their softmax, 8 bytes per query, head and key, and k and v repeated to every
     # head (derived, not measured). Recompute full stores none of it.
