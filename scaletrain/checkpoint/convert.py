@@ -27,6 +27,7 @@ from scaletrain.checkpoint.hf.core import (
     verify_with_transformers,
     write_hf,
 )
+from scaletrain.checkpoint.hf.families import adapter_for_config
 from scaletrain.checkpoint.hf.files import EXPORT_DTYPES, SHARD_BYTES, read_hf_config, umask_permissions
 from scaletrain.checkpoint.hf.mixtral import config_sections
 from scaletrain.checkpoint.run_model import load_run_model, open_run_checkpoint, run_config
@@ -158,7 +159,8 @@ def from_hf(hf_dir: Path, out_toml: Path) -> str:
     fields, moe = config_sections(args_from_hf_config(cfg_json))
     model = {"preset": "debug", **fields, "init_from": f"hf:{hf_dir}"}
     data = {"tokenizer": str(hf_dir / "tokenizer.json")} if (hf_dir / "tokenizer.json").exists() else {}
-    kind = "Mixtral" if moe else "Llama"
+    kind = adapter_for_config(cfg_json).architecture(ModelArgs(**args_from_hf_config(cfg_json)))
+    kind = kind.removesuffix("ForCausalLM")
     header = (
         f"# Start training from the Hugging Face {kind} weights in {hf_dir}.\n"
         f"# The model{' and moe' if moe else ''} fields below come from its config.json and override the preset.\n"
