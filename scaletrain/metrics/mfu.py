@@ -60,7 +60,9 @@ def attention_flops_per_token(args: ModelArgs, seq_len: int, as_run: bool = Fals
     else:
         qk = v = args.n_heads * args.head_dim
     sinks = as_run and args.attention_sinks
-    keys = sum(attended_keys(seq_len, layer_window(args, i), sinks) for i in range(args.n_layers))
+    # The multi-token prediction module's block (model.mtp_depth, DeepSeek-V3) attends like one more layer.
+    layers = args.n_layers + getattr(args, "mtp_depth", 0)
+    keys = sum(attended_keys(seq_len, layer_window(args, i), sinks) for i in range(layers))
     return 6.0 * (qk + v) * keys
 
 

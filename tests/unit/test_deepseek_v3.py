@@ -20,6 +20,7 @@ from scaletrain.config import ModelConfig, MoEConfig
 from scaletrain.config.io import read_toml
 from scaletrain.errors import ConfigError
 from scaletrain.inference.generate import generate
+from scaletrain.metrics.mfu import attention_flops_per_token
 from scaletrain.models import build_meta_model, build_model, count_parameters, resolve_model_args
 from scaletrain.models.deepseek_v3 import PUBLISHED
 from scaletrain.models.kv_cache import KVCache
@@ -296,6 +297,9 @@ def test_mtp_adds_its_weighted_loss_in_training_only():
     loss = model.train()(x, targets=y)
     loss.backward()
     assert model.mtp.eh_proj.weight.grad.abs().sum() > 0
+    # MFU counts its block's attention as one more layer's (its weights are in N already).
+    layers = ARGS.n_layers
+    assert attention_flops_per_token(args, 12) == attention_flops_per_token(ARGS, 12) * (layers + 1) / layers
 
 
 def test_absorbed_decoding_equals_the_expanded_cache():
