@@ -90,6 +90,32 @@ class Job:
         for node in self.victims:
             self.start(node)
 
+    def next_step(self, seen: list[int], since: float, t0: float) -> int:
+        """Wait for the next step committed after a kill at `since` (wall clock; `seen`: the records each group had
+        then), not one that was in flight: torchrun's, the first record of the job re-formed after it (a `start`
+        event); torchft's, the survivors' first step without the killed group (replicas 1). Returns the step the
+        job went on from (its checkpoint's or snapshot's step; for torchft the step before, none trained again)."""
+        at_start = None  # the records there were when the re-formed job started
+        while time.monotonic() - t0 < 600:
+            if self.mode == "torchft":
+                new = [
+                    m for r, n in zip(self.logged(), seen, strict=True) for m in r[n:] if m["replicas"] == 1
+                ]
+                if new:
+                    return new[0]["step"] - 1
+            else:
+                starts = [
+                    e
+                    for e in _records(self.run / "events.jsonl")
+                    if e["kind"] == "start" and e["time"] > since
+                ]
+                if starts and at_start is None:
+                    at_start = len(self.logged()[0])
+                if at_start is not None and len(self.logged()[0]) > at_start:
+                    return starts[0]["step"]
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.mode}: no step within 600 s of a kill")
+
     def logged(self) -> list[list[dict]]:
         return [_records(d / "metrics.jsonl") for d in self.dirs]
 
@@ -115,15 +141,9 @@ def drill(mode: str, args: argparse.Namespace, tmp: Path, rng: random.Random) ->
             killed, load, wall_clock = time.monotonic(), os.getloadavg()[0], time.time()
             victim.kill()
             job.start(victim, again=len(kills) + 1)  # the replacement, with an empty /dev/shm
-            while True:  # the next step committed after the kill, by any group
-                new = [r[n:] for r, n in zip(job.logged(), seen, strict=True)]
-                if first := min((m["step"] for part in new for m in part), default=None):
-                    break
-                if time.monotonic() - killed > 600:
-                    raise RuntimeError(f"{mode}: no step within 600 s of killing {victim.hostname}")
-                time.sleep(0.1)
+            first = job.next_step(seen, wall_clock, killed)
             kill = dict(node=victim.hostname, to_next_step_s=round(time.monotonic() - killed, 1),
-                        recomputed=max(0, last - (first - 1)), load=round(load, 1), time=wall_clock)  # fmt: skip
+                        recomputed=max(0, last - first), load=round(load, 1), time=wall_clock)  # fmt: skip
             kills.append(kill)
             print(f"{mode}: {json.dumps(kill)}", flush=True)
             # The next kill comes --kill-every seconds after this one was recovered from.
@@ -134,7 +154,9 @@ def drill(mode: str, args: argparse.Namespace, tmp: Path, rng: random.Random) ->
     joins = [e["time"] for e in _records(job.run / "events.jsonl") if e["kind"] == "replica_joined"]
     for k in kills:
         k["rejoined_s"] = next((round(t - k["time"], 1) for t in sorted(joins) if t > k["time"]), None)
-    return dict(mode=mode, kills=kills, distinct_steps=len(steps), drill_s=round(wall),
+    # torchft: the steps a group missed (its slice of the global batch dropped), counted where the survivor logged.
+    alone = sum(m.get("replicas") == 1 for r in job.logged() for m in r)
+    return dict(mode=mode, kills=kills, distinct_steps=len(steps), drill_s=round(wall), group_steps_missed=alone,
                 steps_per_s=round(len(steps) / wall, 2), goodput=round(goodput["goodput"], 3))  # fmt: skip
 
 
@@ -166,7 +188,8 @@ def main() -> int:
         again = [k["recomputed"] for k in r["kills"]]
         print(f"{r['mode']:<9}{len(r['kills']):>6}  {statistics.median(t):>24.1f} ({min(t):.1f}-{max(t):.1f})"
               f"  {sum(again):>10}  {r['goodput']:>7.3f}  {r['steps_per_s']:>7.2f}  "
-              f"{[k['rejoined_s'] for k in r['kills']] if r['mode'] == 'torchft' else ''}")  # fmt: skip
+              f"{[k['rejoined_s'] for k in r['kills']] if r['mode'] == 'torchft' else ''}"
+              f"{'; group-steps missed ' + str(r['group_steps_missed']) if r['mode'] == 'torchft' else ''}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
