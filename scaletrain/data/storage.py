@@ -79,7 +79,13 @@ def list_shards(src: SourceConfig, index: int) -> list[Shard]:
             f"{where}.path {src.path} does not exist; give an existing file, directory or glob"
         ) from None
     except Exception as e:  # botocore, aiohttp and OSError each say why in one line
-        raise UserError(f"{where}.path {src.path} cannot be listed: {type(e).__name__}: {e}") from None
+        fix = (
+            f"; S3 reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or {where}.endpoint_url "
+            f"and {where}.profile"
+            if src.path.startswith("s3://")
+            else ""
+        )
+        raise UserError(f"{where}.path {src.path} cannot be listed: {type(e).__name__}: {e}{fix}") from None
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     shards = sorted(
         Shard(fs.unstrip_protocol(p) if is_remote(src.path) else p, int(info.get("size") or 0))
