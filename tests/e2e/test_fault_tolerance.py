@@ -48,7 +48,7 @@ THREE = {
 IN_TORCHFT = {"allreduce": {"step": KILL_STEP, "call": 2}, "heal": {}}
 CASES = {  # (nproc, groups, the global rank that dies at KILL_STEP, overrides, where it dies)
     # group 1's only rank, inside the step's cross-group all-reduce; restarted, it dies again while healing, and
-    # its second restart heals (the only case where a 1-rank group's death is not at a step's start: 3x1-min2 is)
+    # its second restart heals (a 1-rank group killed at a step's start: 3x1-min2)
     "2x1-allreduce-heal": (2, 2, 1, {}, IN_TORCHFT),
     # a rank of group 0, which owns the run directory, at the step's start (resilience.inject's kill): it restarts
     # from its checkpoint of step 5 and heals forward
