@@ -1,7 +1,7 @@
 """The first plan on an uncalibrated CPU measures what its estimate needs, in seconds (issue 35): matmul rates per
 dtype (and at every core), a block's fixed cost and element-wise bandwidth, AdamW's pass, autocast's casts, gloo
-collectives over 2 ranks by message size, and one tiny fsdp step that fits the fixed cost of a collective call in
-training. The same 2 ranks then time a held-out layout (another shape and batch, never fitted), and its
+collectives over 2 ranks by message size, one tiny fsdp step that fits the fixed cost of a collective call in
+training, and the same step under tp, sp and cp for their fixed costs per block. The same 2 ranks then time a held-out layout (another shape and batch, never fitted), and its
 predicted/measured is the error every plan on the probe states. Cached per CPU model, core count and torch
 version; `plan --calibrate` (calibrate.py, minutes) replaces it."""
 
@@ -44,6 +44,13 @@ HELD_OUT = ["--model.dim", "128", "--model.n_layers", "4", "--model.n_heads", "4
 HELD_OUT += ["--model.ffn_hidden", "352", "--data.seq_len", "128", "--training.global_batch", "8"]
 HELD_OUT += ["--training.micro_batch", "4", "--parallel.data_parallel", "fsdp", "--training.threads", "1"]
 RANKS = 2
+# Each fitted on FIT split over the 2 ranks another way, in this order (a later fit counts the earlier ones): tensor
+# parallel's, then sequence parallel's and ring attention's fixed cost per block (DTensor dispatch, the ring's loop).
+SPLITS = {
+    "tp_block_s": ["--parallel.tp", "2", "--model.n_kv_heads", "2"],
+    "sp_block_s": ["--parallel.tp", "2", "--model.n_kv_heads", "2", "--parallel.sequence_parallel", "true"],
+    "cp_block_s": ["--parallel.cp", "2"],
+}
 
 
 def run_probe(cache_dir: Path, why: str, log=None) -> DeviceProfile:
@@ -111,6 +118,10 @@ def measure(log) -> DeviceProfile:
     fit_cfg = parse_unvalidated(None, FIT)
     call = _fit(fit_cfg, RANKS, profile, {"step_time_s": ranks["fit_s"]}, call_by_ranks={str(RANKS): 1.0})
     profile = dataclasses.replace(profile, collective_call_s=call, call_by_ranks={str(RANKS): call})
+    for field, split in SPLITS.items():
+        got = {"step_time_s": ranks[field]}
+        fitted = _fit(parse_unvalidated(None, [*FIT, *split]), RANKS, profile, got, **{field: 1.0})
+        profile = dataclasses.replace(profile, **{field: fitted})
     held = parse_unvalidated(None, HELD_OUT)
     predicted = estimate(held, model_args(held), Layout.of(held, RANKS), profile).time["step_time_s"]
     error = predicted / ranks["held_out_s"] - 1
@@ -119,7 +130,8 @@ def measure(log) -> DeviceProfile:
         f"predicted {predicted * 1e3:.0f} ms, measured {ranks['held_out_s'] * 1e3:.0f} ms per step, load average "
         f"{os.getloadavg()[0]:.1f})"
     )
-    log(f"probe: collective call {call * 1e3:.2f} ms; step time {validated}")
+    per_block = ", ".join(f"{k[:2]} {getattr(profile, k) * 1e3:.2f} ms" for k in SPLITS)
+    log(f"probe: collective call {call * 1e3:.2f} ms; per block {per_block}; step time {validated}")
     return dataclasses.replace(profile, validated=validated, expected_error=abs(error))
 
 
@@ -151,6 +163,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         "times": time_collectives(world),
         "fit_s": _step_s(FIT, world),
         "held_out_s": _step_s(HELD_OUT, world),
+        **{field: _step_s([*FIT, *split], world) for field, split in SPLITS.items()},
     }
     if rank == 0:
         Path(out).write_text(json.dumps(result))
