@@ -220,3 +220,17 @@ def test_parquet_and_text_shards_stream_the_documents_jsonl_does(tmp_path: Path)
     assert got == want
     texts = source_streams(run_steps(loader(data_cfg([str(tmp_path / "txt")], tmp_path), batch=1), 20))["a"]
     assert sorted(doc_ids(texts)[:12]) == sorted(doc_ids(want)[:12])  # each file once, in a shuffled order
+
+
+def test_the_documented_streaming_example_is_valid_config():
+    """docs/training.md's streaming example has only real keys of the right types, and a schedule that validates."""
+    import tomllib
+
+    from scaletrain.config import Config
+    from scaletrain.config.io import to_dataclass
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    [block] = re.findall(r"```toml\n(.*?)```", text.split("## Streaming from object storage", 1)[1], re.S)
+    cfg, problems = to_dataclass(Config, tomllib.loads(block))
+    assert problems == [] and cfg.data.streaming and len(cfg.data.schedule) == 2
+    assert schedule_problems(cfg.data, run_tokens=10**10) == []
