@@ -122,7 +122,9 @@ def tokenize_file(path: Path, job: TokenizeJob) -> tuple[np.ndarray, int, Skippe
 _Chunk = tuple[np.ndarray, int, Skipped, Path | None]
 
 
-def _index_token_files(files: list[Path], job: TokenizeJob, meter: _PrepareProgress) -> tuple[list[dict], int]:
+def _index_token_files(
+    files: list[Path], job: TokenizeJob, meter: _PrepareProgress
+) -> tuple[list[dict], int]:
     """Pre-tokenised files as index entries that TokenShards memory-maps where they lie, never copied (a
     pre-training corpus is terabytes), and their document count. Each file is one stream as it is: no eod is added
     (their documents already end in the tokenizer's eod id, as nanoGPT's and Megatron's --append-eod files do).
@@ -372,7 +374,12 @@ def _write_shards(
 
 
 def _write_prepared(
-    target: Path, files: list[Path], job: TokenizeJob, workers: int, tok_fp: str, progress: Callable[[str], None]
+    target: Path,
+    files: list[Path],
+    job: TokenizeJob,
+    workers: int,
+    tok_fp: str,
+    progress: Callable[[str], None],
 ) -> dict:
     """Tokenise (or, for token files, index) into a temporary sibling of `target`, then rename it into place;
     return the index."""
