@@ -14,7 +14,7 @@ from scaletrain.config import Config
 from scaletrain.config.io import fields_typed, parse_config
 from scaletrain.data import resolve_cache_dir
 from scaletrain.errors import ConfigError
-from scaletrain.hardware import gpu_count, uses_cuda
+from scaletrain.hardware import busy_reason, gpu_count, uses_cuda
 from scaletrain.parallel.layout import Layout, layout_problems
 from scaletrain.planning.estimators.hardware import (
     GPUS,
@@ -48,15 +48,19 @@ def profile_for(cfg: Config, kind: str | None) -> DeviceProfile:
     if kind is None and uses_cuda(cfg.training.device):
         return local_gpu_profile(torch.cuda.get_device_name(0), cache)
     profile = load_profile(kind or "cpu", cache)
-    probe = os.environ.get("SCALETRAIN_PROBE", "1") != "0" and "LOCAL_RANK" not in os.environ
-    if profile.source == UNCALIBRATED and probe:
-        # Imported where a probe runs: it brings in the calibration's measurements, which a plan on a cached or
-        # calibrated profile never needs (and, at module level, would put cli's import chain past its bound).
-        from scaletrain.planning.probe import run_probe
+    if os.environ.get("SCALETRAIN_PROBE", "1") == "0" or "LOCAL_RANK" in os.environ:
+        return profile  # a worker plans on what its launcher loaded, so that every rank picks the same layout
+    why = cached_probe(cache)[1] if profile.source == UNCALIBRATED else None
+    if profile.validated and profile.busy and busy_reason() is None:
+        why = f"the cached one was measured on a busy machine ({profile.busy}) and it is quiet now"
+    if why is None:
+        return profile
+    # Imported where a probe runs: it brings in the calibration's measurements, which a plan on a cached or
+    # calibrated profile never needs (and, at module level, would put cli's import chain past its bound).
+    from scaletrain.planning.probe import run_probe
 
-        run_probe(cache, cached_probe(cache)[1])
-        return load_profile("cpu", cache)
-    return profile
+    run_probe(cache, why)
+    return load_profile("cpu", cache)
 
 
 def plan_json(plan: Plan, profile: DeviceProfile) -> dict:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scaletrain.planning import probe
+from scaletrain.planning import commands, probe
 from scaletrain.planning.commands import dry_run, profile_for
 from scaletrain.planning.estimators import hardware
 from scaletrain.planning.estimators.hardware import DEFAULT_CPU, PROBE_FILE, UNCALIBRATED, load_profile
@@ -33,7 +33,7 @@ def probing(monkeypatch, tmp_path):
         return dataclasses.replace(DEFAULT_CPU, op_overhead_s=4e-3, validated=VALIDATED, expected_error=0.12)
 
     monkeypatch.setattr(probe, "measure", fake)
-    for module in (probe, hardware):  # a quiet machine unless a test says otherwise
+    for module in (probe, commands):  # a quiet machine unless a test says otherwise
         monkeypatch.setattr(module, "busy_reason", lambda: None)
     return tmp_path, calls
 
@@ -97,14 +97,19 @@ def test_a_probe_taken_under_load_says_so_and_is_measured_again_once_the_machine
     probing, monkeypatch, capsys
 ):
     cache, calls = probing
-    monkeypatch.setattr(probe, "busy_reason", lambda: "load average 30.00 > 0.5 x 2 usable CPUs")
-    monkeypatch.setattr(hardware, "busy_reason", lambda: "load average 30.00 > 0.5 x 2 usable CPUs")
+    for module in (probe, commands):
+        monkeypatch.setattr(module, "busy_reason", lambda: "load average 30.00 > 0.5 x 2 usable CPUs")
     out, _ = _plan(capsys)
     assert "probed under load (load average 30.00" in out and calls == [1]
     _plan(capsys)
     assert calls == [1]  # still busy: the cached figures serve
+    monkeypatch.setattr(commands, "busy_reason", lambda: None)
+    monkeypatch.setenv(
+        "LOCAL_RANK", "0"
+    )  # a launched worker keeps what its launcher planned on, quiet or not
+    assert "under load" in _plan(capsys)[0] and calls == [1]
+    monkeypatch.delenv("LOCAL_RANK")
     monkeypatch.setattr(probe, "busy_reason", lambda: None)
-    monkeypatch.setattr(hardware, "busy_reason", lambda: None)
     out, err = _plan(capsys)
     assert calls == [1, 1] and "measured on a busy machine" in err and "under load" not in out
 

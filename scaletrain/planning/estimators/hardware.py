@@ -16,7 +16,6 @@ from scaletrain.hardware import (
     CPU_OVERHEAD_BYTES,
     PLANNED_GPUS,
     GpuSpec,
-    busy_reason,
     cpu_model_name,
     host_memory_bytes,
     match_gpu,
@@ -230,10 +229,7 @@ def cached_probe(cache_dir: Path) -> tuple[DeviceProfile | None, str]:
         saved = json.loads((cache_dir / PROBE_FILE).read_text())
         if saved["key"] != probe_key():
             return None, f"the cached one was measured for {saved['key']}"
-        profile = DeviceProfile.from_json(saved["profile"])
-        if profile.busy and busy_reason() is None:  # measured under load, and now there is a quiet moment
-            return None, f"the cached one was measured on a busy machine ({profile.busy}) and it is quiet now"
-        return profile, ""
+        return DeviceProfile.from_json(saved["profile"]), ""
     except FileNotFoundError:
         return None, "none is cached"
     except (OSError, ValueError, KeyError, TypeError) as e:
