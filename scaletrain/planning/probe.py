@@ -57,7 +57,9 @@ def run_probe(cache_dir: Path, why: str, log=None) -> DeviceProfile:
     """Measure this CPU (measure) and cache the result in `cache_dir` for this CPU model and torch; `log` (stderr by
     default) says that it did, why (`why`: cached_probe's reason) and where."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    log(f"measuring this CPU for the planner ({why}; about 15 s, once per CPU model and torch version) ...")
+    log(
+        f"measuring this CPU for the planner ({why}; up to a minute, once per CPU model and torch version) ..."
+    )
     start = time.perf_counter()
     path = cache_dir / PROBE_FILE
     busy = busy_reason()  # before the probe's own processes add to the load
