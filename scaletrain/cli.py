@@ -131,7 +131,9 @@ def build_parser() -> _Parser:
     parity.set_defaults(run=_parity)
 
     convert = commands.add_parser(
-        "convert", overrides=False, help="checkpoint to/from Hugging Face Llama or Mixtral, or quantised"
+        "convert",
+        overrides=False,
+        help="checkpoint to/from Hugging Face (the families of docs/models.md), or quantised",
     )
     direction = convert.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to", choices=["hf"], help="--to hf RUN_OR_CHECKPOINT OUT_DIR")
@@ -436,7 +438,7 @@ def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _add_inference_commands(commands: argparse._SubParsersAction) -> dict[str, _Parser]:
-    """`generate` and `eval`: one process, on a run's newest checkpoint or a Hugging Face Llama or Mixtral directory."""
+    """`generate` and `eval`: one process, on a run's newest checkpoint or a Hugging Face directory."""
     gen = commands.add_parser("generate", overrides=False, help="sample from a run's checkpoint or an HF dir")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument(

@@ -1,5 +1,5 @@
 """`scaletrain convert`: a run's newest checkpoint to a Hugging Face Llama (or, for an MoE, Mixtral) directory or
-(`--quantize`) to a real int8/int4 quantised model, and an HF Llama or Mixtral directory to a config that starts
+(`--quantize`) to a real int8/int4 quantised model, and an HF directory of any family to a config that starts
 training from its weights (`model.init_from = "hf:DIR"`)."""
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class ModelConfig:
     init_std: float = 0.02
     """Std of the normal init; output projections of each block are scaled down by depth."""
     init_from: str = ""
-    """Start from existing weights: "hf:DIR" reads a Hugging Face Llama or Mixtral directory (safetensors only)."""
+    """Start from existing weights: "hf:DIR" reads a Hugging Face directory (a family of docs/models.md) (safetensors only)."""
     attention: Literal["auto", "flash", "efficient", "cudnn", "math", "flex"] = "auto"
     """Attention kernel. auto: SDPA's own pick, and for masks FlexAttention on CUDA, masked SDPA elsewhere;
     flash/efficient/cudnn/math: force that SDPA backend; flex: FlexAttention throughout (CUDA only)."""

@@ -1,5 +1,5 @@
 """One unsharded model for inference, from a run directory (its newest committed checkpoint, in whatever parallel
-layout it was saved: DCP reshards it to one process) or from a Hugging Face Llama or Mixtral directory, with its
+layout it was saved: DCP reshards it to one process) or from a Hugging Face directory (a family of docs/models.md), with its
 tokenizer."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cpu") -> LoadedModel:
-    """The model of a run directory (or of one checkpoint inside it) or of a Hugging Face Llama or Mixtral directory.
+    """The model of a run directory (or of one checkpoint inside it) or of a Hugging Face directory (a family of docs/models.md).
 
     tokenizer: 'byte' or a tokenizer.json, instead of the run's data.tokenizer or the HF directory's tokenizer.json
     (an HF directory without one needs it). device: cpu, cuda or auto. Bad input raises UserError saying what to
@@ -59,7 +59,7 @@ def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cp
     path = Path(path).expanduser().absolute()  # resolved as it enters: what every later message names
     if not path.exists():
         raise UserError(
-            f"{path} does not exist; give a run directory or a Hugging Face Llama or Mixtral directory"
+            f"{path} does not exist; give a run directory or a Hugging Face directory (a family of docs/models.md)"
         )
     target = resolve_device(device)  # checked before anything is read
     if is_checkpoint_dir(path) or (path / CONFIG).is_file():
@@ -70,7 +70,7 @@ def load_model(path: str | Path, tokenizer: str | None = None, device: str = "cp
         loaded = _load_hf(path, target)
     else:
         raise UserError(
-            f"{path} is neither a run directory (it has no config.toml) nor a Hugging Face Llama or Mixtral directory (no "
+            f"{path} is neither a run directory (it has no config.toml) nor a Hugging Face directory (a family of docs/models.md) (no "
             "config.json); give the --run.dir of a training run or an export of `scaletrain convert --to hf`"
         )
     if tokenizer is not None:

@@ -42,7 +42,7 @@ def hf_config(args: ModelArgs, eod_id: int | None = None) -> dict:
 
 
 def args_from_hf_config(cfg: dict) -> dict:
-    """ModelArgs fields from an HF Llama or Mixtral config.json (for Llama they are all model.* config fields; for
+    """ModelArgs fields from an HF config.json of any family (families.py; for a dense model they are all model.* fields; for
     Mixtral mixtral.config_sections splits off the [moe] ones); ConfigError naming every field our model would
     compute differently (biases, another activation or head size, a RoPE it does not implement)."""
     fields, problems = read_hf_config_fields(cfg)
@@ -226,9 +226,7 @@ def init_from_problems(init_from: str) -> list[str]:
         return []
     hf = Path(init_from[3:])
     if not init_from.startswith("hf:"):
-        return [
-            f"model.init_from '{init_from}' is not understood; write hf:DIR for a Hugging Face Llama directory"
-        ]
+        return [f"model.init_from '{init_from}' is not understood; write hf:DIR for a Hugging Face directory"]
     if not (hf / "config.json").is_file() or not any(hf.glob("*.safetensors")):
         return [
             f"model.init_from: '{hf}' needs config.json and .safetensors weights (pickle files are never loaded)"

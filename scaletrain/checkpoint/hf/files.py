@@ -198,6 +198,6 @@ def tensor_names(path: Path) -> list[str]:
 
 
 def read_hf_config(path: Path) -> dict:
-    """config.json of an HF Llama directory that also has safetensors weights (UserError otherwise)."""
+    """config.json of an HF directory that also has safetensors weights (UserError otherwise)."""
     weight_files(path)
     return json.loads((path / "config.json").read_text())
