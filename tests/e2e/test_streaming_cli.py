@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from scaletrain.checkpoint.run_model import read_data_position
+from scaletrain.cli import main
 from scaletrain.data.streaming import describe_position
-from tests.helpers import losses, per_step, run_cli, train_cli
+from tests.helpers import losses, per_step, train_cli
 from tests.unit.test_data_streaming import write_corpus
 
 pytest.importorskip("s3fs")
@@ -72,7 +73,7 @@ def s3(tmp_path_factory):
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-def test_s3_equals_local_and_a_2_rank_stop_continues_on_1(s3, tmp_path: Path):
+def test_s3_equals_local_and_a_2_rank_stop_continues_on_1(s3, tmp_path: Path, capsys):
     remote = _config(tmp_path, [f"s3://{BUCKET}/a/", f"s3://{BUCKET}/b/"])
     train_cli(tmp_path / "local", config=_config(tmp_path, [str(s3 / "a"), str(s3 / "b")]))
     train_cli(tmp_path / "s3", config=remote)
@@ -89,7 +90,10 @@ def test_s3_equals_local_and_a_2_rank_stop_continues_on_1(s3, tmp_path: Path):
     assert sorted(got) == [1, 2, 3, 4]
     assert all(got[s] == pytest.approx(reference[s], rel=RTOL) for s in got), (got, reference)
     # Every source ends where the uninterrupted run's does: the same samples, none twice, none skipped.
-    end = json.loads(run_cli("data-position", str(run), "--json").stdout)  # the command a user runs
+    assert (
+        main(["data-position", str(run), "--json"]) == 0
+    )  # the command a user runs (in this process: no start-up)
+    end = json.loads(capsys.readouterr().out)
     cfg, state, _ = read_data_position(tmp_path / "s3")
     assert end["sources"] == describe_position(cfg.data, state) and end["next_sample"] == 32
     # 16 samples at 2:1 (11 and 5), then 16 at 1:3 from 50% of the run's tokens (4 and 12)
