@@ -27,8 +27,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaletrain.checkpoint.hf.core import args_from_hf_config  # noqa: E402
-from scaletrain.checkpoint.hf.sharded import load_hf_weights  # noqa: E402
-from scaletrain.checkpoint.hf.sharded import load_hf_sharded  # noqa: E402
+from scaletrain.checkpoint.hf.sharded import (
+    load_hf_sharded,  # noqa: E402
+    load_hf_weights,  # noqa: E402
+)
 from scaletrain.config import ParallelConfig  # noqa: E402
 from scaletrain.models import ModelArgs, build_meta_model, build_model  # noqa: E402
 from scaletrain.parallel.mesh import ParallelDims  # noqa: E402
