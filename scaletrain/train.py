@@ -237,9 +237,7 @@ def build(cfg: Config) -> Job:
     # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
     # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    batches = BatchRamp.of(
-        cfg.training.batch_ramp, layout.global_batch
-    )  # each step's global batch (validated)
+    batches = BatchRamp.of(cfg.training.batch_ramp, layout.global_batch)  # each step's batch (checked)
     dp = fault_tolerance.data_slice(dims.dp_rank, layout.dp_size, cfg.fault_tolerance)  # (rank, size)
     loader = first(lambda: build_loader(cfg.data, tokenizer, layout.global_batch, *dp, cfg.training.seed, log.info,
                                         batches.consumed(cfg.training.steps) * cfg.data.seq_len))  # fmt: skip
@@ -259,7 +257,6 @@ def build(cfg: Config) -> Job:
     del model
     if cfg.model.init_from.startswith("hf:"):
         load_hf_sharded(pm.parts, Path(cfg.model.init_from[3:]), args)
-    dp_cp = dims.submesh("dp_cp")  # the data-parallel ranks: the loss averaged for spikes
 
     # -- What resumes: one dict of Stateful objects, saved and restored by the checkpoint tiers and rollbacks.
     train_state = TrainState(dims.control, env.device)  # on CUDA the device RNG is saved too
@@ -277,8 +274,9 @@ def build(cfg: Config) -> Job:
     # -- Resilience: faults attach where each failure happens (loader, output layer, storage writer, commit).
     faults, loader = FaultInjector.for_job(cfg.resilience.inject, rank, run.path, writer.event if env.is_main else None,
                                            loader, pm.parts, ckpt, args.vocab_size)  # fmt: skip
-    guard = Guard(cfg.resilience, run.path, env, dims.control, writer.event, partial(all_reduce_mean, mesh=dp_cp),
-                  faults, parts=pm.parts,
+    # the loss averaged over the data-parallel ranks for spikes
+    guard = Guard(cfg.resilience, run.path, env, dims.control, writer.event,
+                  partial(all_reduce_mean, mesh=dims.submesh("dp_cp")), faults, parts=pm.parts,
                   updates_each_replica=updates_each_replica(cfg.parallel.data_parallel), nodes=nodes)  # fmt: skip
     runner.clock = guard.clock  # the step brackets its compute for straggler detection (CUDA events on a GPU)
 
@@ -286,9 +284,8 @@ def build(cfg: Config) -> Job:
     meter, peak_source = StepMeter.for_job(cfg.metrics, precision, args, n_params["active"], cfg.data.seq_len,
                                            layout.tokens_per_step, env.world_size, env.device, cfg.training.compile,
                                            resolve_cache_dir(cfg.data), writer.event, first)  # fmt: skip
-    metrics.announce(
-        cfg, env, n_params, described, layout.global_batch, layout.tokens_per_step, peak_source, precision
-    )
+    metrics.announce(cfg, env, n_params, described, layout.global_batch, layout.tokens_per_step, peak_source,
+                     precision)  # fmt: skip
     evaluation = Evaluation(runner, loader, cfg.training, dims, env.device, writer.event, meter.exclude)
     parts = (cfg, env, dims, run, writer, loader, runner, optimizers, train_state, ckpt, guard)
     limits = JobLimits(cfg.run, cfg.training.steps, dims.control, writer.event)
@@ -298,17 +295,10 @@ def build(cfg: Config) -> Job:
     ft = fault_tolerance.replica_group(cfg.fault_tolerance, env, held, writer.event, cfg.training.steps,
                                        preemption.requested)  # fmt: skip
     info = dict(world_size=env.world_size, precision=cfg.precision.compute, device=env.device.type, layout=described,
-                parameters=n_params["total"], peak_flops_source=peak_source,
-                nodes=nodes, **batches.announce(cfg.training.batch_ramp),
-                **ft.describe())  # fmt: skip
-    final_export = None
-    if (
-        cfg.checkpoint.last_save_in_hf
-    ):  # written by the first rank (fault_tolerance: of group 0), gathered by all
-        tok_file = Path(cfg.data.tokenizer) if cfg.data.tokenizer != "byte" else None
-        final_export = FinalExport(pm.parts, args, run.path, env.is_main and cfg.fault_tolerance.group <= 0,
-                                   partial(broadcast_object, group=dims.control), writer.event, tok_file,
-                                   tokenizer.eod_id, getattr(tokenizer, "eod_token", None))  # fmt: skip
+                parameters=n_params["total"], peak_flops_source=peak_source, nodes=nodes,
+                **batches.announce(cfg.training.batch_ramp), **ft.describe())  # fmt: skip
+    final_export = FinalExport.for_job(cfg.checkpoint, cfg.data.tokenizer, tokenizer, pm.parts, args, run.path,
+                                       env.is_main and cfg.fault_tolerance.group <= 0, dims.control, writer.event)  # fmt: skip
     return Job(*parts, preemption, limits, meter, batches, info, moe, ft, lease, evaluation, final_export)
 
 

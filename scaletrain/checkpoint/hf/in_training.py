@@ -15,16 +15,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scaletrain.checkpoint.hf.core import write_hf
 from scaletrain.checkpoint.hf.families import adapter
 from scaletrain.checkpoint.state import ModelState
+from scaletrain.config import CheckpointConfig
 from scaletrain.models.llama import ModelArgs
+from scaletrain.parallel.mesh import broadcast_object
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,27 @@ class FinalExport:
     tokenizer_file: Path | None
     eod_id: int | None
     eod_token: str | None
+
+    @classmethod
+    def for_job(
+        cls,
+        checkpoint: CheckpointConfig,
+        tokenizer_path: str,
+        tokenizer,
+        parts: list[nn.Module],
+        args: ModelArgs,
+        run_dir: Path,
+        writes: bool,
+        control: dist.ProcessGroup | None,
+        event: Callable[..., None],
+    ) -> FinalExport | None:
+        """The job's export when checkpoint.last_save_in_hf is on, else None; `tokenizer_path`: data.tokenizer."""
+        if not checkpoint.last_save_in_hf:
+            return None
+        tok_file = Path(tokenizer_path) if tokenizer_path != "byte" else None
+        agree = partial(broadcast_object, group=control)
+        eod_token = getattr(tokenizer, "eod_token", None)
+        return cls(parts, args, run_dir, writes, agree, event, tok_file, tokenizer.eod_id, eod_token)
 
     def __call__(self, step: int) -> None:
         out = hf_dir(self.run_dir, step)
