@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-PRESETS = ["debug", "debug_qwen3", "debug_moe", "debug_qwen3_moe", "debug_gpt_oss"]
+PRESETS = ["debug", "debug_qwen3", "debug_moe", "debug_qwen3_moe", "debug_gpt_oss", "debug_deepseek_v3"]
 BATCH, SEQ = 4, 128
 
 
