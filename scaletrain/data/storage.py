@@ -58,22 +58,31 @@ def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
-def list_shards(src: SourceConfig, index: int) -> list[Shard]:
-    """The files a source names (a file, a directory searched recursively, or a glob), sorted by URL, each with
-    its size; a source that cannot be listed, or matches nothing, is refused with its URL and the reason."""
-    where = f"data.sources[{index}]"
+def source_filesystem(src: SourceConfig, index: int) -> fsspec.AbstractFileSystem:
+    """A filesystem of the source's own, made now: not fsspec's cached instance, which keeps the endpoint and
+    credentials of the environment it was made in. Nothing is contacted yet."""
     try:
-        # A filesystem of its own, not fsspec's cached instance: that one keeps the endpoint and credentials of the
-        # environment it was made in.
-        fs, root = fsspec.core.url_to_fs(src.path, skip_instance_cache=True, **storage_options(src))
+        return fsspec.core.url_to_fs(src.path, skip_instance_cache=True, **storage_options(src))[0]
+    except ImportError as e:  # fsspec's "Install s3fs to access S3"
+        raise UserError(
+            f"data.sources[{index}].path {src.path}: {e} (pip install 'scaletrain[stream]')"
+        ) from None
+
+
+def list_shards(src: SourceConfig, index: int, fs: fsspec.AbstractFileSystem | None = None) -> list[Shard]:
+    """The files a source names (a file, a directory searched recursively, or a glob), sorted by URL, each with
+    its size, listed through `fs` (else a filesystem made for it); a source that cannot be listed, or matches
+    nothing, is refused with its URL and the reason."""
+    where = f"data.sources[{index}]"
+    fs = fs or source_filesystem(src, index)
+    try:
+        root = fs._strip_protocol(src.path)
         if _GLOB_CHARS & set(root):
             infos = fs.glob(root, detail=True)
         elif fs.isdir(root):
             infos = fs.find(root, detail=True)
         else:
             infos = {root: fs.info(root)}
-    except ImportError as e:  # fsspec's "Install s3fs to access S3"
-        raise UserError(f"{where}.path {src.path}: {e} (pip install 'scaletrain[stream]')") from None
     except FileNotFoundError:
         raise UserError(
             f"{where}.path {src.path} does not exist; give an existing file, directory or glob"
@@ -106,13 +115,14 @@ class ShardCache:
     stays readable through its link), fetched by a small thread pool ahead of use; local shards are read in place.
     Ranks on one node share `root`; each counts what it fetched and found there against max_bytes."""
 
-    def __init__(self, root: Path, max_bytes: int, options: list[dict], workers: int = 2):
-        self.root, self.max_bytes, self.options = root, max_bytes, options
+    def __init__(
+        self, root: Path, max_bytes: int, filesystems: list[fsspec.AbstractFileSystem], workers: int = 2
+    ):
+        self.root, self.max_bytes, self.filesystems = root, max_bytes, filesystems
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard-fetch")
         self._pending: dict[str, Future] = {}
         self._lru: OrderedDict[str, int] = OrderedDict()  # local file name -> bytes, oldest first
         self._lock = threading.Lock()
-        self._fs: dict[int, fsspec.AbstractFileSystem] = {}
         self.hits = self.fetched = 0
         root.mkdir(parents=True, exist_ok=True)
         for p in sorted(
@@ -176,7 +186,8 @@ class ShardCache:
             with self._lock:
                 self._lru[name] = path.stat().st_size
             return
-        fs, remote = self._filesystem(source, shard.url)
+        fs = self.filesystems[source]
+        remote = fs._strip_protocol(shard.url)
         tmp = path.with_suffix(f".part{os.getpid()}.{threading.get_ident()}")
         for attempt in range(FETCH_ATTEMPTS):
             try:
@@ -201,17 +212,6 @@ class ShardCache:
             self.fetched += 1
             self._lru[name] = shard.size
             self._evict()
-
-    def _filesystem(self, source: int, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-        """The source's filesystem, made once for this cache (as list_shards does, not fsspec's shared instance),
-        and the path of `url` on it."""
-        with self._lock:
-            if source not in self._fs:
-                self._fs[source] = fsspec.core.url_to_fs(
-                    url, skip_instance_cache=True, **self.options[source]
-                )[0]
-            fs = self._fs[source]
-        return fs, fs._strip_protocol(url)
 
     def _evict(self) -> None:
         """Drop the least recently used shards not in use while the cache holds more than max_bytes (lock held)."""

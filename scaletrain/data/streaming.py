@@ -27,7 +27,7 @@ from scaletrain.config import DataConfig, SourceConfig
 from scaletrain.data.prepare import TokenizeJob, resolve_cache_dir, token_dtype, tokenize_file
 from scaletrain.data.schedule import MixtureSchedule
 from scaletrain.data.sources import Skipped, resolve_format
-from scaletrain.data.storage import Shard, ShardCache, list_shards, storage_options
+from scaletrain.data.storage import Shard, ShardCache, list_shards, source_filesystem
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from scaletrain.errors import UserError
 
@@ -271,13 +271,13 @@ def build_streaming_loader(data: DataConfig, tokenizer: ByteTokenizer | HFTokeni
     cannot be is refused here, with its URL and the reason)."""
     if not data.sources:
         raise UserError("data.streaming reads data.sources; add at least one source (a path or an s3:// URL)")
-    cache = ShardCache(resolve_cache_dir(data) / "stream", data.stream_cache_mb << 20,
-                       [storage_options(s) for s in data.sources])  # fmt: skip
+    # One filesystem per source, for its listing and its fetches (a new S3 client costs about a second).
+    filesystems = [source_filesystem(s, i) for i, s in enumerate(data.sources)]
+    cache = ShardCache(resolve_cache_dir(data) / "stream", data.stream_cache_mb << 20, filesystems)
     names = source_names(data)
     streams, held_out = [], []
-    for i, (src, shards) in enumerate(
-        zip(data.sources, [list_shards(s, i) for i, s in enumerate(data.sources)], strict=True)
-    ):
+    for i, src in enumerate(data.sources):
+        shards = list_shards(src, i, filesystems[i])
         job = TokenizeJob(tokenizer, src.format, src.field, i, token_dtype(tokenizer.vocab_size))
         if data.val_fraction > 0:
             if len(shards) < 2:
