@@ -104,8 +104,9 @@ def write_hf(
     model.safetensors, or, above `max_shard_bytes`, model-0000i-of-0000n.safetensors files and
     model.safetensors.index.json, as transformers' save_pretrained writes them. `shapes` are our tensors (names in
     state-dict order) and `read(name)` gives one on CPU: tensors are read, cast to `dtype` (fp32 or bf16) and
-    written one at a time, so the host holds about the largest tensor, never the model. With `tokenizer_file`, it
-    is copied and a tokenizer_config.json names `eod_token`; files get the umask's permissions."""
+    written one at a time, so the host holds about the largest tensor (three for a GPT-OSS gate_up_proj: its
+    halves and the result), never the model. With `tokenizer_file`, it is copied and a tokenizer_config.json
+    names `eod_token`; files get the umask's permissions."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file, not a directory; choose a new output directory")
     if out.exists() and any(out.iterdir()):
@@ -123,7 +124,9 @@ def write_hf(
     writers = (SafetensorsWriter(out / name, entries, torch_dtype) for name, entries in files.items())
     writer = next(writers)
     for k in shapes:
-        for name, value in _to_hf(args, k, read(k).to(torch_dtype)).items():
+        for name, value in _to_hf(
+            args, k, read(k).to(torch_dtype), lambda o: read(o).to(torch_dtype)
+        ).items():
             while writer.done():
                 writer.close()
                 writer = next(writers)
@@ -147,9 +150,11 @@ def write_hf(
     umask_permissions(out)
 
 
-def _to_hf(args: ModelArgs, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+def _to_hf(
+    args: ModelArgs, name: str, value: torch.Tensor, read: Callable[[str], torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The HF tensors of one of ours (an MoE's stacked experts are one per expert); none for a tied output."""
-    return adapter(args.family).export_tensors(args, name, value)
+    return adapter(args.family).export_tensors(args, name, value, read=read)
 
 
 def _hf_tensors(
@@ -157,10 +162,14 @@ def _hf_tensors(
 ) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every tensor an export writes, in the order it writes them (mapped on the meta device:
     nothing is read)."""
+
+    def meta(k: str) -> torch.Tensor:
+        return torch.empty(shapes[k], dtype=dtype, device="meta")
+
     return [
         (name, tuple(v.shape))
         for k, shape in shapes.items()
-        for name, v in _to_hf(args, k, torch.empty(shape, dtype=dtype, device="meta")).items()
+        for name, v in _to_hf(args, k, meta(k), meta).items()
     ]
 
 

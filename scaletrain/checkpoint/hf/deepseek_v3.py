@@ -117,7 +117,9 @@ def export_problems(args: ModelArgs, buffers: dict[str, torch.Tensor]) -> list[s
     return [msg for bad, msg in checks if bad]
 
 
-def export_tensors(args: ModelArgs, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+def export_tensors(
+    args: ModelArgs, name: str, value: torch.Tensor, read: object = None
+) -> dict[str, torch.Tensor]:
     """The HF tensors of one of our entries: MLA's and the MoE's renamed, the stacked experts one per expert."""
     if args.tie_embeddings and name == "output.weight":
         return {}

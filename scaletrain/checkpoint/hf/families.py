@@ -8,6 +8,7 @@ state_dict_adapter)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -39,8 +40,15 @@ class Adapter(Protocol):
     def export_problems(self, args: ModelArgs, buffers: dict[str, torch.Tensor]) -> list[str]:
         """Why an export would not load as this model in transformers (buffers: the routing biases)."""
 
-    def export_tensors(self, args: ModelArgs, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The HF tensors of one of our state-dict entries (none: not exported, e.g. a tied output)."""
+    def export_tensors(
+        self,
+        args: ModelArgs,
+        name: str,
+        value: torch.Tensor,
+        read: Callable[[str], torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The HF tensors of one of our state-dict entries (none: not exported, e.g. a tied output). `read` gives
+        another of our entries, for an HF tensor made of two of ours (GPT-OSS's gate_up_proj from w1 and w3)."""
 
     def import_names(self, args: ModelArgs, names: set[str]) -> set[str]:
         """The HF tensor names a checkpoint of this shape holds (`names`: what it holds, for layout variants)."""

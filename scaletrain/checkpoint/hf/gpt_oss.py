@@ -10,6 +10,7 @@ is YaRN-scaled, neither of which our model computes; a bf16/fp32 GPT-OSS saved b
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -131,7 +132,9 @@ def _gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     return torch.stack([w1, w3], dim=2).flatten(1, 2).transpose(1, 2).contiguous()
 
 
-def export_tensors(args: ModelArgs, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+def export_tensors(
+    args: ModelArgs, name: str, value: torch.Tensor, read: Callable[[str], torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     if m := _ATTN_BIAS.fullmatch(name):
         return {f"model.layers.{m['i']}.self_attn.{_PROJ[m['w']]}.bias": value}
     m = _OURS.fullmatch(name)
@@ -143,32 +146,18 @@ def export_tensors(args: ModelArgs, name: str, value: torch.Tensor) -> dict[str,
         return {f"{p}.self_attn.sinks": value}
     if rest.startswith("feed_forward.router.gate."):
         return {f"{p}.mlp.router.{rest.rsplit('.', 1)[1]}": value}
-    if rest == "feed_forward.router.expert_bias":
-        return {}
-    # GPT-OSS keeps gate and up in one tensor: ours are written there when w3 (b3) comes, w1 (b1) held until then.
     leaf = rest.rsplit(".", 1)[1]
+    if rest == "feed_forward.router.expert_bias" or leaf in ("w3", "b3"):
+        return {}  # no HF tensor; w3 and b3 are written with w1 and b1, in one gate_up tensor each
     if leaf == "w2":
         return {f"{p}.mlp.experts.down_proj": value.transpose(1, 2).contiguous()}
     if leaf == "b2":
         return {f"{p}.mlp.experts.down_proj_bias": value.view(e, -1)}
-    return _pair(p, leaf, value.view(e, -1, *value.shape[2:]) if leaf.startswith("b") else value)
-
-
-# The gate half of a layer's gate_up_proj (and of its bias) until the up half comes: an export streams our state
-# dict one entry at a time, w1 (b1) before w3 (b3) as GroupedExperts registers them. One layer's, at most.
-_HELD: dict[str, torch.Tensor] = {}
-
-
-def _pair(p: str, leaf: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-    """gate_up_proj (and its bias) once both halves are seen."""
-    kind = leaf[0]
-    if leaf[1] == "1":
-        _HELD[p + kind] = value
-        return {}
-    first = _HELD.pop(p + kind)
-    if kind == "w":
-        return {f"{p}.mlp.experts.gate_up_proj": _gate_up(first, value)}
-    return {f"{p}.mlp.experts.gate_up_proj_bias": torch.stack([first, value], dim=2).flatten(1, 2)}
+    up = read(name[:-1] + "3")  # GPT-OSS keeps gate and up in one tensor, alternating columns (gate first)
+    if leaf == "w1":
+        return {f"{p}.mlp.experts.gate_up_proj": _gate_up(value, up)}
+    gate_up = torch.stack([value.view(e, -1), up.view(e, -1)], dim=2).flatten(1, 2)
+    return {f"{p}.mlp.experts.gate_up_proj_bias": gate_up}
 
 
 def import_names(args: ModelArgs, names: set[str]) -> set[str]:

@@ -55,7 +55,9 @@ def export_problems(args: ModelArgs, buffers: dict[str, torch.Tensor]) -> list[s
     return problems
 
 
-def export_tensors(args: ModelArgs, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+def export_tensors(
+    args: ModelArgs, name: str, value: torch.Tensor, read: object = None
+) -> dict[str, torch.Tensor]:
     if args.tie_embeddings and name == "output.weight":
         return {}  # HF re-ties lm_head to the embedding
     moe = mixtral.to_hf_tensors(name, value)
