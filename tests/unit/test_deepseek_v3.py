@@ -28,8 +28,9 @@ from scaletrain.models.llama import ModelArgs, build_feed_forward
 from scaletrain.models.mla import MLA
 from scaletrain.models.moe import MoE
 from scaletrain.optim.optimizers import RoutingBias
-from scaletrain.planning.estimators.memory import block_parameters
+from scaletrain.planning.estimators.memory import attention_parameters, block_parameters
 from scaletrain.planning.estimators.moe import ffn_shape
+from scaletrain.planning.estimators.time import _matmuls, _Shape, mla_projections
 from scaletrain.validate import load_config
 
 transformers = pytest.importorskip("transformers")
@@ -332,3 +333,17 @@ def test_the_planner_counts_mla_parameters_as_built():
         blocks = args.n_layers * (split + rep + ffn_shape(args).routed)
         tables = 2 * args.vocab_size * args.dim + args.dim
         assert blocks + tables == pytest.approx(count_parameters(build_meta_model(args))["total"], rel=1e-12)
+
+
+def test_the_time_model_counts_mla_matmuls_as_they_run():
+    """The time model's forward FLOPs of an MLA block: its projections are the attention weights (each token once),
+    QKᵀ over nope + rope channels a head and AV over v_head_dim."""
+    args = resolve_model_args(ModelConfig(preset="deepseek_v3_671b"), None, 4096)
+    assert sum(mla_projections(args)) == attention_parameters(args)[0]
+    heads = args.n_heads
+    qk, v = heads * (args.qk_nope_head_dim + args.qk_rope_head_dim), heads * args.v_head_dim
+    shape = _Shape(8.0, 4096, args.dim, qk, 0.0, 1.0, keys=100.0, v=v, proj=mla_projections(args))
+    flops = _matmuls(shape)
+    assert len(flops) == len(mla_projections(args)) + 5
+    assert sum(flops[:-5]) == 2 * 8 * attention_parameters(args)[0]
+    assert flops[-2:] == [2 * 8 * 100 * qk, 2 * 8 * 100 * v]

@@ -4,6 +4,7 @@ schedule, and what each parallelism lets overlap. docs/planner.md states the for
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -140,6 +141,20 @@ class _Shape:
     kv: float  # key/value width / tp
     f: float  # ffn hidden / tp
     keys: float = 0.0  # keys a query attends to, as the kernel runs (mfu.attended_keys); 0: seq / 2 (causal)
+    v: float = 0.0  # value width / tp where it is not q's (MLA's v_head_dim); 0: q
+    proj: tuple[
+        float, ...
+    ] = ()  # (in x out) of each attention projection where they are not wq, wk, wv, wo (MLA)
+
+
+def mla_projections(args: ModelArgs) -> tuple[float, ...]:
+    """(in x out) of each of MLA's projections (models/mla.py), in forward order: wq_a and wq_b (or wq), wkv_a,
+    wkv_b, wo; their sum is memory.attention_parameters' matrices. Tensor parallel is refused for MLA."""
+    heads, qk, v = args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
+    r_q, r_kv = args.q_lora_rank, args.kv_lora_rank
+    q = (args.dim * r_q, r_q * heads * qk) if r_q else (args.dim * heads * qk,)
+    kv = (args.dim * (r_kv + args.qk_rope_head_dim), r_kv * heads * (args.qk_nope_head_dim + v))
+    return (*q, *kv, heads * v * args.dim)
 
 
 def _matmuls(s: _Shape) -> list[float]:
@@ -147,8 +162,11 @@ def _matmuls(s: _Shape) -> list[float]:
     (half the square: the kernel skips the masked blocks; over cp the ring visits every chunk)."""
     t, h = s.tokens, s.h
     proj = [2 * t * h * s.q, 2 * t * h * s.kv, 2 * t * h * s.kv, 2 * t * s.q * h]
+    if s.proj:
+        proj = [2 * t * w for w in s.proj]
     mlp = [2 * t * h * s.f, 2 * t * h * s.f, 2 * t * s.f * h]
-    attention = [2 * t * (s.keys or s.seq / 2) * s.q] * 2
+    keys = s.keys or s.seq / 2
+    attention = [2 * t * keys * s.q, 2 * t * keys * (s.v or s.q)]
     return proj + mlp + attention
 
 
@@ -190,9 +208,15 @@ def _block_times(
         f=ffn.active_hidden / p.tp,  # MoE: the experts one token passes (top_k + shared)
         keys=sum(_keys_as_run(args, i, seq_len, profile.kind) for i in range(args.n_layers)) / args.n_layers,
     )
+    if getattr(
+        args, "mla", False
+    ):  # QKᵀ over nope + rope channels a head, AV over v_head_dim; MLA's projections
+        heads = args.n_heads
+        q, v = heads * (args.qk_nope_head_dim + args.qk_rope_head_dim), heads * args.v_head_dim
+        shape = dataclasses.replace(shape, q=q / p.tp, v=v / p.tp, proj=mla_projections(args))
     flops = _matmuls(shape)
     slow = GPU_ATTENTION_SHARE if profile.kind != "cpu" else 1.0
-    rates = [rate] * 4 + [mlp_rate] * 3 + [hp_rate * slow] * 2  # in _matmuls' order
+    rates = [rate] * (len(flops) - 5) + [mlp_rate] * 3 + [hp_rate * slow] * 2  # in _matmuls' order
     fwd = sum(t0 + f / r for f, r in zip(flops, rates))
     bwd = sum(2 * (t0 + f / r) for f, r in zip(flops, rates))  # two matmuls per forward one: dX and dW
     # On a CPU element-wise work moves fp32's bytes in every precision: autocast leaves the residual stream and the
