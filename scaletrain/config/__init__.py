@@ -33,12 +33,14 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rope_theta: float | None = None
     """RoPE base frequency."""
-    rope_scaling: Literal["none", "llama3"] | None = None
-    """RoPE frequency scaling for long context (Llama 3.1 style), or none."""
+    rope_scaling: Literal["none", "llama3", "yarn"] | None = None
+    """RoPE frequency scaling for long context: Llama 3.1's, YaRN's (GPT-OSS), or none."""
     rope_scaling_factor: float | None = None
     """Llama 3 RoPE scaling: factor."""
     rope_original_max_len: int | None = None
     """Llama 3 RoPE scaling: context length the frequencies were trained for."""
+    rope_yarn_truncate: bool | None = None
+    """YaRN: round its correction range to whole dimensions (transformers' default); GPT-OSS does not."""
     tie_embeddings: bool | None = None
     """Share the input embedding with the output projection."""
     init_std: float = 0.02

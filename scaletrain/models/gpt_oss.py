@@ -3,8 +3,8 @@ biased attention whose softmax has a learned sink per head, sliding-window (128)
 from layer 0, and on every block an MoE with a biased router (softmax over its top 4) and biased experts running a
 clamped SwiGLU. This module holds the shapes only; HF conversion: checkpoint/hf/gpt_oss.py.
 
-Not modelled: the published models' YaRN RoPE scaling (factor 32 over 4096 positions); these presets compute plain
-RoPE with its theta, so the published checkpoints are refused on import (checkpoint/hf/gpt_oss.py)."""
+The published sizes use YaRN RoPE (factor 32 over 4096 positions, its range not truncated), as their config.json.
+Their checkpoints' MXFP4 experts are refused on import (checkpoint/hf/gpt_oss.py); dequantised ones import."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ _FEATURES = dict(
 )  # fmt: skip
 _GPT_OSS = dict(
     _FEATURES, dim=2880, n_heads=64, n_kv_heads=8, head_size=64, ffn_hidden=2880, moe_hidden=2880,
-    vocab_size=201088, window=128, top_k=4,
+    vocab_size=201088, window=128, top_k=4, rope_scaling="yarn", rope_scaling_factor=32.0, rope_original_max_len=4096,
+    rope_yarn_truncate=False,
 )  # fmt: skip
 
 GPT_OSS_PRESETS: dict[str, dict] = {

@@ -48,6 +48,7 @@ class ModelArgs:
     rope_scaling: str = "none"
     rope_scaling_factor: float = 8.0
     rope_original_max_len: int = 8192
+    rope_yarn_truncate: bool = True  # YaRN: round its correction range to whole dims (GPT-OSS: false)
     max_seq_len: int = 256
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -135,7 +136,35 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
         inv_freq = torch.where(wavelen > low_wavelen, inv_freq / args.rope_scaling_factor, inv_freq)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = torch.where(mid, blended, inv_freq)
+    if args.rope_scaling == "yarn":
+        inv_freq = _yarn(args, inv_freq)
     return inv_freq.float()
+
+
+# YaRN's ramp bounds (Peng et al. 2023): dims rotating more than 32 times over the original context keep their
+# frequency, dims rotating less than once are interpolated by `factor`, linearly in between.
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+
+
+def _yarn(args: ModelArgs, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN's frequencies (GPT-OSS, DeepSeek-V3; as transformers' _compute_yarn_parameters)."""
+    dim, old_len = args.rope_dim, args.rope_original_max_len
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(args.rope_theta))
+
+    low, high = correction_dim(YARN_BETA_FAST), correction_dim(YARN_BETA_SLOW)
+    if args.rope_yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / args.rope_scaling_factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """YaRN's scale of cos and sin, 0.1 ln(factor) + 1 (its mscale); 1 for every other RoPE."""
+    factor = args.rope_scaling_factor
+    return 0.1 * math.log(factor) + 1.0 if args.rope_scaling == "yarn" and factor > 1 else 1.0
 
 
 def rope_cache(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -144,7 +173,8 @@ def rope_cache(args: ModelArgs, device: torch.device | None = None) -> torch.Ten
     pos = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(pos, inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return torch.stack([angles.cos(), angles.sin()], dim=1)
+    scale = rope_attention_factor(args)
+    return torch.stack([angles.cos() * scale, angles.sin() * scale], dim=1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -35,10 +35,12 @@ FAMILIES = {
         family="qwen3", qk_norm=True, head_size=16, rope_theta=1e6, norm_eps=1e-6, n_experts=4, top_k=2,
         moe_hidden=24, first_dense=1,
     ),
-    # A window of 6 on layers 0 and 2; a SwiGLU limit of 0.3, so that the clamps bite at these scales.
+    # A window of 6 on layers 0 and 2; a SwiGLU limit of 0.3, so that the clamps bite at these scales; YaRN RoPE
+    # (factor 8 over 16 positions, so that its ramp spans these 8 frequencies).
     "gpt_oss": dict(
         family="gpt_oss", head_size=16, rope_theta=150000.0, attention_bias=True, attention_sinks=True,
         moe_bias=True, swiglu_limit=0.3, window=6, window_every=2, n_experts=4, top_k=2, moe_hidden=24,
+        rope_scaling="yarn", rope_scaling_factor=8.0, rope_original_max_len=16, rope_yarn_truncate=False,
     ),
 }  # fmt: skip
 HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
@@ -57,7 +59,10 @@ def _hf_config(kind: str) -> object:
     if kind == "gpt_oss":
         return transformers.GptOssConfig(
             **common | {"intermediate_size": 24, "rms_norm_eps": 1e-5},
-            rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+            rope_parameters={
+                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            },
             num_local_experts=4, num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.3,
         )  # fmt: skip
     return transformers.Qwen3MoeConfig(

@@ -16,7 +16,7 @@ import torch
 
 from scaletrain.checkpoint.hf import llama
 from scaletrain.checkpoint.hf.files import Source
-from scaletrain.models.llama import ModelArgs, layer_window
+from scaletrain.models.llama import YARN_BETA_FAST, YARN_BETA_SLOW, ModelArgs, layer_window
 from scaletrain.models.moe import GPT_OSS_ALPHA
 
 NAME = "GPT-OSS"
@@ -40,6 +40,16 @@ def _layer_types(args: ModelArgs) -> list[str]:
     return ["sliding_attention" if layer_window(args, i) else "full_attention" for i in range(args.n_layers)]
 
 
+def _rope(args: ModelArgs) -> dict:
+    if args.rope_scaling != "yarn":
+        return {"rope_type": "default", "rope_theta": args.rope_theta}
+    return {
+        "rope_type": "yarn", "rope_theta": args.rope_theta, "factor": args.rope_scaling_factor,
+        "original_max_position_embeddings": args.rope_original_max_len, "beta_fast": YARN_BETA_FAST,
+        "beta_slow": YARN_BETA_SLOW, "truncate": args.rope_yarn_truncate,
+    }  # fmt: skip
+
+
 def export_config(args: ModelArgs, eod_id: int | None = None) -> dict:
     cfg = llama.config_json(args, eod_id)
     for k in ("mlp_bias", "rope_theta", "hidden_act"):
@@ -53,7 +63,7 @@ def export_config(args: ModelArgs, eod_id: int | None = None) -> dict:
         "num_experts_per_tok": args.top_k,
         "sliding_window": args.window or None,
         "layer_types": _layer_types(args),
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_parameters": _rope(args),
         "swiglu_limit": args.swiglu_limit,
         "swiglu_alpha": GPT_OSS_ALPHA,
         "router_aux_loss_coef": args.aux_loss_coef * args.n_layers / args.top_k,  # see mixtral.aux_coef_to_hf
@@ -65,9 +75,10 @@ def import_config(cfg: dict) -> tuple[dict, list[str]]:
     fields, problems = llama.read_config({**cfg, "attention_bias": False})  # biases are ours here
     if not fields:
         return fields, problems
+    # No rope_parameters means YaRN in GptOssConfig.
     rope, rope_problems = llama.read_rope(
-        {"rope_parameters": {"rope_type": "yarn"}} | cfg, DEFAULT_ROPE_THETA
-    )  # no rope_parameters means YaRN in GptOssConfig
+        {"rope_parameters": {"rope_type": "yarn"}} | cfg, DEFAULT_ROPE_THETA, yarn=True
+    )
     n_layers, top_k = fields["n_layers"], int(cfg.get("num_experts_per_tok", 4))
     window = int(cfg.get("sliding_window") or 0)
     types = cfg.get("layer_types") or [
@@ -120,6 +131,7 @@ def export_problems(args: ModelArgs, buffers: dict[str, torch.Tensor]) -> list[s
         (args.capacity_factor > 0, "GPT-OSS is dropless (moe.capacity_factor 0)"),
         (args.window > 0 and args.window_every not in (1, 2), "GPT-OSS alternates window and full attention"),
         (args.tie_embeddings, "GPT-OSS's embedding and output are apart"),
+        (args.rope_scaling == "llama3", "GPT-OSS's RoPE is plain or YaRN, not Llama 3.1's scaling"),
     ]  # fmt: skip
     problems = [msg for bad, msg in checks if bad]
     if any(bool(v.ne(0).any()) for v in buffers.values()):

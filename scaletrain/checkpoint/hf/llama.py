@@ -61,10 +61,11 @@ def from_hf_name(name: str) -> str:
     return f"layers.{m['i']}.{reverse[m['module']]}.{m['leaf']}"
 
 
-def read_rope(cfg: dict, default_theta: float) -> tuple[dict, list[str]]:
+def read_rope(cfg: dict, default_theta: float, yarn: bool = False) -> tuple[dict, list[str]]:
     """(model.rope_* fields, problems). transformers >= 5 writes rope_parameters (rope_theta inside it); earlier
     versions, and our export, write rope_theta and rope_scaling. Accepted is what our model computes identically:
-    plain RoPE, and Llama 3.1's scaling with its low_freq_factor 1 and high_freq_factor 4 (models/llama.py)."""
+    plain RoPE, Llama 3.1's scaling with its low_freq_factor 1 and high_freq_factor 4 (models/llama.py), and with
+    `yarn` (a family whose export writes it: GPT-OSS) YaRN with its default betas and mscale."""
     key = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
     rope = dict(cfg.get(key) or {})
     theta = rope.get("rope_theta", cfg.get("rope_theta", default_theta))
@@ -76,6 +77,8 @@ def read_rope(cfg: dict, default_theta: float) -> tuple[dict, list[str]]:
     )
     if kind == "default":
         return fields, []
+    if kind == "yarn" and yarn:
+        return _read_yarn(rope, key, fields)
     if kind != "llama3":
         return fields, [f"config.json: {key}.rope_type {kind!r} is not supported; {supported}"]
     problems = [
@@ -91,6 +94,39 @@ def read_rope(cfg: dict, default_theta: float) -> tuple[dict, list[str]]:
         rope_scaling="llama3",
         rope_scaling_factor=float(rope["factor"]),
         rope_original_max_len=int(rope["original_max_position_embeddings"]),
+    )
+    return fields, problems
+
+
+def _read_yarn(rope: dict, key: str, fields: dict) -> tuple[dict, list[str]]:
+    """YaRN as models/llama._yarn computes it: beta_fast 32, beta_slow 1, cos and sin scaled by 0.1 ln(factor) + 1
+    (no attention_factor, mscale or partial rotary of its own)."""
+    # Here, not at the top: a module-level import would lengthen the import chain past test_layering's bound.
+    from scaletrain.models.llama import YARN_BETA_FAST, YARN_BETA_SLOW
+
+    why = "our YaRN has beta_fast 32, beta_slow 1 and scales cos/sin by 0.1 ln(factor) + 1"
+    problems = [
+        f"config.json: {key}.{name} {rope[name]} is not {ours}; {why}"
+        for name, ours in (
+            ("beta_fast", YARN_BETA_FAST),
+            ("beta_slow", YARN_BETA_SLOW),
+            ("partial_rotary_factor", 1),
+        )
+        if rope.get(name) is not None and float(rope[name]) != ours
+    ]
+    problems += [
+        f"config.json: {key}.{name} is set; {why}"
+        for name in ("attention_factor", "mscale", "mscale_all_dim")
+        if rope.get(name)
+    ]
+    missing = [k for k in ("factor", "original_max_position_embeddings") if k not in rope]
+    if missing:
+        return fields, problems + [f"config.json: {key} (rope_type 'yarn') lacks {', '.join(missing)}"]
+    fields.update(
+        rope_scaling="yarn",
+        rope_scaling_factor=float(rope["factor"]),
+        rope_original_max_len=int(rope["original_max_position_embeddings"]),
+        rope_yarn_truncate=bool(rope.get("truncate", True)),
     )
     return fields, problems
 

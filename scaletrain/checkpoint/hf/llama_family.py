@@ -50,6 +50,10 @@ def export_problems(args: ModelArgs, buffers: dict[str, torch.Tensor]) -> list[s
         if args.qk_norm
         else []
     )
+    if args.rope_scaling == "yarn":
+        problems.append(
+            "model.rope_scaling is 'yarn'; this export writes plain or Llama 3.1 RoPE (gpt_oss has YaRN)"
+        )
     if args.n_experts > 0:
         problems += mixtral.export_problems(args, buffers)
     return problems

@@ -102,6 +102,10 @@ def export_problems(args: ModelArgs, buffers: dict[str, torch.Tensor]) -> list[s
     checks = [
         (not args.qk_norm, f"model.qk_norm is false; {arch} normalises every head's q and k"),
         (args.window > 0, f"model.window is {args.window}; export Qwen3 with full attention"),
+        (
+            args.rope_scaling != "none",
+            f"model.rope_scaling is {args.rope_scaling!r}; this export writes plain RoPE",
+        ),
         (args.shared_experts != 0, f"moe.shared_experts is {args.shared_experts}; {arch} has none"),
         (
             args.n_experts > 0 and args.router != "softmax",
