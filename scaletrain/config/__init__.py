@@ -15,8 +15,9 @@ from typing import Literal
 class ModelConfig:
     preset: str = "debug"
     """Named architecture (models/presets.py, docs/models.md): debug, 125M, 1B, 8B, 70B, 405B (Llama); debug_moe,
-    mixtral_8x7b, deepseek_moe_16b, deepseek_v3_671b (MoE); the qwen3_* and gpt_oss_* families. The fields
-    below, when set, override it."""
+    mixtral_8x7b, deepseek_moe_16b (MoE); debug_qwen3, qwen3_0.6b, qwen3_1.7b, qwen3_4b, qwen3_8b, qwen3_14b,
+    qwen3_32b, debug_qwen3_moe, qwen3_30b_a3b, qwen3_235b_a22b (Qwen3); debug_gpt_oss, gpt_oss_20b, gpt_oss_120b
+    (GPT-OSS); debug_deepseek_v3, deepseek_v3_671b (DeepSeek-V3). The fields below, when set, override it."""
     dim: int | None = None
     """Hidden size."""
     n_layers: int | None = None

@@ -72,7 +72,7 @@ def test_workers_stop_on_sigterm_even_when_the_trainer_catches_it(
             "tokenize_file",
             lambda path, job: (np.array([_worker_sigterm_is_default(path)], "uint16"), 1, Skipped()),
         )
-        job = prepare._Job(ByteTokenizer(), "text", "text", 0, "uint16")
+        job = prepare.TokenizeJob(ByteTokenizer(), "text", "text", 0, "uint16")
         files = [tmp_path / f"f{i}" for i in range(4)]
         results = [t.tolist() for t, *_ in prepare._tokenized(files, job, workers=2, part_dir=tmp_path)]
     finally:
