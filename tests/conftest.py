@@ -32,6 +32,8 @@ SLOW_FIRST = (
     "e2e/test_fault_tolerance.py",
     "cluster/test_torchft_nodes.py",
     "cluster/test_agent_death.py",
+    "e2e/test_streaming_cli.py",
+    "distributed/test_families.py",
     "distributed/test_pipeline.py",
     "e2e/test_parity.py",
     "distributed/test_recompute.py",
