@@ -25,7 +25,7 @@ train: $(STAMP)
 # preflight: the system tools the tests call (a browser, iproute2, ...) installed as root with apt, or named in one
 # line with their install command before any test starts; it also prints how long the suite takes here.
 test: lint preflight
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30 tests $(ARGS)
+	$(BIN)/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder --durations=30 tests $(ARGS)
 
 # The edit-test loop (a few minutes): the unit tests and one end-to-end run of the CLI. `make test` is what CI runs.
 QUICK := tests/unit tests/e2e/test_train_cli.py::test_single_process_run_writes_the_run_directory_contract
