@@ -20,12 +20,14 @@ train: $(STAMP)
 # Lint first: it takes a second and a style error should not wait 15 minutes of tests to show.
 # Three workers, a test file each at a time (module fixtures run once): most tests start one process or wait on one
 # (a hang timeout, a killed node, a requeue), so fewer workers kept the 2 cores idle: serial 104% CPU and 25 min;
-# -n 2 158% and 21 min, then 100% and 25 min once the cluster stage (mostly waiting) came in.
+# -n 2 158% and 21 min, then 100% and 25 min once the cluster stage (mostly waiting) came in. From a clean clone
+# with the Slurm, streaming and family tests added: -n 3 25m20s (pytest 24m08s; the files sum to 4282 s); -n 4
+# 25m13s (23m53s) at load 21 with a timing flake, so three.
 # --no-loadscope-reorder keeps conftest's longest-files-first order (xdist would sort files by test count).
 # preflight: the system tools the tests call (a browser, iproute2, ...) installed as root with apt, or named in one
 # line with their install command before any test starts; it also prints how long the suite takes here.
 test: lint preflight
-	$(BIN)/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder --durations=30 tests $(ARGS)
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30 tests $(ARGS)
 
 # The edit-test loop (a few minutes): the unit tests and one end-to-end run of the CLI. `make test` is what CI runs.
 QUICK := tests/unit tests/e2e/test_train_cli.py::test_single_process_run_writes_the_run_directory_contract

@@ -312,7 +312,10 @@ def test_calibration_fits_the_constant_that_reproduces_the_measured_step():
     assert _fit(fsdp4, 4, CPU2, measured, call_by_ranks={"4": 1.0}) == pytest.approx(7e-3)
 
 
-def test_a_calibrated_profile_is_saved_and_picked_for_cpu(tmp_path):
+def test_a_calibrated_profile_is_saved_and_picked_for_cpu(tmp_path, monkeypatch):
+    # A CPU profile's memory is what the kernel has available when it is loaded, which moves between two loads on
+    # a busy machine (it did in CI: 20729270272 != 20729540608): held still, so the rest is compared exactly.
+    monkeypatch.setattr("scaletrain.planning.estimators.hardware.host_memory_bytes", lambda: 20 << 30)
     assert load_profile("cpu", tmp_path).source == UNCALIBRATED
     prof = dataclasses.replace(load_profile("cpu"), name="measured", source="calibrated test")
     save_profile(prof, tmp_path)
