@@ -116,7 +116,7 @@ def test_a_node_whose_link_is_slowed_is_named_the_straggler_with_its_hostname_an
     could not: a rank waiting on a slow link uses no CPU."""
     run = tmp_path / "run"
     args = [*BASE, "--run.dir", str(run), "--training.steps", "12", "--checkpoint.enabled", "false",
-            "--resilience.straggler_factor", "3", "--resilience.straggler_interval", "2"]  # fmt: skip
+            "--resilience.straggler_factor", "10", "--resilience.straggler_interval", "2"]  # fmt: skip
     with Cluster(2) as cluster:
         node0, node1 = cluster.nodes
         for node in cluster.nodes:
@@ -132,7 +132,8 @@ def test_a_node_whose_link_is_slowed_is_named_the_straggler_with_its_hostname_an
     assert all(e["time"] > slowed for e in links), links  # before: no link named
     after = [e["step"] for e in events(run, "straggler") if e["time"] > slowed]
     assert links and {(e["node"], tuple(e["ranks"])) for e in links} == {("node1", (2, 3))}, links
-    assert all(e["ratio"] > 3 for e in links)
+    # Factor 10: the slowed link reads 90-140x the median; a busy machine's noise on a healthy one read 4.3x in CI.
+    assert all(e["ratio"] > 10 for e in links)
     # Each check after the slowdown named it (the first may have been under way already).
     checks = [s for s in range(2, 13, 2) if s > min(after)]
     assert {e["step"] for e in links} >= set(checks[1:]), (links, checks)
