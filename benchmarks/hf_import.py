@@ -1,5 +1,5 @@
 """Peak resident memory per rank of `model.init_from = "hf:DIR"` under fsdp on N gloo ranks (issue 23 item 3):
-the whole load (build_model, load_hf_weights, then parallelize, as train.build did) beside the sharded one (the
+the whole load (build_model, load_hf_weights, then parallelize, as the build did) beside the sharded one (the
 model built on meta, parallelised, each rank's shards allocated with to_empty, then load_hf_sharded reading only
 those rows from the safetensors files).
 

@@ -1,4 +1,4 @@
-"""Peak resident memory per rank while the model is built and sharded: sharded initialisation (train.build's path:
+"""Peak resident memory per rank while the model is built and sharded: sharded initialisation (job.build's path:
 meta -> parallelize -> materialise this rank's share) against the old path (build_model: the whole model on every
 rank, then parallelize), beside the memory check's estimate of the initialisation peak (issue 23).
 

@@ -199,7 +199,7 @@ def _a2a_worker(rank: int, port: int, a: argparse.Namespace, out_dir: str) -> No
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     timer = A2ATimer()
     timer.install()  # before the build, so that every dispatch goes through it
-    from scaletrain.train import build
+    from scaletrain.job import build
     from scaletrain.validate import load_config
 
     overrides = ["--parallel.ep", "2", "--parallel.dp_shard", "2", "--parallel.data_parallel", "fsdp"]

@@ -42,7 +42,7 @@ from scaletrain.models import ModelArgs, build_model
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.planning.estimators.hardware import DEFAULT_CPU, GPUS
 from scaletrain.planning.estimators.time import step_time
-from scaletrain.train import build_core
+from scaletrain.job import build_core
 
 SEQ = 128
 ARGS = ModelArgs(

@@ -21,7 +21,7 @@ import torch
 from scaletrain.config import OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.models import ModelArgs, build_model
 from scaletrain.parallel.mesh import ParallelDims
-from scaletrain.train import build_core
+from scaletrain.job import build_core
 
 CPU = torch.device("cpu")
 

@@ -260,7 +260,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     # No --run.dir: the run this same command trained before, else a new directory (scaletrain.run.directory), loaded
     # again so that every check sees it. Under an outside torchrun every rank finds the same earlier run, and a new
-    # directory is rank 0's to make (train.build).
+    # directory is rank 0's to make (job.build).
     run = None if cfg.run.dir else (find_run if under else default_run_dir)(cfg.run.name, to_dict(cfg))
     if run is not None:
         try:
@@ -274,6 +274,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, "--run.dir", str(run.path)]
     run = RunDir.at(cfg.run.dir) if cfg.run.dir else None
     is_main = os.environ.get("RANK", "0") == "0"
+    if run is not None and cfg.data.when_dry == "stop" and (dry := run.ran_dry()) is not None:
+        if is_main:
+            print(f"{shown(run.path)} ended at step {dry['step']}: {dry['source']} ({dry['path']}) has been read to its "
+                  "end and data.when_dry = 'stop': nothing left to read, nothing changed. To read it again in a new "
+                  "order, run again with --data.when_dry repeat --run.accept_changes data.when_dry")  # fmt: skip
+        return 0
     if run is not None and (done := run.finished(cfg.training.steps)) is not None:
         if is_main:
             print(f"{shown(run.path)} finished at step {done} of {cfg.training.steps}: nothing to train, nothing "
@@ -288,7 +294,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         else:
             code = run_training(cfg)  # STOPPED_EXIT_CODE when stopped early
     finally:
-        if run is not None and is_main and run.started() and run.finished(cfg.training.steps) is None:
+        ended = run is not None and (run.finished(cfg.training.steps) is not None or run.ran_dry() is not None)
+        if run is not None and is_main and run.started() and not ended:
             print(f"to continue this run: {continue_command(typed, run.path)}", file=sys.stderr)
     if code == 0 and cfg.metrics.sample_prompt and is_main and run is not None:
         print("\n".join(record_samples(run, cfg.metrics)))

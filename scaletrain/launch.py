@@ -51,7 +51,6 @@ from scaletrain.resilience.preemption import Lifelines, die_with_parent, follow_
 from scaletrain.resilience.sdc import excluded_here
 from scaletrain.resilience.timelimit import JOB_START_ENV
 from scaletrain.run.directory import EVENTS, LOGS, RunDir, read_jsonl
-from scaletrain.train import train
 from scaletrain.validate import load_config
 
 log = logging.getLogger("scaletrain")
@@ -89,6 +88,8 @@ def run_training(cfg: Config) -> int:
     launcher reads the stop back from events.jsonl (RunDir.exit_code)."""
     if cfg.run.dir and (why := excluded_here(Path(cfg.run.dir))):  # resilience.sdc_exclude marked this host
         raise UserError(why)
+    from scaletrain.train import train  # here, not at the top: the agent and launcher processes never train
+
     try:
         stopped = train(cfg)["stopped"]
     except (UserError, KeyboardInterrupt):

@@ -1,6 +1,6 @@
 """The job's layout, resolved once from (config, world size): the mesh sizes and the batch arithmetic (global batch,
 per-rank batch, micro-batches) in one frozen `Layout`, and every rule a layout must satisfy (`layout_problems`).
-Validation, the planner and train.build take a Layout; none of them recomputes these numbers."""
+Validation, the planner and job.build take a Layout; none of them recomputes these numbers."""
 
 from __future__ import annotations
 

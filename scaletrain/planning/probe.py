@@ -175,10 +175,10 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
 def _step_s(overrides: list[str], world: int) -> float:
     """The fastest of a few training steps (forward and backward, clipping, AdamW) of `overrides`' layout, built as
-    every run builds it (train.build_core), each started together on every rank."""
+    every run builds it (job.build_core), each started together on every rank."""
     from scaletrain.models import build_model
     from scaletrain.parallel.mesh import ParallelDims
-    from scaletrain.train import build_core  # in the spawned rank only: a worker imports the trainer
+    from scaletrain.job import build_core  # in the spawned rank only: a worker imports the trainer
 
     cfg = parse_unvalidated(None, overrides)
     args = model_args(cfg)

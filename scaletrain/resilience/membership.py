@@ -62,7 +62,7 @@ class RankLease:
             os.close(self._fd)  # the lock goes with the descriptor
             self._fd = None
 
-    __del__ = close  # a start that failed after taking it (train.build) lets it go with the object
+    __del__ = close  # a start that failed after taking it (job.build) lets it go with the object
 
 
 def node_of_each_rank(group: dist.ProcessGroup | None) -> dict[str, dict]:

@@ -26,7 +26,7 @@ from scaletrain.parallel.data_parallel import full_state_dict
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
 from scaletrain.parallel.parallelize import ParallelModel
 from scaletrain.parallel.step import StepRunner
-from scaletrain.train import build_core
+from scaletrain.job import build_core
 from tests.distributed.spawn import spawn
 
 CPU = torch.device("cpu")

@@ -17,7 +17,7 @@ from scaletrain.models import loss as loss_module
 from scaletrain.parallel.layout import fsdp_applies
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
 from scaletrain.precision.policy import resolve_precision
-from scaletrain.train import build_core
+from scaletrain.job import build_core
 from tests.distributed.reference import (
     CPU,
     OPT,

@@ -17,7 +17,7 @@ from scaletrain.checkpoint import ModelState
 from scaletrain.config import ParallelConfig, TrainingConfig
 from scaletrain.models import ModelArgs
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
-from scaletrain.train import build_core
+from scaletrain.job import build_core
 from tests.distributed.reference import (
     CPU,
     OPT,

@@ -23,7 +23,7 @@ from scaletrain.config import ParallelConfig, PrecisionConfig, TrainingConfig
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
 from scaletrain.parallel.parallelize import fsdp_applies
 from scaletrain.precision import resolve_precision
-from scaletrain.train import build_core
+from scaletrain.job import build_core
 from tests.distributed.reference import (
     CPU,
     OPT,

@@ -14,7 +14,7 @@ import pytest
 
 from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
-from scaletrain.train import build_core
+from scaletrain.job import build_core
 from tests.distributed.reference import (
     CPU,
     OPT,

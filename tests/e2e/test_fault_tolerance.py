@@ -59,12 +59,12 @@ CASES = {  # (nproc, groups, the global rank that dies at KILL_STEP, overrides, 
 FAULTS = ROOT / "tests" / "e2e" / "ft_faults"
 
 
-# The reference: train.build's single-process job stepped by hand on the same global batches, except that a step
+# The reference: job.build's single-process job stepped by hand on the same global batches, except that a step
 # some group missed trains on the slices of the groups present only (group g's slice: the g-th of G equal parts of
 # the global batch), as the fault-tolerant run did: the gradient averaged over the groups present.
 REFERENCE = """
 import json, sys, torch
-from scaletrain.train import build
+from scaletrain.job import build
 from scaletrain.validate import load_config
 overrides, present, groups = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[4])
 job = build(load_config(sys.argv[3], overrides, world_size=1, check_run_dir=False))

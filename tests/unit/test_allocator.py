@@ -16,7 +16,7 @@ from scaletrain.hardware import pin_mmap_threshold
 from scaletrain.parallel.mesh import DistEnv, setup_process
 if sys.argv[1] == "pin":
     assert pin_mmap_threshold()
-if sys.argv[1] == "setup":  # what every CPU process of a run calls first (train.build)
+if sys.argv[1] == "setup":  # what every CPU process of a run calls first (job.build)
     setup_process(DistEnv(0, 1, 0, 1, torch.device("cpu")), threads=1, deterministic=False)
 def rss_mib():
     with open("/proc/self/status") as f:

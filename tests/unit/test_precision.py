@@ -33,7 +33,7 @@ from scaletrain.precision import (
 )
 from scaletrain.resilience.guard import Guard
 from scaletrain.run.resume import resume_problems
-from scaletrain.train import build_core
+from scaletrain.job import build_core
 from scaletrain.validate import load_config
 
 CPU = torch.device("cpu")

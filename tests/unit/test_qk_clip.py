@@ -18,7 +18,7 @@ from scaletrain.models.attention import _block_mask, _bool_mask, max_logits, max
 from scaletrain.optim.qk_clip import QKClip, attention_layers, head_scales, qk_clip_problems
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.planning.estimators.memory import per_rank_bytes
-from scaletrain.train import build_core
+from scaletrain.job import build_core
 from tests.fixtures import tiny
 
 CPU = torch.device("cpu")
