@@ -92,3 +92,11 @@ def test_a_torchao_that_does_not_import_with_this_torch_is_refused_with_both_ver
         UserError, match=rf"torchao \S+ does not import with torch {re.escape(torch.__version__)}"
     ):
         _torchao.import_quietly("torchao.float8", "fp8 training")
+
+
+def test_reading_a_run_directory_imports_no_torch():
+    """The Slurm recipe reads the exit status with RunDir (examples/slurm/train.sbatch): the version check must not
+    import torch for it (seconds per requeue); the installed torch's version is read from its metadata."""
+    code = "import sys; from scaletrain.run.directory import RunDir; print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr
