@@ -143,6 +143,13 @@ class RunDir:
         end = self.last_outcome()
         return STOPPED_EXIT_CODE if end is not None and end.get("stopped") else 0
 
+    def ran_dry(self) -> dict | None:
+        """The last start's end when data.when_dry = "stop" ended it at a source's end: {step, source, path, epoch};
+        None otherwise. Such a run is finished for that setting (exit 0), not stopped to be continued."""
+        end = self.last_outcome()
+        dry = end.get("source_dry") if end is not None else None
+        return {"step": end["step"], **dry} if isinstance(dry, dict) else None
+
     def finished(self, steps: int) -> int | None:
         """The step a finished run ended at (>= steps, with no early stop), None when it has more to train."""
         end = self.last_outcome()
