@@ -13,9 +13,11 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import fsspec
 
@@ -24,11 +26,36 @@ from scaletrain.errors import UserError
 
 log = logging.getLogger("scaletrain")
 
-# A fetch that fails (a connection dropped, the store restarting) is tried again after 0.5, 1, 2, 4, 8 s: ~15 s
-# of an outage is ridden out; a longer one stops the run with the URL and the reason.
+# A fetch or a listing that fails (a connection dropped, the store restarting) is tried again after 0.5, 1, 2, 4,
+# 8 s: ~15 s of an outage is ridden out; a longer one stops the run (or refuses the source) with the URL and the reason.
 FETCH_ATTEMPTS = 6
 _BACKOFF_S = 0.5
 _GLOB_CHARS = set("*?[")
+# Answers a listing does not retry, since asking again cannot change them: what is not there, what is forbidden, a
+# bad URL, and botocore's configuration errors (named: botocore is an optional dependency).
+_FINAL_ERRORS = (FileNotFoundError, PermissionError, NotADirectoryError, ValueError, ImportError)
+_FINAL_NAMES = {"ProfileNotFound", "NoCredentialsError", "PartialCredentialsError", "InvalidConfigError"}
+
+T = TypeVar("T")
+
+
+def retried(call: Callable[[], T], what: str, final: Callable[[Exception], bool] = lambda e: False) -> T:
+    """`call()`, tried again on failure after 0.5, 1, 2, 4, 8 s (FETCH_ATTEMPTS in all), each failure logged as a
+    warning naming `what`; the last failure, or one that `final` says asking again cannot change, is raised."""
+    for attempt in range(FETCH_ATTEMPTS):
+        try:
+            return call()
+        except Exception as e:
+            if attempt == FETCH_ATTEMPTS - 1 or final(e):
+                raise
+            wait = _BACKOFF_S * 2**attempt
+            log.warning("%s failed (%s: %s); trying again in %.1f s", what, type(e).__name__, e, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _final(e: Exception) -> bool:
+    return isinstance(e, _FINAL_ERRORS) or any(c.__name__ in _FINAL_NAMES for c in type(e).__mro__)
 
 
 @dataclass(frozen=True, order=True)
@@ -54,6 +81,14 @@ def storage_options(src: SourceConfig) -> dict:
     return opts
 
 
+def _endpoint_fix(src: SourceConfig, where: str) -> str:
+    """Where a remote source's endpoint and credentials come from, for a message about a source that cannot be listed."""
+    if src.path.startswith("s3://"):
+        return (f"; S3 reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or "
+                f"{where}.endpoint_url and {where}.profile")  # fmt: skip
+    return ""
+
+
 def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
@@ -75,26 +110,29 @@ def list_shards(src: SourceConfig, index: int, fs: fsspec.AbstractFileSystem | N
     nothing, is refused with its URL and the reason."""
     where = f"data.sources[{index}]"
     fs = fs or source_filesystem(src, index)
-    try:
-        root = fs._strip_protocol(src.path)
+    root = fs._strip_protocol(src.path)
+
+    def listing() -> dict:
         if _GLOB_CHARS & set(root):
-            infos = fs.glob(root, detail=True)
-        elif fs.isdir(root):
-            infos = fs.find(root, detail=True)
-        else:
-            infos = {root: fs.info(root)}
+            return fs.glob(root, detail=True)
+        # info, not isdir: fsspec's isdir answers False to any OSError, so a store down for a moment made a
+        # directory look like a file.
+        info = fs.info(root)
+        return fs.find(root, detail=True) if info.get("type") == "directory" else {root: info}
+
+    try:
+        # A store that does not answer (restarting, a dropped connection) is asked again, as a fetch is.
+        infos = retried(listing, f"listing {src.path}", _final)
     except FileNotFoundError:
         raise UserError(
             f"{where}.path {src.path} does not exist; give an existing file, directory or glob"
         ) from None
     except Exception as e:  # botocore, aiohttp and OSError each say why in one line
-        fix = (
-            f"; S3 reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or {where}.endpoint_url "
-            f"and {where}.profile"
-            if src.path.startswith("s3://")
-            else ""
-        )
-        raise UserError(f"{where}.path {src.path} cannot be listed: {type(e).__name__}: {e}{fix}") from None
+        span = _BACKOFF_S * (2 ** (FETCH_ATTEMPTS - 1) - 1)
+        tried = "" if _final(e) else f" (asked {FETCH_ATTEMPTS} times over {span:g} s)"
+        raise UserError(
+            f"{where}.path {src.path} cannot be listed{tried}: {type(e).__name__}: {e}{_endpoint_fix(src, where)}"
+        ) from None
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     shards = sorted(
         Shard(fs.unstrip_protocol(p) if is_remote(src.path) else p, int(info.get("size") or 0))
@@ -189,25 +227,23 @@ class ShardCache:
         fs = self.filesystems[source]
         remote = fs._strip_protocol(shard.url)
         tmp = path.with_suffix(f".part{os.getpid()}.{threading.get_ident()}")
-        for attempt in range(FETCH_ATTEMPTS):
+
+        def fetch() -> None:
             try:
                 fs.get_file(remote, str(tmp))
                 if tmp.stat().st_size != shard.size:  # a transfer cut short without an error
                     raise OSError(f"got {tmp.stat().st_size} of its {shard.size} bytes")
                 os.replace(tmp, path)  # whole or not at all: a reader never sees a partial shard
-                break
-            except Exception as e:
+            finally:
                 tmp.unlink(missing_ok=True)
-                if attempt == FETCH_ATTEMPTS - 1:
-                    raise UserError(
-                        f"data.sources[{source}]: {shard.url} cannot be read after {FETCH_ATTEMPTS} attempts: "
-                        f"{type(e).__name__}: {e}"
-                    ) from None
-                wait = _BACKOFF_S * 2**attempt
-                log.warning(
-                    "reading %s failed (%s: %s); trying again in %.1f s", shard.url, type(e).__name__, e, wait
-                )
-                time.sleep(wait)
+
+        try:
+            retried(fetch, f"reading {shard.url}")  # every failure: a shard listed at launch is there
+        except Exception as e:
+            raise UserError(
+                f"data.sources[{source}]: {shard.url} cannot be read after {FETCH_ATTEMPTS} attempts: "
+                f"{type(e).__name__}: {e}"
+            ) from None
         with self._lock:
             self.fetched += 1
             self._lru[name] = shard.size

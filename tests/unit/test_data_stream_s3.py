@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config import SourceConfig
+from scaletrain.data import storage
 from scaletrain.data.loader import data_problems
-from scaletrain.data.storage import list_shards
+from scaletrain.data.storage import list_shards, source_filesystem
 from tests.unit.test_data_streaming import data_cfg, loader, run_steps, write_corpus
 
 pytest.importorskip("s3fs")
@@ -47,6 +48,9 @@ class S3Server:
 
     def stop(self) -> None:
         self._server.stop()
+        # moto's stop() leaves its socket listening, so that a request then waits in the backlog instead of failing
+        # as it does against a store that restarts; closed here, the port refuses connections until start().
+        self._server._server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +107,24 @@ def test_a_fetch_failing_while_the_server_is_down_is_retried(s3, tmp_path: Path,
     assert trained == reference  # and no sample was lost or repeated
 
 
+def test_a_listing_while_the_server_is_down_is_retried(s3, caplog):
+    server, _ = s3
+    src = SourceConfig(path=f"s3://{BUCKET}/a/")
+    fs = source_filesystem(src, 0)
+    fs.ls(BUCKET, refresh=True)  # the S3 client made now (~1 s under load: longer than the outage below)
+    fs.invalidate_cache()
+    server.stop()
+    restart = threading.Timer(1.2, server.start)  # down ~1 s: the first listings fail, a later one answers
+    restart.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="scaletrain"):
+            shards = list_shards(src, 0, fs)
+    finally:
+        restart.join()
+    assert f"listing s3://{BUCKET}/a/ failed (EndpointConnectionError" in caplog.text  # a listing did fail
+    assert [s.url for s in shards] == [f"s3://{BUCKET}/a/part-{k}.jsonl" for k in range(4)]
+
+
 def test_the_endpoint_comes_from_the_environment_or_the_source(s3, monkeypatch, tmp_path: Path):
     server, _ = s3
     assert len(list_shards(SourceConfig(path=f"s3://{BUCKET}/a/"), 0)) == 4  # AWS_ENDPOINT_URL
@@ -112,20 +134,26 @@ def test_the_endpoint_comes_from_the_environment_or_the_source(s3, monkeypatch, 
     assert [s.url for s in list_shards(src, 0)] == [f"s3://{BUCKET}/b/part-{k}.jsonl" for k in range(4)]
 
 
-def test_a_source_that_cannot_be_listed_is_refused_before_launch(s3, tmp_path: Path):
+def test_a_source_that_cannot_be_listed_is_refused_before_launch(s3, tmp_path: Path, monkeypatch, caplog):
+    monkeypatch.setattr(storage, "_BACKOFF_S", 0.01)  # 6 tries of a dead endpoint: 0.31 s, not 15.5
     t = time.monotonic()
     paths = [f"s3://{BUCKET}/a/", "s3://no-such-bucket/x/", f"s3://{BUCKET}/b/", f"s3://{BUCKET}/a/"]
     cfg = data_cfg(paths, tmp_path)
     cfg.sources[2].endpoint_url = "http://127.0.0.1:9"  # nothing listens there
     cfg.sources[3].profile = "no-such-profile"  # the source's profile is what botocore looks up
-    problems = data_problems(cfg)
+    with caplog.at_level(logging.WARNING, logger="scaletrain"):
+        problems = data_problems(cfg)
     assert len(problems) == 3, problems
     assert "data.sources[1].path s3://no-such-bucket/x/ does not exist" in problems[0]
     assert problems[1].startswith(
-        f"data.sources[2].path s3://{BUCKET}/b/ cannot be listed: EndpointConnectionError"
+        f"data.sources[2].path s3://{BUCKET}/b/ cannot be listed (asked 6 times over 0.31 s): EndpointConnectionError"
     )
     assert problems[2].startswith(f"data.sources[3].path s3://{BUCKET}/a/ cannot be listed: ProfileNotFound")
-    assert time.monotonic() - t < 10  # refused at once, not after the client's retries
+    assert time.monotonic() - t < 10  # our backoff only, not botocore's retries under each attempt
+    # Asked again: only the endpoint that does not answer; a missing bucket or profile is an answer.
+    retried = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert len(retried) == 5, retried
+    assert all(m.startswith(f"listing s3://{BUCKET}/b/ failed") for m in retried), retried
 
 
 def test_the_cache_stays_within_its_bound(s3, tmp_path: Path):
