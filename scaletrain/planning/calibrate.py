@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from scaletrain.data import resolve_cache_dir
 from scaletrain.hardware import (
@@ -33,7 +32,13 @@ from scaletrain.planning.estimators.hardware import DEFAULT_CPU, REDO, DevicePro
 from scaletrain.planning.estimators.inputs import model_args, parse_unvalidated
 from scaletrain.planning.estimators.search import estimate
 from scaletrain.planning.estimators.time import ADAM_TRAFFIC
-from scaletrain.planning.measure import fit_line, measure_adam_bandwidth, measure_cast, measure_matmul
+from scaletrain.planning.measure import (
+    fit_line,
+    measure_adam_bandwidth,
+    measure_cast,
+    measure_matmul,
+    run_ranks,
+)
 
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
 
@@ -155,16 +160,7 @@ def fit_collectives(times: dict[str, list[tuple[int, float]]], nproc: int) -> di
 def measure_collectives(nproc: int) -> tuple[dict[str, tuple[float, float]], int]:
     """({op: (latency per ring step, bandwidth in the ring formula's convention)}, peak RSS of a rank) over nproc
     local gloo ranks; one rank (nproc 1) measures the RSS only."""
-    import socket
-    import tempfile
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        out = str(Path(d) / "result")
-        mp.start_processes(_rank, args=(nproc, port, out), nprocs=nproc, start_method="spawn")
-        data = json.loads(Path(out).read_text())
+    data = run_ranks(_rank, nproc)
     return fit_collectives(data["times"], nproc), int(data["rss"])
 
 

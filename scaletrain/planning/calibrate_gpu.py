@@ -10,20 +10,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from scaletrain.hardware import best_time
 from scaletrain.planning.estimators.hardware import GPUS, DeviceProfile, gpu_kind, save_profile
 from scaletrain.planning.estimators.time import ADAM_TRAFFIC
-from scaletrain.planning.measure import fit_line, measure_adam_bandwidth, measure_matmul
+from scaletrain.planning.measure import fit_line, measure_adam_bandwidth, measure_matmul, run_ranks
 
 # Square matmul sizes and all-reduce bytes: from launch-bound to rate-bound on a GPU; small enough for CI on a CPU.
 SHAPES = {"cuda": (1024, 2048, 4096, 8192), "cpu": (64, 128, 256)}
@@ -53,15 +50,7 @@ def _all_reduce_rank(rank: int, world: int, port: int, device_type: str, out: st
 def measure_all_reduce(nproc: int, device_type: str) -> tuple[float, float]:
     """(latency per ring step, per-rank bandwidth in the ring formula's convention) of all-reduce over nproc local
     devices, fitted to 2(n-1)·α + 2(n-1)/n·S/B."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        out = str(Path(d) / "points")
-        mp.start_processes(
-            _all_reduce_rank, args=(nproc, port, device_type, out), nprocs=nproc, start_method="spawn"
-        )
-        points = json.loads(Path(out).read_text())
+    points = run_ranks(_all_reduce_rank, nproc, device_type)
     a, b = fit_line([2 * (nproc - 1) / nproc * s for s, _ in points], [t for _, t in points])
     return a / (2 * (nproc - 1)), 1.0 / max(b, 1e-18)
 

@@ -1,11 +1,17 @@
 """Measurements both calibrations share (a CPU's, calibrate.py, and a GPU host's, calibrate_gpu.py): a
-least-squares line, the matmul rate and AdamW's pass over memory; a CPU's autocast casts."""
+least-squares line, the matmul rate and AdamW's pass over memory; a CPU's autocast casts; local ranks to time."""
 
 from __future__ import annotations
 
+import json
+import socket
+import tempfile
+from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from scaletrain.hardware import best_time
@@ -20,6 +26,18 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     var = sum((x - mx) ** 2 for x in xs) or 1.0
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
     return max(my - b * mx, 0.0), b
+
+
+def run_ranks(rank_fn: Callable, nproc: int, *args) -> object:
+    """Run rank_fn(rank, nproc, port, *args, out) in nproc freshly spawned local processes (gloo's rendezvous on a
+    free loopback port) and return the JSON rank 0 wrote to the file `out`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "result")
+        mp.start_processes(rank_fn, args=(nproc, port, *args, out), nprocs=nproc, start_method="spawn")
+        return json.loads(Path(out).read_text())
 
 
 def measure_matmul(

@@ -10,15 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from scaletrain.hardware import best_time, busy_reason, cpu_model_name, usable_cpus
 from scaletrain.parallel.layout import Layout
@@ -33,7 +30,7 @@ from scaletrain.planning.estimators.hardware import DEFAULT_CPU, PROBE_FILE, Dev
 from scaletrain.planning.estimators.inputs import model_args, parse_unvalidated
 from scaletrain.planning.estimators.search import estimate
 from scaletrain.planning.estimators.time import ADAM_TRAFFIC
-from scaletrain.planning.measure import measure_adam_bandwidth, measure_cast, measure_matmul
+from scaletrain.planning.measure import measure_adam_bandwidth, measure_cast, measure_matmul, run_ranks
 
 # The step the probe fits the collective call's cost on (fsdp, the debug config's family at dim 64) and the held-out
 # step it validates with (fsdp over 2 ranks again, but the debug model's shape, 4x the tokens per rank).
@@ -90,7 +87,7 @@ def measure(log) -> DeviceProfile:
         step_overhead = measure_step_overhead(op_overhead)
     finally:
         torch.set_num_threads(threads)
-    ranks = _run_ranks()
+    ranks = run_ranks(_rank, RANKS)
     collectives = {f"{k}@{RANKS}": v for k, v in fit_collectives(ranks["times"], RANKS).items()}
     log(
         f"probe: matmul fp32 {fp32[1] / 1e9:.1f} GFLOP/s per thread (512^3: {one / 1e9:.1f} on 1 thread, "
@@ -144,17 +141,6 @@ def _rate_512(threads: int) -> float:
     return 2 * 512**3 / best_time(lambda: torch.mm(a, b))
 
 
-def _run_ranks() -> dict:
-    """Spawn RANKS gloo processes and return rank 0's figures (_rank)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        out = str(Path(d) / "result")
-        mp.start_processes(_rank, args=(RANKS, port, out), nprocs=RANKS, start_method="spawn")
-        return json.loads(Path(out).read_text())
-
-
 def _rank(rank: int, world: int, port: int, out: str) -> None:
     """One probe rank: gloo collectives by message size (as calibrate times them), then the fitted and the held-out
     layouts' training steps as train.py builds them; rank 0 writes the fastest time of each."""
@@ -176,9 +162,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 def _step_s(overrides: list[str], world: int) -> float:
     """The fastest of a few training steps (forward and backward, clipping, AdamW) of `overrides`' layout, built as
     every run builds it (job.build_core), each started together on every rank."""
+    from scaletrain.job import build_core  # in the spawned rank only: a worker imports the trainer
     from scaletrain.models import build_model
     from scaletrain.parallel.mesh import ParallelDims
-    from scaletrain.job import build_core  # in the spawned rank only: a worker imports the trainer
 
     cfg = parse_unvalidated(None, overrides)
     args = model_args(cfg)
