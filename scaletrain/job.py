@@ -20,6 +20,7 @@ from scaletrain.config import Config, MemoryConfig, OptimizerConfig, ParallelCon
 from scaletrain.config.io import to_dict
 from scaletrain.data import build_loader, load_tokenizer, resolve_cache_dir
 from scaletrain.data.ramp import BatchRamp
+from scaletrain.data.streaming import SourceDry
 from scaletrain.metrics import MetricsWriter, MoEMonitor, StepMeter
 from scaletrain.models import Transformer, build_meta_model, count_parameters, resolve_model_args
 from scaletrain.optim.optimizers import Optimizers
@@ -87,6 +88,16 @@ class Job:
             self.eval(0)
         return start
 
+    def next_batch(self, step: int, sequences: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The global batch of `step` (this rank's share); None when data.when_dry = "stop" ends the job before it:
+        a source was read to its end by this batch, on every rank at the same sample (each walks the whole global
+        batch), and the loader's position is left after step - 1, which the final save then holds."""
+        try:
+            return self.loader.next_batch(sequences)
+        except SourceDry as e:
+            self.limits.source_dry(step - 1, e.name, self.cfg.data.sources[e.index].path, e.epoch)
+            return None
+
     def step_done(self, step: int, sequences: int) -> None:
         """Step `step` of `sequences` sequences counts: in the train state (what a checkpoint saves), in throughput."""
         self.train_state.step, self.train_state.tokens = step, self.tokens(step)
@@ -100,9 +111,10 @@ class Job:
 
     def close(self, step: int) -> str | None:
         """The final save (protected by the memory tier), then fault_tolerance's parameter digest and leaving the
-        quorum. Returns why the job ended early, to be continued: time_limit, stop_at_step (exit 75), Ctrl-C (130)."""
+        quorum. Returns why the job ended early, to be continued: time_limit, stop_at_step (exit 75), Ctrl-C (130).
+        A job ended by data.when_dry = "stop" is finished at its step: nothing is left to continue with."""
         stopped = self.limits.stopped(step) or self.preemption.stop_reason()
-        finished = step == self.cfg.training.steps
+        finished = step == self.cfg.training.steps or (self.limits.dry is not None and not stopped)
         self.ckpt.close(step, finished=finished)
         if finished and self.final_export is not None:
             self.final_export(step)  # checkpoint.last_save_in_hf

@@ -37,7 +37,11 @@ def train(cfg: Config) -> dict:
                 job.guard.step_start(step)
                 profiler.step_start(step)
                 sequences = job.batches.sequences(step)  # the global batch; smaller early under a batch ramp
-                inputs, targets = job.loader.next_batch(sequences)
+                batch = job.next_batch(step, sequences)  # None: data.when_dry = "stop" and a source ran dry
+                if batch is None:
+                    step -= 1  # the job ends at the last whole step
+                    break
+                inputs, targets = batch
                 lr = job.optimizers.lr
                 loss = job.runner.forward_backward(inputs.to(device), targets.to(device))
                 # fault_tolerance: averaged over the replica groups present; a group lost: run the step again
@@ -121,7 +125,7 @@ def _finish(job: Job, step: int, last: dict, wall: float, stopped: str | None) -
         goodput = final_goodput(job.run.path)
     summary = metrics.run_summary(step, job.tokens(step), last, evals, goodput=goodput, wall_s=wall,
                                   world_size=job.env.world_size)  # fmt: skip
-    job.writer.event("end", step=step, stopped=stopped, **summary)
+    job.writer.event("end", step=step, stopped=stopped, source_dry=job.limits.dry, **summary)
     job.writer.close()
     if job.env.is_main:
         metrics.print_summary(summary)

@@ -206,7 +206,7 @@ class DataConfig:
     sources' weights). Empty: the sources' weights throughout."""
     when_dry: Literal["repeat", "stop"] = "repeat"
     """data.streaming: a source read to its end starts a new epoch in a new shuffled order (repeat), or ends the
-    run with the step it ran dry in (stop)."""
+    run, finished (exit 0), at the last whole step before it, with a checkpoint of that step (stop)."""
     stream_cache_mb: int = 2048
     """data.streaming: the local cache of remote shards (under data.cache_dir/stream), at most this many MiB;
     the least recently used shard not in use goes first."""

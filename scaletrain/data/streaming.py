@@ -39,7 +39,13 @@ STREAM_FORMATS = ("auto", "text", "jsonl", "parquet")
 
 
 class SourceDry(UserError):
-    """A source read to its end with data.when_dry = "stop": the run ends here."""
+    """A source (data.sources[index], called `name`) read to its end in its `epoch` (1-based) with data.when_dry =
+    "stop": the run ends before the step that needed more of it. StreamingLoader.next_batch leaves its position
+    where the batch began, so that a checkpoint of the step before holds the position after that step."""
+
+    def __init__(self, message: str, index: int = -1, name: str = "", epoch: int = 0):
+        super().__init__(message)
+        self.index, self.name, self.epoch = index, name, epoch
 
 
 def source_names(data: DataConfig) -> list[str]:
@@ -116,8 +122,9 @@ class SourceStream:
                     if self.stop_when_dry and left:
                         raise SourceDry(
                             f"{self.name} has been read to its end (epoch {epoch + 1}); data.when_dry = 'stop' "
-                            "ends the run here (set it to 'repeat' to read the source again in a new order)"
-                        )
+                            "ends the run here (set it to 'repeat' to read the source again in a new order)",
+                            self.index, self.name, epoch + 1,
+                        )  # fmt: skip
                     epoch, k = epoch + 1, 0
         return pieces, (epoch, k, offset)
 
@@ -181,13 +188,20 @@ class StreamingLoader:
             raise ValueError(f"a step's batch of {n} sequences does not split over {self.dp_size} ranks")
         local = n // self.dp_size
         mine = range(self.dp_rank * local, (self.dp_rank + 1) * local)
-        samples = []
-        for j in range(n):
-            i = self._pick(self.next_sample + j)
-            self._counts[i] += 1
-            sample = self.streams[i].next_sample(self.seq_len, keep=j in mine)
-            if sample is not None:
-                samples.append(sample)
+        samples, before, counts = [], self.state_dict(), self._counts.copy()
+        try:
+            for j in range(n):
+                i = self._pick(self.next_sample + j)
+                self._counts[i] += 1
+                sample = self.streams[i].next_sample(self.seq_len, keep=j in mine)
+                if sample is not None:
+                    samples.append(sample)
+        except SourceDry:
+            # The whole batch or none of it: every rank finds the source dry at the same sample (each walks the
+            # whole batch), none trains a part of a step, and the position stays after the last whole batch.
+            self.load_state_dict(before)
+            self._counts[:] = counts
+            raise
         self.next_sample += n
         return _to_batch(samples)
 

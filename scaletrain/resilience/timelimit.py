@@ -130,6 +130,7 @@ class JobLimits:
         self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)
         self._last: float | None = None
         self.reason: str | None = None
+        self.dry: dict | None = None  # data.when_dry = "stop": the source read to its end
 
     def begin(self, step: int) -> int:
         """Called before this start's first step: step times are measured from now on. Returns the step this
@@ -176,3 +177,14 @@ class JobLimits:
             self.event("stop_at_step", step=step, steps=self.steps)
             log.warning("run.stop_at_step %d of %d: stopping, saving a checkpoint", step, self.steps)
         return self.reason
+
+    def source_dry(self, step: int, source: str, path: str, epoch: int) -> None:
+        """data.when_dry = "stop": `source` was read to its end by the batch after `step`. The job ends after `step`
+        as at the time limit (the loop stops, the final save commits `step`), but finished, not stopped: with nothing
+        left to read, a requeue script's 75 would start it again only to stop again. Writes the source_dry event."""
+        self.dry = {"source": source, "path": path, "epoch": epoch}
+        self.event("source_dry", step=step, **self.dry)
+        log.warning("data.when_dry = 'stop': %s (%s) has been read to its end (epoch %d) in the batch after step %d: "
+                    "the run ends at step %d, saving a checkpoint of it; to read the source again in a new order, "
+                    "run again with --data.when_dry repeat --run.accept_changes data.when_dry",
+                    source, path, epoch, step, step)  # fmt: skip

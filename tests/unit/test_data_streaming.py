@@ -159,9 +159,13 @@ def test_a_dry_source_ends_the_run_when_told(tmp_path: Path):
     ld = loader(data_cfg([str(d)], tmp_path, when_dry="stop"), batch=2)
     for _ in range(2):
         ld.next_batch()
-    with pytest.raises(SourceDry, match="read to its end.*when_dry"):
+    with pytest.raises(SourceDry, match="read to its end.*when_dry") as dry:
         for _ in range(5):
+            position = ld.state_dict()
             ld.next_batch()
+    assert (dry.value.index, dry.value.name, dry.value.epoch) == (0, "source0", 1)
+    # The whole batch or none of it: the position stays after the last whole batch (what the final save holds).
+    assert ld.state_dict() == position and 0 < position["next_sample"] < 6
     again = loader(data_cfg([str(d)], tmp_path), batch=2)  # repeat: goes on into the next epoch
     assert len(run_steps(again, 10)) == 20
 
