@@ -99,7 +99,8 @@ def load_hf_sharded(parts: list[nn.Module], path: Path, args: ModelArgs) -> int:
     model: `parts` as ParallelModel.parts (a pipeline rank's stages hold only their layers). DTensor shards (FSDP2,
     TP, EP and their products) get the block their local shard covers, plain tensors (one process, DDP) the whole
     tensor. No collectives. ConfigError naming every field and tensor that would not load as saved (as
-    load_hf_weights), UserError for what this rank's parameters miss. Returns the bytes this rank read."""
+    load_hf_weights), UserError for what this rank's parameters miss. Returns the bytes of the blocks this rank copied
+    (the loader's own count; the pages the kernel mapped are measured in tests/distributed/test_hf_sharded.py)."""
     files = hf_tensor_files(path)
     problems = import_problems(args, read_hf_config(path), list(files))
     if problems:
