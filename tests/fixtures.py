@@ -33,6 +33,28 @@ def tiny(**kw) -> Transformer:
     return model
 
 
+# DeepSeek-V3's features at test size, one definition for its unit and distributed tests: MLA with a query latent
+# (the rotary part narrower than the rest), 8 routed experts in 4 groups under sigmoid routing (top 2 from the best 2
+# groups) with the routed scale, one shared expert, block 0 dense. Each test adds its sizes.
+TINY_DEEPSEEK_V3 = dict(
+    family="deepseek_v3",
+    n_heads=4,
+    n_kv_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    n_experts=8,
+    top_k=2,
+    shared_experts=1,
+    first_dense=1,
+    router="sigmoid",
+    n_group=4,
+    topk_group=2,
+    route_scale=2.5,
+)
+
+
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 

@@ -21,25 +21,14 @@ from tests.distributed.reference import (
     tiny_args,
     train_steps,
 )
+from tests.fixtures import TINY_DEEPSEEK_V3
 
 ARGS = dict(
+    TINY_DEEPSEEK_V3,
     n_layers=2,
-    n_kv_heads=4,
     max_seq_len=12,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
     v_head_dim=12,
-    n_experts=8,
-    top_k=2,
     moe_hidden=32,
-    shared_experts=1,
-    first_dense=1,
-    router="sigmoid",
-    n_group=4,
-    topk_group=2,
-    route_scale=2.5,
     aux_loss_coef=0.001,
 )
 GLOBAL_BATCH = 4  # 2 micro-batches of 2 sequences on one process; 1 per rank and micro-batch at dp 2

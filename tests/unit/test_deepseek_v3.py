@@ -32,33 +32,20 @@ from scaletrain.planning.estimators.memory import attention_parameters, block_pa
 from scaletrain.planning.estimators.moe import ffn_shape
 from scaletrain.planning.estimators.time import _matmuls, _Shape, mla_projections
 from scaletrain.validate import load_config
+from tests.fixtures import TINY_DEEPSEEK_V3
 
 transformers = pytest.importorskip("transformers")
 
 ARGS = ModelArgs(
-    family="deepseek_v3",
+    **TINY_DEEPSEEK_V3,
     dim=64,
     n_layers=3,
-    n_heads=4,
-    n_kv_heads=4,
     ffn_hidden=96,
     vocab_size=96,
     norm_eps=1e-6,
     max_seq_len=32,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
     v_head_dim=6,
-    n_experts=8,
-    top_k=2,
     moe_hidden=16,
-    shared_experts=1,
-    router="sigmoid",
-    first_dense=1,
-    n_group=4,
-    topk_group=2,
-    route_scale=2.5,
 )
 
 
