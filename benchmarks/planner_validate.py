@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,50 +125,12 @@ def describe(n: int, model: str, layout: list[str]) -> str:
 
 
 def published() -> None:
-    """The planner beside published runs on their hardware: its pick, its estimate of the published layout."""
-    from scaletrain.config import (
-        Config,
-        DataConfig,
-        MemoryConfig,
-        ModelConfig,
-        ParallelConfig,
-        TrainingConfig,
-    )
-    from scaletrain.planning.estimators.hardware import GPUS
-    from scaletrain.planning.estimators.inputs import model_args
-    from scaletrain.planning.estimators.search import estimate, search
+    """The planner beside published Llama 3 runs on their hardware (benchmarks/published_runs.py, the table of
+    docs/planner.md): tokens/s and peak memory per GPU, predicted against published."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from published_runs import table
 
-    runs = [
-        # Llama 3 405B (Dubey et al. 2024, table 4): 16,384 H100, seq 8192, 16M tokens per batch, TP8 CP1 PP16
-        # DP128, 38-43% BF16 MFU (41% at this size); FSDP that does not reshard after forward (zero2 here).
-        ("Llama 3 405B", "405B", 16384, 8192, 2048, ParallelConfig(data_parallel="zero2", tp=8, pp=16,
-         sequence_parallel=True, pp_schedule="interleaved_1f1b"), "none", 1, "38-43% (table 4)", "bf16"),
-        # torchtitan docs/performance.md table 1: Llama 3.1 8B, 8 H100 (96 GB, 500 W), FSDP, local batch 2,
-        # seq 8192, selective AC: 5,762 tokens/s/GPU, 82.4 GiB; "33% to 39% MFU".
-        ("torchtitan Llama 3.1 8B", "8B", 8, 8192, 16, ParallelConfig(data_parallel="fsdp"), "selective", 2,
-         "5,762 tok/s/GPU, 33-39%", "bf16"),
-        # DeepSeek-V3 (DeepSeek-AI 2024, sections 3.2 and 4.2): 2,048 H800 (H100 compute, 400 GB/s NVLink), 16-way
-        # PP (DualPipe), 64-way EP over 8 nodes, ZeRO-1 DP; seq 4096, batch 15,360 sequences at the end; FP8. No MFU
-        # given: 2.664M GPU-hours for 14.8T tokens at 37B active is ~35% of the BF16 dense peak by 6·N·D. Our ep
-        # runs under fsdp (ep with zero1 is refused), so the published layout is taken with fsdp in its place.
-        ("DeepSeek-V3", "deepseek_v3_671b", 2048, 4096, 15360, ParallelConfig(data_parallel="fsdp", pp=16, ep=64,
-         pp_schedule="dualpipev"), "none", 1, "~35% (6ND from the GPU-hours)", "fp8"),
-    ]  # fmt: skip
-    for title, preset, world, seq, gb, layout, policy, micro, pub, precision in runs:
-        t = TrainingConfig(global_batch=gb, micro_batch=micro, precision=precision, eval_interval=0)
-        cfg = Config(model=ModelConfig(preset=preset), data=DataConfig(seq_len=seq), training=t,
-                     parallel=layout, memory=MemoryConfig(recompute=policy))  # fmt: skip
-        args = model_args(cfg)
-        t0 = time.perf_counter()
-        plans, rejected, _ = search(cfg, args, world, GPUS["h100"], 8)
-        theirs = estimate(cfg, args, Layout.of(cfg, world), GPUS["h100"], 8)
-        best = plans[0] if plans else None
-        print(f"{title}: published {pub}")
-        print(f"  planner's pick ({len(plans)} fit, {sum(rejected.values())} refused, {time.perf_counter() - t0:.0f} s): "
-              + (f"{best.describe()}: MFU {100 * best.time['mfu']:.1f}%, {best.time['tokens_per_s'] / world:,.0f} "
-                 f"tok/s/GPU, {best.memory['total'] / 2**30:.1f} GiB" if best else "none"))  # fmt: skip
-        print(f"  published layout as the planner sees it: {theirs.describe()}: MFU {100 * theirs.time['mfu']:.1f}%, "
-              f"{theirs.time['tokens_per_s'] / world:,.0f} tok/s/GPU, {theirs.memory['total'] / 2**30:.1f} GiB")  # fmt: skip
+    print(table())
 
 
 def measure_rounds(rows, layouts, opt, env: dict) -> dict[int, list[dict]]:

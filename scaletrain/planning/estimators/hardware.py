@@ -25,17 +25,33 @@ from scaletrain.hardware import (
 GiB = 2**30
 GB = 10**9
 TB = 10**12
-# Fraction of the dense datasheet peak that large bf16 matmuls (the shapes of an 8B+ model) reach in practice:
-# cuBLAS GEMMs of size >= 4096 measure 70-80% of peak on H100 SXM at its default clocks, and the whole-model MFU of
-# well-tuned trainers is 38-58% (Llama 3 paper table 4; torchtitan docs/performance.md). 0.75 is our stated guess
-# for the matmul share, not a measurement; a calibrated GPU profile replaces it.
+# Measured GEMM throughput, TFLOP/s: the "maximum achievable matmul FLOPS" (MAMF) of torch.matmul, the mean of 100
+# timed calls at the best of a brute-force search over shapes, as published in S. Bekman, ml-engineering,
+# compute/accelerator/README.md (commit 744d01e, "Maximum Achievable Matmul FLOPS comparison table"): H100 SXM
+# bf16 794.5 (80.3% of 989), fp8 1,402.6 (70.9% of 1,979), torch 2.7.0+cu126, "H200 is the same" for bf16; H200
+# SXM fp8 1,453.4 (73.4%), torch 2.7.1+cu128; A100 SXM bf16 271.2 (86.9% of 312); B200 SXM bf16 1,745.0 (77.6%),
+# fp8 3,432.5 (76.3%). Independent of the published training runs the planner is compared with (docs/planner.md).
+# A datasheet profile runs every matmul at its kind's measured rate: an upper bound for the model's own shapes.
+MEASURED_MATMUL_TFLOPS: dict[str, dict[str, float]] = {
+    "h100": {"bf16": 794.5, "fp8": 1402.6},
+    "h200": {"bf16": 794.5, "fp8": 1453.4},
+    "a100": {"bf16": 271.2},
+    "b200": {"bf16": 1745.0, "fp8": 3432.5},
+}
+# A precision without a measurement above (fp32 on the vector units): this share of its datasheet peak, a stated
+# guess, not a measurement; a calibrated GPU profile (plan --calibrate) replaces it.
 ACHIEVABLE_MATMUL = 0.75
-# Fraction of HBM bandwidth that element-wise kernels (norms, SwiGLU, RoPE, AdamW) reach: ~0.7-0.8 for large
-# contiguous tensors on Hopper (NVIDIA's stream-like bandwidth tests); 0.7 stated as a guess.
+# Fraction of HBM bandwidth that element-wise kernels (norms, SwiGLU, RoPE, AdamW) reach: a stated guess (no
+# independent measurement of it on Hopper is cited here); a calibrated GPU profile measures AdamW's instead.
 ACHIEVABLE_HBM = 0.7
-# NCCL on NVLink reaches ~0.75-0.85 of the link's per-direction bandwidth as bus bandwidth in nccl-tests
-# all_reduce_perf at >= 256 MiB messages, and ~0.8-0.9 of InfiniBand's line rate; 0.8 for both, stated.
-ACHIEVABLE_LINK = 0.8
+# NCCL's bus bandwidth on NVLink 4 as a share of its 450 GB/s per direction: 8 H200 (the H100's NVLink), 16 GiB,
+# nccl-tests ring: all-gather 361.4 GB/s, reduce-scatter 362.9, all-reduce 367.2 (S. Bekman, ml-engineering
+# network/README.md at commit 744d01e, section SHARP; NVLS's 480 GB/s all-reduce is left out: FSDP's all-gathers
+# and reduce-scatters cannot use it). The planner's collectives are rings, so the all-gather's share.
+ACHIEVABLE_NVLINK = 361.4 / 450
+# Of a node's NICs: the same source's 4 nodes of 8 H200 with 3.2 Tb/s of EFA each ran a 32-rank all-reduce at 364.9
+# GB/s bus bandwidth, 0.91 of 400 GB/s (and at NVLink's ring rate: a lower bound for the NICs).
+ACHIEVABLE_NIC = 364.87 / 400
 
 
 @dataclass
@@ -43,9 +59,9 @@ class DeviceProfile:
     """One device and the links between devices, in SI units (FLOP/s, bytes, bytes/s, seconds).
 
     `matmul`: precision -> (t0 seconds per matmul call, FLOP/s asymptotic rate at `threads` threads): a matmul of F
-    FLOPs takes t0 + F / rate (a launch/dispatch latency plus the rate of large shapes), measured on CPUs, datasheet x
-    ACHIEVABLE_MATMUL on GPUs. Links: per-rank bandwidth per direction and a latency per collective step, inside a
-    node (NVLink / shared memory) and between nodes (InfiniBand / TCP)."""
+    FLOPs takes t0 + F / rate (a launch/dispatch latency plus the rate of large shapes), measured on CPUs, the
+    published measured GEMM rate on GPUs (MEASURED_MATMUL_TFLOPS). Links: per-rank bandwidth per direction and a
+    latency per collective step, inside a node (NVLink / shared memory) and between nodes (InfiniBand / TCP)."""
 
     name: str
     kind: str  # "gpu" or "cpu"
@@ -115,6 +131,18 @@ class DeviceProfile:
         return cls(**data)
 
 
+def _measured_matmul(spec: GpuSpec, precision: str, peak: float) -> float:
+    """FLOP/s of a GPU's matmuls in `precision` (fp16 as bf16): its kind's measured MAMF scaled by the ratio of this
+    GPU's datasheet peak to its kind's (a GPU planned as a near kind, an H100 PCIe, keeps the measured share), else
+    ACHIEVABLE_MATMUL of the peak."""
+    kind = spec.kind or spec.plans_as or ""
+    measured = MEASURED_MATMUL_TFLOPS.get(kind, {}).get("bf16" if precision == "fp16" else precision)
+    if measured is None:
+        return peak * ACHIEVABLE_MATMUL
+    sheet = PLANNED_GPUS[kind].peak_tflops["bf16" if precision == "fp16" else precision] * TB
+    return measured * TB * peak / sheet
+
+
 def _gpu(spec: GpuSpec) -> DeviceProfile:
     """The planner's profile of a GPU of the hardware table: its dense datasheet peaks (the same figures the MFU at
     run time divides by), memory, HBM and link bandwidths, with the stated achievable fractions applied."""
@@ -125,12 +153,12 @@ def _gpu(spec: GpuSpec) -> DeviceProfile:
         kind="gpu",
         peak_flops=peaks,
         # ~5 us per GEMM launch+tail (small-shape GEMMs on Hopper run at a few us), stated as a guess.
-        matmul={p: (5e-6, v * ACHIEVABLE_MATMUL) for p, v in peaks.items()},
+        matmul={p: (5e-6, _measured_matmul(spec, p, v)) for p, v in peaks.items()},
         memory_bytes=spec.memory_bytes,
         memory_bw=spec.hbm_tbps * TB * ACHIEVABLE_HBM,
-        intra_bw=spec.nvlink_gbps / 2 * GB * ACHIEVABLE_LINK,  # per direction
+        intra_bw=spec.nvlink_gbps / 2 * GB * ACHIEVABLE_NVLINK,  # per direction
         intra_latency=5e-6,  # NCCL ring step latency over NVLink, ~3-6 us (nccl-tests small messages)
-        inter_bw=spec.ib_gbps / 8 * GB * ACHIEVABLE_LINK,
+        inter_bw=spec.ib_gbps / 8 * GB * ACHIEVABLE_NIC,
         inter_latency=15e-6,  # IB RDMA step latency through the NCCL proxy, ~10-20 us
     )
 

@@ -27,10 +27,15 @@ SELECTIVE_SHARE = 1 / 3
 # SwiGLU ~5 over f-sized tensors, and backward about twice forward: ~10x the saved bytes in all (for the 8B shape
 # 2.0 MB per token and layer against 0.18 MB saved). A rough count; on a CPU the calibrated fit absorbs its error.
 ELEMENTWISE_TRAFFIC = 10.0
-# Fused (flash) attention reaches less of the peak than GEMMs: FlashAttention-2 runs at ~35-40% of H100's bf16
-# peak in forward and backward (Shah et al. 2024, FlashAttention-3, figure 5 for FA2), so its FLOPs are charged at
-# this share of the GEMM rate on GPUs (0.5 x 0.75 ~ 37% of peak). CPUs: the calibrated block fit absorbs it.
-GPU_ATTENTION_SHARE = 0.5
+# Fused (flash) attention on a GPU, as measured by its authors: FlashAttention-2 (what SDPA's flash backend runs on
+# Hopper) on an H100 SXM5 in bf16, head dim 128, sequence 8k: 333 TFLOP/s forward with a causal mask and 318 TFLOP/s
+# backward (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, its forward and backward speed figures), i.e.
+# these shares of the 989.4 dense peak, applied to the profile's bf16 peak. FLOPs as the kernel's authors count
+# them: forward 4·s²·d·h (half under a causal mask), backward 2.5x forward (it recomputes QKᵀ; flash-attention's
+# benchmarks/benchmark_flash_attention.py, flops()). CPUs: the calibrated block fit absorbs attention.
+ATTENTION_FORWARD_SHARE = 333 / 989.4
+ATTENTION_BACKWARD_SHARE = 318 / 989.4
+ATTENTION_BACKWARD_FLOPS = 2.5
 # AdamW per fp32 parameter: read p, g, m, v (16 bytes), write p, m, v (12 bytes).
 ADAM_TRAFFIC = 28
 # Autocast's casts (issue 24): each forward under bf16/fp16 autocast casts every Linear's fp32 weight to 16 bits
@@ -215,10 +220,15 @@ def _block_times(
         q, v = heads * (args.qk_nope_head_dim + args.qk_rope_head_dim), heads * args.v_head_dim
         shape = dataclasses.replace(shape, q=q / p.tp, v=v / p.tp, proj=mla_projections(args))
     flops = _matmuls(shape)
-    slow = GPU_ATTENTION_SHARE if profile.kind != "cpu" else 1.0
-    rates = [rate] * (len(flops) - 5) + [mlp_rate] * 3 + [hp_rate * slow] * 2  # in _matmuls' order
+    rates = [rate] * (len(flops) - 5) + [mlp_rate] * 3 + [hp_rate] * 2  # in _matmuls' order
+    back = list(rates)
+    if profile.kind != "cpu":  # attention at its kernel's measured rates (ATTENTION_FORWARD_SHARE)
+        peak = profile.peak_flops["bf16"] * share
+        rates[-2:] = [peak * ATTENTION_FORWARD_SHARE] * 2
+        # backward's 2.5x forward FLOPs at its measured rate, as the two forward-sized matmuls below count it
+        back[-2:] = [peak * ATTENTION_BACKWARD_SHARE * 2 / ATTENTION_BACKWARD_FLOPS] * 2
     fwd = sum(t0 + f / r for f, r in zip(flops, rates))
-    bwd = sum(2 * (t0 + f / r) for f, r in zip(flops, rates))  # two matmuls per forward one: dX and dW
+    bwd = sum(2 * (t0 + f / r) for f, r in zip(flops, back))  # two matmuls per forward one: dX and dW
     # On a CPU element-wise work moves fp32's bytes in every precision: autocast leaves the residual stream and the
     # norms in fp32, and a bf16 kernel converts each element (SiLU on 90k bf16 elements: 51 us, fp32 38 us here).
     elt = 4 if profile.kind == "cpu" else compute_bytes_of(precision)
@@ -278,12 +288,21 @@ def _matmul_rate(profile: DeviceProfile, precision: str) -> tuple[float, float]:
 def _links(profile: DeviceProfile, dims: Layout, gpus_per_node: int) -> dict[str, Link]:
     """The link each mesh group uses: the mesh is (pp, dp_replicate, dp_shard, cp, tp) with tp innermost, so a
     group of size n and stride s (the product of the dims inside it) stays in one node iff n·s <= gpus_per_node;
-    a group that spans nodes runs at the slower (inter-node) link."""
+    a group that spans nodes runs at the slower (inter-node) link. On a GPU each GPU has its own NIC (DGX/HGX) and
+    NCCL spreads its rings' channels over the NICs of every member in a node, so a spanning group with k members
+    a node moves k NICs' worth, up to NVLink's rate: 32 H200 over 4 nodes (8 NICs each) measured a 4 GiB
+    all-reduce at 364.9 GB/s bus bandwidth, one node's NVLink ring rate (367.2), not one NIC's 50 GB/s (S. Bekman,
+    ml-engineering network/README.md at 744d01e, nccl-tests and all_reduce_bench.py, NCCL 2.27.7)."""
     intra = Link(profile.intra_bw, profile.intra_latency)
     inter = Link(profile.inter_bw, profile.inter_latency)
 
     def link(size: int, stride: int) -> Link:
-        return intra if size * stride <= gpus_per_node else inter
+        if size * stride <= gpus_per_node:
+            return intra
+        if profile.kind == "cpu":
+            return inter
+        members = max(1, gpus_per_node // stride)  # the group's members in one node, each with its NIC
+        return Link(min(profile.intra_bw, members * profile.inter_bw), profile.inter_latency)
 
     tp, cp, shard, rep = dims.tp, dims.cp, dims.dp_shard, dims.dp_replicate
     return {
