@@ -235,7 +235,7 @@ def build(cfg: Config) -> Job:
     held = dict(parts=pm.parts, optimizers=optimizers, loader=state["data"].loader, train=train_state)
     preemption = Preemption(dims.control)  # fault_tolerance: every replica group stops after the same step
     ft = fault_tolerance.replica_group(cfg.fault_tolerance, env, held, writer.event, cfg.training.steps,
-                                       preemption.requested)  # fmt: skip
+                                       preemption.requested, meter.reset)  # fmt: skip
     info = dict(world_size=env.world_size, precision=cfg.precision.compute, device=env.device.type, layout=described,
                 parameters=n_params["total"], peak_flops_source=peak_source, nodes=nodes,
                 **batches.announce(cfg.training.batch_ramp), **ft.describe())  # fmt: skip

@@ -177,12 +177,14 @@ class MetricsWriter:
         self._sinks = threading.Lock()  # a checkpoint's commit thread writes its event too
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        """Append `{"step": step, **values}` to metrics.jsonl, and each number to TensorBoard and W&B."""
+        """Append `{"step": step, "time": now, **values}` to metrics.jsonl, and each number to TensorBoard and W&B.
+        `time` (wall clock, as events have it) places the record among the events: goodput needs it to know which
+        steps a record's window covers when a fault-tolerant group healed forward between two records."""
         if not self.enabled:
             return
-        if "step" in values:
-            raise ValueError("values must not contain 'step'; it is passed as its own argument")
-        record = {"step": int(step), **{k: _jsonable(v) for k, v in values.items()}}
+        if "step" in values or "time" in values:
+            raise ValueError("values must not contain 'step' or 'time'; the writer adds them")
+        record = {"step": int(step), "time": time.time(), **{k: _jsonable(v) for k, v in values.items()}}
         self._append(METRICS, record)
         numbers = _numbers(values)
         self._to_sinks(partial(_tb_scalars, int(step), numbers), partial(_wandb_scalars, int(step), numbers))

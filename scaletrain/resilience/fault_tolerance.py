@@ -209,13 +209,13 @@ def start_lighthouse(ft: FaultToleranceConfig) -> tuple[Any, str]:
 
 
 def replica_group(cfg: FaultToleranceConfig, env: DistEnv, state: dict, event: Callable[..., None], final: int,
-                  stop: Callable[[], bool]) -> ReplicaGroup | NoReplicaGroup:  # fmt: skip
-    """This rank's side of its replica group (`state`, `event`, `final`, `stop`: ReplicaGroup's); NoReplicaGroup
-    without fault tolerance."""
+                  stop: Callable[[], bool], new_window: Callable[[], None]) -> ReplicaGroup | NoReplicaGroup:  # fmt: skip
+    """This rank's side of its replica group (`state`, `event`, `final`, `stop`, `new_window`: ReplicaGroup's);
+    NoReplicaGroup without fault tolerance."""
     group = this_group()
     if group is None:
         return NoReplicaGroup()
-    return ReplicaGroup(cfg, group, env.rank, env.world_size, state, event, final, stop)
+    return ReplicaGroup(cfg, group, env.rank, env.world_size, state, event, final, stop, new_window)
 
 
 class NoReplicaGroup:
@@ -248,16 +248,19 @@ class ReplicaGroup:
     """This rank's side of torchft: the quorum at each step start (healing from a peer when behind), the gradients
     and loss averaged over the groups present, and the commit vote. `state` holds the model parts, the optimizers,
     the loader and the train state (what a healing group receives); `stop()` says whether this group's ranks were
-    asked to stop (SIGTERM, Ctrl-C), which sync shares with the other groups."""
+    asked to stop (SIGTERM, Ctrl-C), which sync shares with the other groups; `new_window()` restarts the throughput
+    window (StepMeter.reset) after a heal."""
 
     def __init__(self, cfg: FaultToleranceConfig, group: int, rank: int, size: int, state: dict,
-                 event: Callable[..., None], final: int, stop: Callable[[], bool]) -> None:  # fmt: skip
+                 event: Callable[..., None], final: int, stop: Callable[[], bool],
+                 new_window: Callable[[], None]) -> None:  # fmt: skip
         from torchft import Manager, ProcessGroupGloo
 
         from scaletrain.resilience.ft_servers import BoundHTTPTransport, manager_server_on
 
         self.group, self.rank, self.state, self.event = group, rank, state, event
         self._stop_requested, self._stop = stop, False
+        self._new_window = new_window
         self.main_run = Path(os.environ[MAIN_RUN_ENV])
         self.healed_at: float | None = None
         self.replicas = 0
@@ -315,20 +318,29 @@ class ReplicaGroup:
 
         The first and the last step wait (up to FINAL_WAIT_S) for every group: all start together (a group whose
         heartbeat the lighthouse has not seen yet is not waited for otherwise), and a group restarting heals and
-        rejoins before the end, so that the job ends with every replica holding the same weights."""
+        rejoins before the end, so that the job ends with every replica holding the same weights.
+
+        After a heal the throughput window starts again: the next record covers only the steps from the one received
+        (goodput's segment starts at replica_joined), and the time before it (the heal, a restart's wait for its
+        first quorum, an attempt that did not commit) is not theirs: counted as step time of the record after the
+        heal, it put goodput above the steps' share (issue 26)."""
         deadline = time.monotonic() + FINAL_WAIT_S
+        healed = False
         while True:
             self.manager.start_quorum()
             self.replicas = self.manager.num_participants()
             if self.healed_at is not None:
                 step = self.manager.current_step() + 1
                 self._joined(step - 1)
+                healed = True
             self._first_quorum = False
             everyone = step in (1, self.final)  # the first and the last step wait for every group
             if not everyone or self.replicas >= self.groups or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         self._position = self.state["loader"].state_dict()
+        if healed:
+            self._new_window()
         return step
 
     def sync(self, loss: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -29,9 +29,12 @@ Fields relied on (every event has `time`, `kind`, `step`):
 - `checkpoint_saved.blocking_s`, `eval.duration_s`: seconds the training loop was stopped for them.
 - metrics records: `step`, `step_time_s` — which must EXCLUDE eval and checkpoint blocking time (as the loop
   already excludes eval) or those seconds are counted twice and `other_s` comes out short — and, optionally,
-  `time` (wall clock at logging, like events). With `time`, records are placed between events exactly; without
-  it, a new segment is recognised only where the step number goes back, and its first window is taken to begin at
-  the largest resume point below that step (a `start.step`, `rollback.to_step` or `checkpoint_saved.step`).
+  `time` (wall clock at logging, like events; the writer stamps it). With `time`, records are placed between events
+  exactly; without it (run directories written before records carried it), a new segment is recognised only where
+  the step number goes back, and its first window is taken to begin at the largest resume point below that step (a
+  `start.step`, `rollback.to_step` or `checkpoint_saved.step`), or where it jumps forward over this group's own
+  `replica_joined` step (a heal: the steps up to it were the peers').
+- `replica_joined.group` and `.step` (fault tolerance): the group that healed and the step it received.
 """
 
 from __future__ import annotations
@@ -110,6 +113,9 @@ def _step_time(events: list[dict], records: list[dict], timed: bool, group: int)
             if e.get("kind") == "checkpoint_saved" and isinstance(e.get("step"), int)
         }
     )
+    # Untimed records: a heal is known only by its step, which a window jumping forward over it did not run.
+    joined = [_resume_step(e, group) for e in events if e.get("kind") == "replica_joined"]
+    heals = [step for step in joined if step is not None]
     if timed:
         # Resets before records of the same instant: a segment's `start` is written before its first step.
         timeline = sorted(
@@ -129,6 +135,8 @@ def _step_time(events: list[dict], records: list[dict], timed: bool, group: int)
         if step <= base:
             # The steps went back with no event to say where from: take the largest resume point below.
             base = max((s for s in resume_points if s < step), default=step - 1)
+        elif not timed:
+            base = max((s for s in heals if base < s < step), default=base)
         for s in range(base + 1, step + 1):
             last_time[s] = seconds
             executed += seconds

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.resilience.fault_tolerance import group_run_dir, torchft_installed
+from scaletrain.resilience.goodput import compute_goodput
 from tests.e2e.ft_faults.sitecustomize import FT_FAULTS_ENV
 from tests.helpers import DEBUG, ROOT, events, read_jsonl, start_cli, train_args
 
@@ -137,7 +138,9 @@ def test_groups_survive_a_kill_train_alone_heal_and_end_bit_identical(tmp_path, 
       (twice when it also died healing).
     - At the end each rank of every group holds the same bytes as its counterparts.
     - Each committed step's loss and grad norm match REFERENCE: the single-process step on the slices of the groups
-      present."""
+      present.
+    - Each group's goodput counts the steps it logged, each once, at their step time: the healed group's first
+      record after the heal covers that step only (group 0's goodput read 2.03 in the node-recovery drill)."""
     run = tmp_path / "run"
     nproc, groups, killed, extra, inside = CASES[case]
     size = nproc // groups
@@ -207,6 +210,11 @@ def test_groups_survive_a_kill_train_alone_heal_and_end_bit_identical(tmp_path, 
     stall = STALL_S + args.get("fault_tolerance__timeout_s", 0)
     assert len(alone) >= ALONE and alone[0]["step_time_s"] < stall, alone[0]
     assert all(replicas[s] == groups for s in steps[lost]), replicas
+    for g in range(groups):  # every step it ran logged once (log_interval 1): productive is their step time
+        accounted = compute_goodput(group_run_dir(run, g))
+        assert accounted["goodput"] <= 1 and accounted["other_s"] >= 0, (g, accounted)
+        ran = sum(m["step_time_s"] for m in records[g])
+        assert accounted["productive_s"] == pytest.approx(ran), (g, ran, accounted)
 
     done = [e for e in events(run, "replica_done") if e["step"] == STEPS]
     digests = {(e["group"], e["group_rank"]): e["params_sha256"] for e in done}

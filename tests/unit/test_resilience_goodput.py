@@ -207,3 +207,32 @@ def test_a_replica_group_that_healed_forward_counts_only_the_steps_it_ran(tmp_pa
     ]
     g = _check(compute_goodput(_write(run, events, records)))
     assert g["productive_s"] == pytest.approx(5 * 1.0 + 8 * 1.0)  # steps 1-5 and 13-20
+
+
+@pytest.mark.parametrize("timed", [True, False], ids=["timed-records", "untimed-records"])
+def test_a_restarted_group_0_healed_past_its_checkpoint_counts_only_the_steps_it_logged(tmp_path, timed):
+    """The torchft node-recovery drill's group 0 (tests/e2e/test_fault_tolerance's run directory, in its shape): it
+    logs steps 1-7, dies, restarts from its checkpoint of step 5 and heals from its peer at step 60 (the peer went on
+    alone meanwhile); its next record is step 61. Records written before they carried `time` held nothing to place
+    the heal by: the window of step 61 was taken to cover steps 8-61, at that record's step time, and goodput read
+    above 1 (2.03 in the drill). Group 1's heal, also in this directory's events, is not group 0's."""
+    events = [
+        {"time": 0.0, "kind": "job_start"},
+        {"time": 26.0, "kind": "start", "step": 0},
+        {"time": 31.0, "kind": "checkpoint_saved", "step": 5, "blocking_s": 0.25},
+        {"time": 33.0, "kind": "replica_joined", "step": 6, "group": 1, "cause": "fell_behind"},
+        {"time": 38.0, "kind": "failure", "step": 8},
+        {"time": 38.0, "kind": "replica_lost", "step": 8, "group": 0},
+        {"time": 42.0, "kind": "checkpoint_loaded", "step": 5},
+        {"time": 42.0, "kind": "start", "step": 5},
+        {"time": 43.0, "kind": "replica_joined", "step": 60, "group": 0, "cause": "restarted"},
+        {"time": 45.0, "kind": "end", "step": 61},
+    ]
+    records = [{"step": s, "step_time_s": 0.5, "time": 26.5 + 0.5 * s} for s in range(1, 8)]
+    records.append({"step": 61, "step_time_s": 1.5, "time": 44.5})
+    if not timed:
+        records = [{k: v for k, v in r.items() if k != "time"} for r in records]
+    g = _check(compute_goodput(_write(tmp_path, events, records)))
+    # Steps 1-7 and 61 (the old count: 7 * 0.5 + 54 * 1.5, goodput 1.88).
+    assert g["productive_s"] == pytest.approx(7 * 0.5 + 1.5)
+    assert (g["recomputed_s"], g["restart_s"], g["restarts"]) == (0.0, pytest.approx(42.0 - 38.0), 1)
