@@ -160,7 +160,8 @@ class SourceConfig:
     name: str = ""
     """What logs, metrics (data_share/NAME) and `scaletrain data-position` call it. Empty: source0, source1, ..."""
     endpoint_url: str = ""
-    """s3:// sources: the S3 endpoint (an S3-compatible store). Empty: AWS_ENDPOINT_URL or AWS's own."""
+    """s3:// sources: the S3 endpoint (an S3-compatible store); empty: AWS_ENDPOINT_URL or AWS's own. gs:// sources:
+    the GCS endpoint (an emulator, a private endpoint); empty: STORAGE_EMULATOR_HOST or Google's own."""
     profile: str = ""
     """s3:// sources: the AWS profile (~/.aws/credentials) for its credentials. Empty: AWS_PROFILE, the
     AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY environment, or AWS's default chain."""

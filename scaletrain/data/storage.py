@@ -39,14 +39,18 @@ _FINAL_NAMES = {"ProfileNotFound", "NoCredentialsError", "PartialCredentialsErro
 T = TypeVar("T")
 
 
-def retried(call: Callable[[], T], what: str, final: Callable[[Exception], bool] = lambda e: False) -> T:
-    """`call()`, tried again on failure after 0.5, 1, 2, 4, 8 s (FETCH_ATTEMPTS in all), each failure logged as a
-    warning naming `what`; the last failure, or one that `final` says asking again cannot change, is raised."""
-    for attempt in range(FETCH_ATTEMPTS):
+def retried(
+    call: Callable[[], T], what: str, final: Callable[[Exception], bool] = lambda e: False, attempts: int = 0
+) -> T:
+    """`call()`, tried again on failure after 0.5, 1, 2, 4, 8 s (`attempts` in all, FETCH_ATTEMPTS by default),
+    each failure logged as a warning naming `what`; the last failure, or one that `final` says asking again cannot
+    change, is raised."""
+    attempts = attempts or FETCH_ATTEMPTS
+    for attempt in range(attempts):
         try:
             return call()
         except Exception as e:
-            if attempt == FETCH_ATTEMPTS - 1 or final(e):
+            if attempt == attempts - 1 or final(e):
                 raise
             wait = _BACKOFF_S * 2**attempt
             log.warning("%s failed (%s: %s); trying again in %.1f s", what, type(e).__name__, e, wait)
@@ -56,6 +60,16 @@ def retried(call: Callable[[], T], what: str, final: Callable[[Exception], bool]
 
 def _final(e: Exception) -> bool:
     return isinstance(e, _FINAL_ERRORS) or any(c.__name__ in _FINAL_NAMES for c in type(e).__mro__)
+
+
+def _patience(fs: fsspec.AbstractFileSystem) -> tuple[int, str]:
+    """How often we try a request to `fs`, and how often it was asked in all, in words. gcsfs retries each request
+    itself (6 tries, 1 to 32 s apart: ~40 s against a closed port), so we try once there: the two multiplied to
+    minutes before a dead endpoint was refused. s3fs is made to try once (storage_options), so we retry it."""
+    if "gs" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
+        return 1, "asked 6 times by gcsfs"
+    span = _BACKOFF_S * (2 ** (FETCH_ATTEMPTS - 1) - 1)
+    return FETCH_ATTEMPTS, f"asked {FETCH_ATTEMPTS} times over {span:g} s"
 
 
 @dataclass(frozen=True, order=True)
@@ -68,7 +82,11 @@ class Shard:
 
 def storage_options(src: SourceConfig) -> dict:
     """fsspec options of a source. S3 endpoint and credentials come from the config when set there, else from what
-    botocore reads itself: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws."""
+    botocore reads itself: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws. A GCS
+    endpoint comes from the config, else gcsfs reads STORAGE_EMULATOR_HOST; its credentials are Google's application
+    default ones (GOOGLE_APPLICATION_CREDENTIALS, gcloud's, the metadata server), anonymous where there are none."""
+    if _is_gcs(src.path):
+        return {"endpoint_url": src.endpoint_url} if src.endpoint_url else {}
     if not src.path.startswith("s3://"):
         return {}
     # One attempt per request: ShardCache retries a failed fetch with its own backoff, and a store that cannot be
@@ -86,6 +104,9 @@ def _endpoint_fix(src: SourceConfig, where: str) -> str:
     if src.path.startswith("s3://"):
         return (f"; S3 reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or "
                 f"{where}.endpoint_url and {where}.profile")  # fmt: skip
+    if _is_gcs(src.path):
+        return (f"; GCS reads STORAGE_EMULATOR_HOST or {where}.endpoint_url, and Google's application default "
+                "credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login)")  # fmt: skip
     return ""
 
 
@@ -93,12 +114,28 @@ def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
+def _is_gcs(path: str) -> bool:
+    return path.startswith(("gs://", "gcs://"))
+
+
 def source_filesystem(src: SourceConfig, index: int) -> fsspec.AbstractFileSystem:
     """A filesystem of the source's own, made now: not fsspec's cached instance, which keeps the endpoint and
     credentials of the environment it was made in. Nothing is contacted yet."""
     try:
+        if _is_gcs(src.path):
+            # gcsfs's JSON-API filesystem: a listing and whole-object reads are all a source needs. The class fsspec
+            # maps gs:// to since gcsfs 2026.x first asks the storage-control API (gRPC) for each bucket's layout,
+            # which emulators do not serve (60 s of timeouts a bucket, anonymously) and which needs a permission
+            # of its own.
+            from gcsfs.core import GCSFileSystem
+
+            return GCSFileSystem(skip_instance_cache=True, **storage_options(src))
         return fsspec.core.url_to_fs(src.path, skip_instance_cache=True, **storage_options(src))[0]
-    except ImportError as e:  # fsspec's "Install s3fs to access S3"
+    except ImportError as e:  # fsspec's "Install s3fs to access S3"; gcsfs missing
+        if _is_gcs(src.path):
+            raise UserError(
+                f"data.sources[{index}].path {src.path}: gs:// is read through gcsfs: pip install gcsfs"
+            ) from None
         raise UserError(
             f"data.sources[{index}].path {src.path}: {e} (pip install 'scaletrain[stream]')"
         ) from None
@@ -122,14 +159,13 @@ def list_shards(src: SourceConfig, index: int, fs: fsspec.AbstractFileSystem | N
 
     try:
         # A store that does not answer (restarting, a dropped connection) is asked again, as a fetch is.
-        infos = retried(listing, f"listing {src.path}", _final)
+        infos = retried(listing, f"listing {src.path}", _final, _patience(fs)[0])
     except FileNotFoundError:
         raise UserError(
             f"{where}.path {src.path} does not exist; give an existing file, directory or glob"
         ) from None
     except Exception as e:  # botocore, aiohttp and OSError each say why in one line
-        span = _BACKOFF_S * (2 ** (FETCH_ATTEMPTS - 1) - 1)
-        tried = "" if _final(e) else f" (asked {FETCH_ATTEMPTS} times over {span:g} s)"
+        tried = "" if _final(e) else f" ({_patience(fs)[1]})"
         raise UserError(
             f"{where}.path {src.path} cannot be listed{tried}: {type(e).__name__}: {e}{_endpoint_fix(src, where)}"
         ) from None
@@ -238,11 +274,11 @@ class ShardCache:
                 tmp.unlink(missing_ok=True)
 
         try:
-            retried(fetch, f"reading {shard.url}")  # every failure: a shard listed at launch is there
+            # Every failure retried: a shard listed at launch is there.
+            retried(fetch, f"reading {shard.url}", attempts=_patience(fs)[0])
         except Exception as e:
             raise UserError(
-                f"data.sources[{source}]: {shard.url} cannot be read after {FETCH_ATTEMPTS} attempts: "
-                f"{type(e).__name__}: {e}"
+                f"data.sources[{source}]: {shard.url} cannot be read ({_patience(fs)[1]}): {type(e).__name__}: {e}"
             ) from None
         with self._lock:
             self.fetched += 1
