@@ -81,11 +81,15 @@ class Run:
     memory_gib: float | None  # published peak per GPU (None: not published)
     differs: str  # where the run differs from what scaletrain runs (and so from what the planner models)
     recompute_every: int = 2
+    attention: str = (
+        "auto"  # model.attention: the kernel the run used (cudnn: Transformer Engine's fused attention)
+    )
 
     def config(self) -> Config:
         t = TrainingConfig(global_batch=self.global_batch, micro_batch=self.micro, eval_interval=0)
         memory = MemoryConfig(recompute=self.recompute, recompute_every=self.recompute_every)
-        return Config(model=ModelConfig(preset=self.preset), data=DataConfig(seq_len=self.seq), training=t,
+        model = ModelConfig(preset=self.preset, attention=self.attention)
+        return Config(model=model, data=DataConfig(seq_len=self.seq), training=t,
                       parallel=self.parallel, memory=memory, precision=PrecisionConfig(compute=self.precision))  # fmt: skip
 
 
@@ -121,14 +125,16 @@ RUNS: tuple[Run, ...] = (
     Run("Megatron-Bridge Llama 3 8B, 8 H100, FSDP, FP8-CS", MEGATRON, "8B", 8, 8192, 128, 1,
         ParallelConfig(data_parallel="fsdp", grad_sync="micro_batch"), "every_k", "fp8", ("h100",), 14451, None,
         "full recompute of 5 of 32 blocks (ours: every 6th block, 5.3 of 32); Transformer Engine's FP8 current "
-        "scaling and fused kernels (cuDNN attention, fused norms)", recompute_every=6),
+        "scaling and fused norms and casts; its cuDNN attention is our model.attention = cudnn",
+        recompute_every=6, attention="cudnn"),
     Run("Megatron-Bridge Llama 3 70B, 64 H100, TP 4 PP 8 VP 5, FP8-CS", MEGATRON, "70B", 64, 8192, 128, 1,
         ParallelConfig(data_parallel="zero2", tp=4, pp=8, sequence_parallel=True, pp_schedule="interleaved_1f1b",
                        pp_virtual_stages=5), "none", "fp8", ("h100",), 1602, None,
         "DDP with the distributed optimizer (ours: zero2, the nearest layout scaletrain runs with tp and pp: "
         "gradients and optimizer states sharded over the 2 data-parallel ranks); TP communication overlapped with GEMMs "
         "(userbuffers); embedding and loss in stages of their own (ours: the head counted on every stage); "
-        "Transformer Engine kernels"),
+        "Transformer Engine's fused norms and casts; its cuDNN attention is our model.attention = cudnn",
+        attention="cudnn"),
 )  # fmt: skip
 
 

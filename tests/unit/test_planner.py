@@ -181,12 +181,12 @@ def test_fp8_speeds_the_block_linears_only_and_mfu_is_against_the_bf16_peak():
 
 def _attention_share(args) -> float:
     """The share of one block's forward time that is attention on an H100 in bf16: the Linear layers at its measured
-    GEMM rate (794.5 TFLOP/s), attention at FlashAttention-2's (ATTENTION_FORWARD_SHARE of the 989.4 peak)."""
-    from scaletrain.planning.estimators.time import ATTENTION_FORWARD_SHARE, _matmuls, _Shape
+    GEMM rate (794.5 TFLOP/s), attention at FlashAttention-2's (ATTENTION_SHARES of the 989.4 peak)."""
+    from scaletrain.planning.estimators.time import ATTENTION_SHARES, _matmuls, _Shape
 
     flops = _matmuls(_Shape(8192, 8192, args.dim, args.n_heads * args.head_dim,
                             args.n_kv_heads * args.head_dim, args.ffn_hidden))  # fmt: skip
-    linear, attention = sum(flops[:7]) / 794.5, sum(flops[7:]) / (989.4 * ATTENTION_FORWARD_SHARE)
+    linear, attention = sum(flops[:7]) / 794.5, sum(flops[7:]) / (989.4 * ATTENTION_SHARES["flash"][0])
     return attention / (linear + attention)
 
 

@@ -19,8 +19,7 @@ from scaletrain.planning.estimators.hardware import GPUS, load_profile
 from scaletrain.planning.estimators.inputs import model_args
 from scaletrain.planning.estimators.time import (
     ATTENTION_BACKWARD_FLOPS,
-    ATTENTION_BACKWARD_SHARE,
-    ATTENTION_FORWARD_SHARE,
+    ATTENTION_SHARES,
     _block_times,
     _links,
     _matmuls,
@@ -38,8 +37,10 @@ def test_each_gpu_efficiency_figure_is_its_sources_measurement():
     assert rates == pytest.approx({"bf16": 794.5, "fp16": 794.5, "fp8": 1402.6})
     assert h200.matmul["fp8"][1] == pytest.approx(1453.4 * TB)
     assert GPUS["a100"].matmul["bf16"][1] == pytest.approx(271.2 * TB)
-    # Attention: FlashAttention-2 on H100 SXM5 (FlashAttention-3 paper): 333 forward (causal), 318 backward, of 989.4.
-    assert (ATTENTION_FORWARD_SHARE * 989.4, ATTENTION_BACKWARD_SHARE * 989.4) == pytest.approx((333, 318))
+    # Attention on H100 SXM5 (FlashAttention-3 paper), of 989.4: FlashAttention-2 333 forward (causal) and 318
+    # backward; cuDNN 529 and 518.
+    shares = {kernel: tuple(989.4 * x for x in pair) for kernel, pair in ATTENTION_SHARES.items()}
+    assert shares == {"flash": pytest.approx((333, 318)), "cudnn": pytest.approx((529, 518))}
     assert ATTENTION_BACKWARD_FLOPS == 2.5
     # Links: NCCL's ring all-gather on NVLink 4, 361.4 GB/s; a node's NICs at 364.87 of 400 GB/s.
     assert h100.intra_bw == pytest.approx(361.4 * GB) and h200.intra_bw == pytest.approx(361.4 * GB)
@@ -48,17 +49,19 @@ def test_each_gpu_efficiency_figure_is_its_sources_measurement():
     assert h100.peak_flops["bf16"] == pytest.approx(989.4 * TB)
 
 
-def test_a_block_runs_its_linears_at_the_gemm_rate_and_attention_at_flash_attention_2s():
-    args = resolve_model_args(ModelConfig(preset="8B"), None, 8192)
+@pytest.mark.parametrize("kernel", ["auto", "flash", "cudnn"])
+def test_a_block_runs_its_linears_at_the_gemm_rate_and_attention_at_its_kernels(kernel):
+    args = resolve_model_args(ModelConfig(preset="8B", attention=kernel), None, 8192)
     h100 = GPUS["h100"]
     b = _block_times(args, ParallelConfig(), h100, "bf16", 1, 8192, 1.0)
     flops = _matmuls(_Shape(8192, 8192, args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim,
                             args.ffn_hidden))  # fmt: skip
     t0, rate, peak = h100.matmul["bf16"][0], h100.matmul["bf16"][1], h100.peak_flops["bf16"]
     linear, attention = sum(flops[:7]), sum(flops[7:])
-    assert b["fwd"] == pytest.approx(9 * t0 + linear / rate + attention / (peak * ATTENTION_FORWARD_SHARE))
-    backward = 2.5 * attention / (peak * ATTENTION_BACKWARD_SHARE)  # FlashAttention's own FLOP count
-    assert b["bwd"] == pytest.approx(18 * t0 + 2 * linear / rate + backward)
+    forward, backward = ATTENTION_SHARES["cudnn" if kernel == "cudnn" else "flash"]
+    assert b["fwd"] == pytest.approx(9 * t0 + linear / rate + attention / (peak * forward))
+    # FlashAttention's own FLOP count: backward is 2.5x forward.
+    assert b["bwd"] == pytest.approx(18 * t0 + 2 * linear / rate + 2.5 * attention / (peak * backward))
 
 
 def test_a_group_spanning_nodes_moves_its_members_nics_and_a_cpu_keeps_its_link():

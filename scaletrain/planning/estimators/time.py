@@ -27,14 +27,15 @@ SELECTIVE_SHARE = 1 / 3
 # SwiGLU ~5 over f-sized tensors, and backward about twice forward: ~10x the saved bytes in all (for the 8B shape
 # 2.0 MB per token and layer against 0.18 MB saved). A rough count; on a CPU the calibrated fit absorbs its error.
 ELEMENTWISE_TRAFFIC = 10.0
-# Fused (flash) attention on a GPU, as measured by its authors: FlashAttention-2 (what SDPA's flash backend runs on
-# Hopper) on an H100 SXM5 in bf16, head dim 128, sequence 8k: 333 TFLOP/s forward with a causal mask and 318 TFLOP/s
-# backward (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, its forward and backward speed figures), i.e.
-# these shares of the 989.4 dense peak, applied to the profile's bf16 peak. FLOPs as the kernel's authors count
-# them: forward 4·s²·d·h (half under a causal mask), backward 2.5x forward (it recomputes QKᵀ; flash-attention's
-# benchmarks/benchmark_flash_attention.py, flops()). CPUs: the calibrated block fit absorbs attention.
-ATTENTION_FORWARD_SHARE = 333 / 989.4
-ATTENTION_BACKWARD_SHARE = 318 / 989.4
+# Fused attention on a GPU, as measured by FlashAttention-3's authors on an H100 SXM5 in bf16, head dim 128,
+# sequence 8k (Shah et al. 2024, arXiv:2407.08608, its forward and backward speed figures): FlashAttention-2 (what
+# SDPA's flash backend runs; the planner's choice for model.attention = auto, flash and the others) 333 TFLOP/s
+# forward with a causal mask and 318 backward; cuDNN (model.attention = cudnn, and Transformer Engine's fused
+# attention) 529 and 518. As (forward, backward) shares of the 989.4 dense peak, applied to the profile's bf16
+# peak. FLOPs as the kernels' authors count them: forward 4·s²·d·h (half under a causal mask), backward 2.5x forward
+# (it recomputes QKᵀ; flash-attention's benchmarks/benchmark_flash_attention.py, flops()). CPUs: the calibrated
+# block fit absorbs attention.
+ATTENTION_SHARES = {"flash": (333 / 989.4, 318 / 989.4), "cudnn": (529 / 989.4, 518 / 989.4)}
 ATTENTION_BACKWARD_FLOPS = 2.5
 # AdamW per fp32 parameter: read p, g, m, v (16 bytes), write p, m, v (12 bytes).
 ADAM_TRAFFIC = 28
@@ -221,12 +222,17 @@ def _block_times(
         shape = dataclasses.replace(shape, q=q / p.tp, v=v / p.tp, proj=mla_projections(args))
     flops = _matmuls(shape)
     rates = [rate] * (len(flops) - 5) + [mlp_rate] * 3 + [hp_rate] * 2  # in _matmuls' order
+    if profile.kind == "cpu" and profile.attention[1]:  # SDPA's CPU kernel at its own rate, not the GEMMs'
+        rates[-2:] = [profile.attention[1] * share] * 2
     back = list(rates)
-    if profile.kind != "cpu":  # attention at its kernel's measured rates (ATTENTION_FORWARD_SHARE)
+    if profile.kind != "cpu":  # attention at its kernel's measured rates (ATTENTION_SHARES)
         peak = profile.peak_flops["bf16"] * share
-        rates[-2:] = [peak * ATTENTION_FORWARD_SHARE] * 2
+        forward, backward = ATTENTION_SHARES.get(
+            getattr(args, "attention", "auto"), ATTENTION_SHARES["flash"]
+        )
+        rates[-2:] = [peak * forward] * 2
         # backward's 2.5x forward FLOPs at its measured rate, as the two forward-sized matmuls below count it
-        back[-2:] = [peak * ATTENTION_BACKWARD_SHARE * 2 / ATTENTION_BACKWARD_FLOPS] * 2
+        back[-2:] = [peak * backward * 2 / ATTENTION_BACKWARD_FLOPS] * 2
     fwd = sum(t0 + f / r for f, r in zip(flops, rates))
     bwd = sum(2 * (t0 + f / r) for f, r in zip(flops, back))  # two matmuls per forward one: dX and dW
     # On a CPU element-wise work moves fp32's bytes in every precision: autocast leaves the residual stream and the
