@@ -177,12 +177,14 @@ def build(cfg: Config) -> Job:
     writer = MetricsWriter(run.path, env.is_main, cfg.metrics.tensorboard, cfg.metrics.wandb_project)
 
     # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
-    # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch.
+    # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch; data.streaming's
+    # ranks agree the shards' token counts over the control group and fetch only the shards under their slice.
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     batches = BatchRamp.of(cfg.training.batch_ramp, layout.global_batch)  # each step's batch (checked)
     dp = fault_tolerance.data_slice(dims.dp_rank, layout.dp_size, cfg.fault_tolerance)  # (rank, size)
     loader = first(lambda: build_loader(cfg.data, tokenizer, layout.global_batch, *dp, cfg.training.seed, log.info,
-                                        batches.consumed(cfg.training.steps) * cfg.data.seq_len))  # fmt: skip
+                                        batches.consumed(cfg.training.steps) * cfg.data.seq_len,
+                                        dims.control))  # fmt: skip
 
     # -- Model: built on meta and parallelised there; each rank then materialises only its share, with the
     # single-process values for the seed (parallel/materialize.py). An HF import then overwrites each rank's share

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from scaletrain.config import DataConfig
 from scaletrain.data.prepare import prepare_data
@@ -282,12 +283,14 @@ def build_loader(
     seed: int,
     log: Callable[[str], None] = print,
     run_tokens: int = 0,
+    group: dist.ProcessGroup | None = None,
 ) -> DataLoader | StreamingLoader:
     """Prepare (or reuse) the token shards, mix the sources and return this rank's loader; with data.streaming,
-    the streaming loader (its schedule's shares of the run are of `run_tokens`, what training.steps consume)."""
+    the streaming loader (its schedule's shares of the run are of `run_tokens`, what training.steps consume; the
+    ranks of `group`, the control plane's, split the reading of the shards)."""
     if data_cfg.streaming:
         return build_streaming_loader(
-            data_cfg, tokenizer, global_batch, dp_rank, dp_size, seed, run_tokens, log
+            data_cfg, tokenizer, global_batch, dp_rank, dp_size, seed, run_tokens, log, group
         )
     prepared = prepare_data(data_cfg, tokenizer, log)
     names = (

@@ -74,10 +74,12 @@ def _patience(fs: fsspec.AbstractFileSystem) -> tuple[int, str]:
 
 @dataclass(frozen=True, order=True)
 class Shard:
-    """One file of a source: its URL as fsspec names it (protocol included for remote ones) and its size."""
+    """One file of a source: its URL as fsspec names it (protocol included for remote ones), its size, and a tag
+    of its version where the store gives one (S3's ETag, a file's mtime): part of its token count's key."""
 
     url: str
     size: int
+    tag: str = ""
 
 
 def storage_options(src: SourceConfig) -> dict:
@@ -171,7 +173,7 @@ def list_shards(src: SourceConfig, index: int, fs: fsspec.AbstractFileSystem | N
         ) from None
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     shards = sorted(
-        Shard(fs.unstrip_protocol(p) if is_remote(src.path) else p, int(info.get("size") or 0))
+        Shard(fs.unstrip_protocol(p) if is_remote(src.path) else p, int(info.get("size") or 0), _tag(info))
         for p, info in infos.items()
         if info.get("type", "file") == "file"
     )
@@ -182,6 +184,14 @@ def list_shards(src: SourceConfig, index: int, fs: fsspec.AbstractFileSystem | N
             f"{where}.path {src.path} matches {len(shards)} file(s), all empty; point it at your data"
         )
     return shards
+
+
+def _tag(info: dict) -> str:
+    """The version of a listed file: S3's and GCS's ETag, else its modification time."""
+    for key in ("ETag", "etag", "mtime", "LastModified", "updated"):
+        if info.get(key):
+            return str(info[key])
+    return ""
 
 
 class ShardCache:

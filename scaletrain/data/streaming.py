@@ -5,10 +5,12 @@ Each source is one token stream per epoch: its shards in an order shuffled per e
 shard's documents in file order, an end-of-document id after each. The source's k-th sample is tokens
 [k*L, k*L + L + 1) of that stream (L = data.seq_len), so a source is read once per epoch, never a document twice.
 Sample g of the run comes from the source a smooth weighted round-robin picks with the schedule's weights at
-g*L tokens: the realised shares follow the weights to within one sample. Every rank walks every source's cursor
-over the whole global batch (a cursor moves by L tokens per sample, which needs the token counts of the documents
-it passes) and keeps the tokens of its own slice only; the position is therefore the same on every rank, and a
-checkpoint of it continues on any number of ranks, or under a schedule changed for the steps not yet trained.
+g*L tokens: the realised shares follow the weights to within one sample. Every rank moves every source's position
+over the whole global batch, by the token counts of the shards it passes (data/counts.py), and reads only the shards
+under its own slice of the batch: a shard's count is taken by the ranks whose samples it is expected to hold (they
+read it anyway) and shared over the control plane's gloo group, and kept on disk for later starts. The position is
+therefore the same on every rank, and a checkpoint of it continues on any number of ranks, or under a schedule
+changed for the steps not yet trained. Without a group (one process) every shard passed is read, in order.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import dataclasses
 import functools
 import hashlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from scaletrain.config import DataConfig, SourceConfig
+from scaletrain.data.counts import INDEX_NAME, TokenCounts, group_gather, job_digest, shard_key
 from scaletrain.data.prepare import TokenizeJob, resolve_cache_dir, token_dtype, tokenize_file
 from scaletrain.data.schedule import MixtureSchedule
 from scaletrain.data.sources import Skipped, resolve_format
@@ -36,6 +41,9 @@ log = logging.getLogger("scaletrain")
 # The fields of each source's position in the loader's state (and the checkpoint), as f"s{i}_{field}".
 POSITION_FIELDS = ("epoch", "shard", "offset", "seed", "samples")
 STREAM_FORMATS = ("auto", "text", "jsonl", "parquet")
+# Tokens of read shards kept in memory a source (at least the two a window can span): a rank counts a few shards of
+# a batch before it reads its samples from them.
+TOKENS_KEPT = 1 << 25
 
 
 class SourceDry(UserError):
@@ -59,15 +67,22 @@ def shuffle_seed(seed: int, source: int, epoch: int) -> int:
 
 class SourceStream:
     """One source's token stream and its position: epoch, the shard's place in the epoch's order, the token offset
-    in that shard's tokens. Shards of the epoch's order are fetched `read_ahead` ahead (ShardCache)."""
+    in that shard's tokens. The position moves by the shards' token counts (TokenCounts: agreed over the ranks, or
+    counted here); a shard's tokens are read only for the samples kept. With `in_order` the shards of the epoch's
+    order are fetched `read_ahead` ahead (ShardCache); else the loader says which ones this rank will read."""
 
     def __init__(self, index: int, shards: list[Shard], job: TokenizeJob, cache: ShardCache, seed: int,
-                 read_ahead: int, stop_when_dry: bool, name: str):  # fmt: skip
+                 read_ahead: int, stop_when_dry: bool, name: str, counts: TokenCounts,
+                 in_order: bool = True):  # fmt: skip
         self.index, self.shards, self.job, self.cache = index, shards, job, cache
         self.seed, self.read_ahead, self.stop_when_dry, self.name = seed, read_ahead, stop_when_dry, name
+        self.counts, self.in_order = counts, in_order
+        digest = job_digest(job)
+        self.keys = [shard_key(s, digest) for s in shards]
         self.epoch = self.shard = self.offset = self.samples = 0
-        self._tokens: dict[tuple[int, int], np.ndarray] = {}  # (epoch, shard) -> its tokens; at most two kept
+        self._tokens: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()  # (epoch, shard) -> its tokens
         self._orders: dict[int, np.ndarray] = {}
+        self._ratio = (-1, 1.0)  # (len(counts.agreed) when computed, tokens per byte of the agreed shards)
         self.skipped = Skipped()
 
     def order(self, epoch: int) -> np.ndarray:
@@ -81,12 +96,19 @@ class SourceStream:
     def shard_at(self, epoch: int, k: int) -> Shard:
         return self.shards[int(self.order(epoch)[k])]
 
+    def key_at(self, epoch: int, k: int) -> str:
+        return self.keys[int(self.order(epoch)[k])]
+
+    def has_tokens(self, epoch: int, k: int) -> bool:
+        return (epoch, k) in self._tokens
+
     def tokens(self, epoch: int, k: int) -> np.ndarray:
-        """The tokens of the k-th shard of `epoch`'s order (read, or fetched and read, once)."""
+        """The tokens of the k-th shard of `epoch`'s order (read, or fetched and read, once); its count recorded."""
         key = (epoch, k)
         if key not in self._tokens:
             shard = self.shard_at(epoch, k)
-            for ahead in range(1, self.read_ahead + 1):  # the next shards, into the next epoch too
+            # The next shards of the order, into the next epoch too (split reading: the loader says which).
+            for ahead in range(1, self.read_ahead + 1 if self.in_order else 1):
                 e, j = divmod(k + ahead, len(self.shards))
                 self.cache.prefetch(self.index, self.shard_at(epoch + e, j))
             path = self.cache.open(self.index, shard)
@@ -100,23 +122,62 @@ class SourceStream:
             if skipped:
                 log.warning("%s: left out %s", shard.url, skipped.describe())
                 self.skipped.update(skipped)
-            # The shard a window starts in and the one it ends in: a sample is read, then the position moved.
-            self._tokens = dict(list(self._tokens.items())[-1:])
+            self.counts.record(self.key_at(epoch, k), len(ids))
+            # The shard a window starts in and the one it ends in at least; more while they are small (a rank
+            # counts a few shards of a batch before it reads its samples from them).
+            held = sum(len(t) for t in self._tokens.values()) + len(ids)
+            while len(self._tokens) > 1 and held > TOKENS_KEPT:
+                held -= len(self._tokens.popitem(last=False)[1])
             self._tokens[key] = ids
+        self._tokens.move_to_end(key)
         return self._tokens[key]
+
+    def length(self, epoch: int, k: int) -> int:
+        """The k-th shard's token count: agreed, else counted here (fetched and read)."""
+        n = self.counts.get(self.key_at(epoch, k))
+        return len(self.tokens(epoch, k)) if n is None else n
+
+    def reach(self, end: int) -> Iterator[tuple[int, int, int, int, bool]]:
+        """(epoch, k, start, stop, agreed) of each shard from the position on that tokens [0, end) after it fall
+        in: start and stop relative to the position, estimated from the shard's size (the tokens per byte of the
+        agreed shards) where the count is not agreed yet. Stops at the source's end with when_dry = "stop"."""
+        epoch, k, pos, empty = self.epoch, self.shard, -self.offset, 0
+        ratio = self._tokens_per_byte()
+        while pos < end:
+            n = self.counts.get(self.key_at(epoch, k))
+            size = n if n is not None else max(1, round(self.shard_at(epoch, k).size * ratio))
+            yield epoch, k, pos, pos + size, n is not None
+            pos += size
+            empty = empty + 1 if n == 0 else 0
+            if empty > len(self.shards):
+                raise UserError(f"{self.name}: none of its {len(self.shards)} shards gives a token (no documents "
+                                "in the format and field given); check data.sources' format and field")  # fmt: skip
+            k += 1
+            if k == len(self.shards):
+                if self.stop_when_dry:
+                    return
+                epoch, k = epoch + 1, 0
+
+    def _tokens_per_byte(self) -> float:
+        if self._ratio[0] != len(self.counts.agreed):
+            known = [(n, s.size) for s, key in zip(self.shards, self.keys)
+                     if (n := self.counts.get(key)) is not None]  # fmt: skip
+            size = sum(b for _, b in known)
+            self._ratio = (len(self.counts.agreed), sum(n for n, _ in known) / size if size else 1.0)
+        return self._ratio[1]
 
     def _walk(self, n: int, keep: bool) -> tuple[list[np.ndarray], tuple[int, int, int]]:
         """The next `n` tokens from the position (when `keep`) and the position after them."""
         epoch, k, offset = self.epoch, self.shard, self.offset
         pieces, left = [], n
         while left:
-            ids = self.tokens(epoch, k)
-            take = min(left, len(ids) - offset)
+            size = self.length(epoch, k)
+            take = min(left, size - offset)
             if keep and take:
-                pieces.append(ids[offset : offset + take])
+                pieces.append(self.tokens(epoch, k)[offset : offset + take])
             offset += take
             left -= take
-            if offset == len(ids):
+            if offset == size:
                 k, offset = k + 1, 0
                 if k == len(self.shards):
                     if self.stop_when_dry and left:
@@ -157,16 +218,24 @@ class SourceStream:
 class StreamingLoader:
     """Global batch k is samples [k*B, (k+1)*B) of the mixed stream; rank r keeps the contiguous slice
     [r*B/dp, (r+1)*B/dp), as DataLoader does. Stateful: the sources' positions, the round-robin's credits and the
-    next sample index, the same on every rank."""
+    next sample index, the same on every rank.
+
+    With `counts` shared over a group of several ranks (split reading), a batch's shards are counted before it is
+    read: each shard whose count no rank has is counted by the ranks whose samples it is expected to hold (by its
+    size), the counts exchanged, and again until every source's walk over the batch is known; then each rank fetches
+    and reads only the shards under its own samples."""
 
     def __init__(self, streams: list[SourceStream], schedule: MixtureSchedule, seq_len: int, global_batch: int,
-                 dp_rank: int, dp_size: int, held_out: list[SourceStream]):  # fmt: skip
+                 dp_rank: int, dp_size: int, held_out: list[SourceStream],
+                 counts: TokenCounts | None = None):  # fmt: skip
         if global_batch <= 0 or global_batch % dp_size:
             raise UserError(f"training.global_batch={global_batch} must be a positive multiple of the "
                             f"data-parallel size {dp_size}")  # fmt: skip
         self.streams, self.schedule, self.seq_len = streams, schedule, seq_len
         self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
         self.held_out = held_out
+        split = counts is not None and counts.gather is not None and dp_size > 1
+        self.token_counts = counts if split else None
         self.next_sample = 0
         self.credits = np.zeros(len(streams))
         self._counts = np.zeros(len(streams), dtype=np.int64)  # samples per source since shares() was read
@@ -187,15 +256,12 @@ class StreamingLoader:
         if n <= 0 or n % self.dp_size:
             raise ValueError(f"a step's batch of {n} sequences does not split over {self.dp_size} ranks")
         local = n // self.dp_size
-        mine = range(self.dp_rank * local, (self.dp_rank + 1) * local)
-        samples, before, counts = [], self.state_dict(), self._counts.copy()
+        before, counts = self.state_dict(), self._counts.copy()
+        picks = [self._pick(self.next_sample + j) for j in range(n)]
+        for i in picks:
+            self._counts[i] += 1
         try:
-            for j in range(n):
-                i = self._pick(self.next_sample + j)
-                self._counts[i] += 1
-                sample = self.streams[i].next_sample(self.seq_len, keep=j in mine)
-                if sample is not None:
-                    samples.append(sample)
+            samples = self._read(picks, range(self.dp_rank * local, (self.dp_rank + 1) * local))
         except SourceDry:
             # The whole batch or none of it: every rank finds the source dry at the same sample (each walks the
             # whole batch), none trains a part of a step, and the position stays after the last whole batch.
@@ -204,6 +270,72 @@ class StreamingLoader:
             raise
         self.next_sample += n
         return _to_batch(samples)
+
+    def _read(self, picks: list[int], mine: range) -> list[np.ndarray]:
+        """Move every source over the samples `picks` names (sample j from source picks[j]); the samples in
+        `mine`, read."""
+        by_source: dict[int, list[int]] = {}
+        for j, i in enumerate(picks):
+            by_source.setdefault(i, []).append(j)
+        if self.token_counts is not None:
+            self._agree(by_source, len(picks))
+            self._fetch_mine(by_source, mine, 0)
+        samples = []
+        for j, i in enumerate(picks):
+            sample = self.streams[i].next_sample(self.seq_len, keep=j in mine)
+            if sample is not None:
+                samples.append(sample)
+        if self.token_counts is not None and self.streams[0].read_ahead:  # where its next samples will lie
+            self._fetch_mine(by_source, mine, self.streams[0].read_ahead)
+        return samples
+
+    def _agree(self, by_source: dict[int, list[int]], n: int) -> None:
+        """Count, over the ranks, every shard the batch's walk passes (a collective: every rank of the group calls it
+        at the same point, and decides from the agreed counts alone whether to go round again)."""
+        c, L, local = self.token_counts, self.seq_len, n // self.dp_size
+        assert c is not None
+        if c.members is None:  # first use: each rank's slice, and what each found on disk or read at build
+            c.share(self.dp_rank)
+        while True:
+            todo, unknown = [], False
+            for i, js in by_source.items():
+                s = self.streams[i]
+                for e, k, a, b, agreed in s.reach(len(js) * L + 1):
+                    if agreed:
+                        continue
+                    unknown = True
+                    # Sample t of this source holds its tokens [t*L, t*L + L + 1): those over [a, b) are expected
+                    # to need the shard; their ranks count it (they read it anyway), or one member if none is here.
+                    ts = range(max(0, (a - 1) // L), min(len(js) - 1, (b - 1) // L) + 1)
+                    owners = {js[t] // local for t in ts} & set(c.members)
+                    anyone = (e * len(s.shards) + k) % len(c.members) == c.group_rank
+                    if (self.dp_rank in owners) if owners else anyone:
+                        todo.append((s, e, k))
+            if not unknown:
+                return
+            for s, e, k in todo:
+                if not s.has_tokens(e, k):
+                    s.cache.prefetch(s.index, s.shard_at(e, k))
+            for s, e, k in todo:
+                if s.key_at(e, k) not in c.pending:
+                    s.tokens(e, k)
+            c.share(self.dp_rank)
+
+    def _fetch_mine(self, by_source: dict[int, list[int]], mine: range, ahead: int) -> None:
+        """Start fetching the shards under this rank's samples of the batch (ahead = 0), or, after it, up to `ahead`
+        shards a source where its samples of a batch as large would lie from the new position."""
+        L = self.seq_len
+        for i, js in by_source.items():
+            ts = [t for t, j in enumerate(js) if j in mine]
+            if not ts:
+                continue
+            s, a, b, started = self.streams[i], ts[0] * L, ts[-1] * L + L + 1, 0
+            for e, k, _, stop, _ in s.reach(b):
+                if stop > a and not s.has_tokens(e, k):
+                    s.cache.prefetch(s.index, s.shard_at(e, k))
+                    started += 1
+                    if ahead and started >= ahead:
+                        break
 
     def shares(self) -> dict[str, float]:
         """Each source's share of the samples since the last call (metrics: data_share/NAME)."""
@@ -250,11 +382,11 @@ class StreamingLoader:
             self.credits[i] = float(sd[f"s{i}_credit"])
         self.next_sample = sum(s.samples for s in self.streams)
         # A rollback past bad batches (resilience.guard) asks for a later sample than the position it restored:
-        # the samples in between are read and dropped, so every source still moves on by what they held.
-        while self.next_sample < int(sd["next_sample"]):
-            i = self._pick(self.next_sample)
-            self.streams[i].next_sample(self.seq_len, keep=False)
-            self.next_sample += 1
+        # the samples in between are passed over, so every source still moves on by what they held.
+        target = int(sd["next_sample"])
+        if self.next_sample < target:
+            self._read([self._pick(g) for g in range(self.next_sample, target)], range(0))
+            self.next_sample = target
 
     def close(self) -> None:
         self.streams[0].cache.close()
@@ -280,14 +412,20 @@ def stream_source_problems(src: SourceConfig, index: int) -> list[str]:
 
 def build_streaming_loader(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, global_batch: int,
                            dp_rank: int, dp_size: int, seed: int, run_tokens: int,
-                           log_fn: Callable[[str], None] = log.info) -> StreamingLoader:  # fmt: skip
+                           log_fn: Callable[[str], None] = log.info,
+                           group: dist.ProcessGroup | None = None) -> StreamingLoader:  # fmt: skip
     """The streaming loader of data.sources, each listed and its first shard read before step 1 (a source that
-    cannot be is refused here, with its URL and the reason)."""
+    cannot be is refused here, with its URL and the reason). With `group` (the control plane's gloo group, over
+    ranks of several data-parallel slices) the ranks split the reading: each fetches only the shards under its
+    samples, and the first shard is read by data-parallel rank 0 alone."""
     if not data.sources:
         raise UserError("data.streaming reads data.sources; add at least one source (a path or an s3:// URL)")
     # One filesystem per source, for its listing and its fetches (a new S3 client costs about a second).
     filesystems = [source_filesystem(s, i) for i, s in enumerate(data.sources)]
     cache = ShardCache(resolve_cache_dir(data) / "stream", data.stream_cache_mb << 20, filesystems)
+    split = group is not None and dp_size > 1 and dist.get_world_size(group) > 1
+    gather, group_rank = group_gather(group) if split else (None, dp_rank)
+    counts = TokenCounts(resolve_cache_dir(data) / INDEX_NAME, gather, group_rank)
     names = source_names(data)
     streams, held_out = [], []
     for i, src in enumerate(data.sources):
@@ -297,18 +435,19 @@ def build_streaming_loader(data: DataConfig, tokenizer: ByteTokenizer | HFTokeni
             if len(shards) < 2:
                 raise UserError(f"{names[i]} ({src.path}) has one shard; streaming holds out each source's last "
                                 "shard for validation: give it more shards, or set data.val_fraction = 0")  # fmt: skip
-            held_out.append(SourceStream(i, shards[-1:], job, cache, seed, 0, True, names[i]))
+            held_out.append(SourceStream(i, shards[-1:], job, cache, seed, 0, True, names[i], counts))
             shards = shards[:-1]
-        stream = SourceStream(i, shards, job, cache, seed, data.read_ahead, data.when_dry == "stop", names[i])
+        stream = SourceStream(i, shards, job, cache, seed, data.read_ahead, data.when_dry == "stop", names[i],
+                              counts, in_order=not split)  # fmt: skip
         streams.append(stream)
-        stream.tokens(
-            0, 0
-        )  # the first shard of the first epoch, read now: a source that cannot be fails here
+        # The first shard of the first epoch, read now: a source that cannot be read fails here.
+        if not split or dp_rank == 0:
+            stream.tokens(0, 0)
         log_fn(
             f"{names[i]}: {len(shards)} shard(s), {sum(s.size for s in shards) / 2**20:,.1f} MiB at {src.path}"
         )
     schedule = MixtureSchedule.of(data, run_tokens)
-    return StreamingLoader(streams, schedule, data.seq_len, global_batch, dp_rank, dp_size, held_out)
+    return StreamingLoader(streams, schedule, data.seq_len, global_batch, dp_rank, dp_size, held_out, counts)
 
 
 def describe_position(data: DataConfig, state: dict[str, int | float]) -> list[dict]:
