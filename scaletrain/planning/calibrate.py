@@ -310,9 +310,11 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
     return profile, save_profile(profile, cache_dir)
 
 
-def _measure(cache_dir: Path, nproc: int, log) -> DeviceProfile:
-    """Every measurement of `calibrate`, in order, into one profile."""
-    torch.set_num_threads(1)
+def measure_one_thread(log) -> tuple[DeviceProfile, float]:
+    """What both a CPU's calibration and the probe measure on one thread (the caller sets it), in order, logged as
+    they come: DEFAULT_CPU with the matmul rates, a block's fixed cost, selective recompute's, the memory bandwidth
+    (element-wise and AdamW's passes), autocast's casts and a step's overhead filled in; and the element-wise
+    bandwidth alone."""
     fp32, bf16 = measure_matmul(torch.float32), measure_matmul(torch.bfloat16)
     log(
         f"matmul fp32: t0 {fp32[0] * 1e6:.1f} us, {fp32[1] / 1e9:.2f} GFLOP/s per thread; bf16 {bf16[1] / 1e9:.2f}"
@@ -327,7 +329,26 @@ def _measure(cache_dir: Path, nproc: int, log) -> DeviceProfile:
     log(
         f"autocast casts: {cast_t0 * 1e6:.1f} us per cast, {cast_bw / 1e9:.2f} GB/s (0: the memory bandwidth's)"
     )
-    step_overhead = measure_step_overhead(op_overhead)
+    profile = dataclasses.replace(
+        DEFAULT_CPU,
+        peak_flops={"fp32": fp32[1], "bf16": bf16[1]},
+        matmul={"fp32": fp32, "bf16": bf16},
+        memory_bw=(elementwise_bw + adam_bw) / 2,
+        op_overhead_s=op_overhead,
+        cast_t0_s=cast_t0,
+        cast_bw=cast_bw,
+        selective_block_s=sel_fixed,
+        selective_share=sel_share,
+        step_overhead_s=measure_step_overhead(op_overhead),
+        threads=1,
+    )
+    return profile, elementwise_bw
+
+
+def _measure(cache_dir: Path, nproc: int, log) -> DeviceProfile:
+    """Every measurement of `calibrate`, in order, into one profile."""
+    torch.set_num_threads(1)
+    profile, _ = measure_one_thread(log)
     collectives = {}
     for n in sorted({min(2**i, nproc) for i in range(1, 7) if 2 ** (i - 1) < nproc} or {1}):
         fitted, rss = measure_collectives(n)
@@ -335,24 +356,14 @@ def _measure(cache_dir: Path, nproc: int, log) -> DeviceProfile:
     for name, (lat, bw) in collectives.items():
         log(f"{name} gloo ranks: {lat * 1e6:.0f} us per step, {bw / 1e9:.2f} GB/s")
     log(
-        f"process before the model: {rss / 2**20:.0f} MiB peak RSS; step overhead {step_overhead * 1e3:.2f} ms"
+        f"process before the model: {rss / 2**20:.0f} MiB peak RSS; step overhead "
+        f"{profile.step_overhead_s * 1e3:.2f} ms"
     )
-    mem_bw = (elementwise_bw + adam_bw) / 2
     profile = dataclasses.replace(
-        DEFAULT_CPU,
+        profile,
         name=f"{cpu_model_name()} (calibrated, torch {torch.__version__})",
-        peak_flops={"fp32": fp32[1], "bf16": bf16[1]},
-        matmul={"fp32": fp32, "bf16": bf16},
-        memory_bw=mem_bw,
         overhead_bytes=rss,
-        op_overhead_s=op_overhead,
-        cast_t0_s=cast_t0,
-        cast_bw=cast_bw,
-        selective_block_s=sel_fixed,
-        selective_share=sel_share,
-        step_overhead_s=step_overhead,
         cores=usable_cpus(),
-        threads=1,
         collectives=collectives,
         intra_bw=collectives.get("all_reduce@2", (0, DEFAULT_CPU.intra_bw))[1],
         intra_latency=collectives.get("all_reduce@2", (DEFAULT_CPU.intra_latency, 0))[0],

@@ -22,15 +22,13 @@ from scaletrain.parallel.layout import Layout
 from scaletrain.planning.calibrate import (
     _fit,
     fit_collectives,
-    measure_block,
-    measure_step_overhead,
+    measure_one_thread,
     time_collectives,
 )
-from scaletrain.planning.estimators.hardware import DEFAULT_CPU, PROBE_FILE, DeviceProfile, probe_key
+from scaletrain.planning.estimators.hardware import PROBE_FILE, DeviceProfile, probe_key
 from scaletrain.planning.estimators.inputs import model_args, parse_unvalidated
 from scaletrain.planning.estimators.search import estimate
-from scaletrain.planning.estimators.time import ADAM_TRAFFIC
-from scaletrain.planning.measure import measure_adam_bandwidth, measure_cast, measure_matmul, run_ranks
+from scaletrain.planning.measure import run_ranks
 
 # The step the probe fits the collective call's cost on (fsdp, the debug config's family at dim 64) and the held-out
 # step it validates with (fsdp over 2 ranks again, but the debug model's shape, 4x the tokens per rank).
@@ -77,38 +75,24 @@ def measure(log) -> DeviceProfile:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        fp32, bf16 = measure_matmul(torch.float32), measure_matmul(torch.bfloat16)
+        profile, ew_bw = measure_one_thread(lambda _: None)  # said in one line below
         # The time model scales the one-thread rate by the threads a rank gets: logged beside what every core does.
         one, every_core = _rate_512(1), _rate_512(usable_cpus())
-        torch.set_num_threads(1)
-        op_overhead, ew_bw, sel_fixed, sel_share = measure_block(fp32)
-        adam_bw = measure_adam_bandwidth(ADAM_TRAFFIC)
-        cast_t0, cast_bw = measure_cast()
-        step_overhead = measure_step_overhead(op_overhead)
     finally:
         torch.set_num_threads(threads)
     ranks = run_ranks(_rank, RANKS)
     collectives = {f"{k}@{RANKS}": v for k, v in fit_collectives(ranks["times"], RANKS).items()}
+    peak, op_overhead = profile.peak_flops, profile.op_overhead_s
     log(
-        f"probe: matmul fp32 {fp32[1] / 1e9:.1f} GFLOP/s per thread (512^3: {one / 1e9:.1f} on 1 thread, "
-        f"{every_core / 1e9:.1f} on {usable_cpus()}); bf16 {bf16[1] / 1e9:.1f}; block {op_overhead * 1e3:.2f} ms fixed, element-wise {ew_bw / 1e9:.2f} GB/s; "
+        f"probe: matmul fp32 {peak['fp32'] / 1e9:.1f} GFLOP/s per thread (512^3: {one / 1e9:.1f} on 1 thread, "
+        f"{every_core / 1e9:.1f} on {usable_cpus()}); bf16 {peak['bf16'] / 1e9:.1f}; block {op_overhead * 1e3:.2f} ms fixed, element-wise {ew_bw / 1e9:.2f} GB/s; "
         + ", ".join(
             f"{k} {lat * 1e6:.0f} us/step {bw / 1e9:.2f} GB/s" for k, (lat, bw) in collectives.items()
         )
     )
     profile = dataclasses.replace(
-        DEFAULT_CPU,
+        profile,
         name=f"{cpu_model_name()} (torch {torch.__version__})",
-        peak_flops={"fp32": fp32[1], "bf16": bf16[1]},
-        matmul={"fp32": fp32, "bf16": bf16},
-        memory_bw=(ew_bw + adam_bw) / 2,
-        op_overhead_s=op_overhead,
-        cast_t0_s=cast_t0,
-        cast_bw=cast_bw,
-        selective_block_s=sel_fixed,
-        selective_share=sel_share,
-        step_overhead_s=step_overhead,
-        threads=1,
         collectives=collectives,
         intra_bw=collectives[f"all_reduce@{RANKS}"][1],
         intra_latency=collectives[f"all_reduce@{RANKS}"][0],
