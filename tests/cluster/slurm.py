@@ -49,6 +49,10 @@ def _conf(cluster: Cluster, dir: Path) -> str:
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "MpiDefault=none",
+            # A requeued job may start once cred_expire has passed, but nothing then wakes the scheduler: the
+            # periodic passes pick it up, every 60 s (main loop) and 30 s (backfill) by default. Each pass here
+            # costs a few milliseconds for the one or two jobs of a test.
+            "SchedulerParameters=sched_interval=1,bf_interval=1",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             # A node whose slurmd comes back (a replacement after a node was killed) is taken in again at once.
