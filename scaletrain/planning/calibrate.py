@@ -35,20 +35,28 @@ from scaletrain.planning.estimators.time import ADAM_TRAFFIC
 from scaletrain.planning.measure import (
     fit_line,
     measure_adam_bandwidth,
+    measure_attention,
     measure_cast,
     measure_matmul,
     run_ranks,
 )
 
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
+# Sequence lengths measure_block times its one-block model at. Five, not two: on a shared 2-core host one timing
+# can be off by 2x (seq 512 once took as long as seq 256), and a two-point line then puts the fixed cost at 0
+# (issue 35: the probe's op_overhead_s was 0.00 ms, so the search saw no cost in more, smaller micro-batches).
+BLOCK_SEQS = (32, 64, 128, 256, 512)
 
 
-def measure_block(matmul: tuple[float, float]) -> tuple[float, float, float, float]:
+def measure_block(
+    matmul: tuple[float, float], attention: tuple[float, float] = (0.0, 0.0)
+) -> tuple[float, float, float, float]:
     """(fixed seconds per block forward+backward, element-wise bytes/s, selective recompute's fixed seconds per
     block, the share of the element-wise forward it re-runs): a one-block model (dim 256, a vocabulary of 64 so the
-    head is negligible) timed at two sequence lengths. What its matmuls at the fitted rate do not explain is fitted
+    head is negligible) timed at BLOCK_SEQS' lengths. What its matmuls at the fitted rate do not explain is fitted
     as a + traffic / bandwidth, with the traffic the time model charges (ELEMENTWISE_TRAFFIC x the bytes the block
-    saves); what the same block under selective recompute adds, as a + share x that forward's element-wise time."""
+    saves; its attention at `attention`'s rate where measured, as the time model charges it); what the same block
+    under selective recompute adds, as a + share x that forward's element-wise time."""
     from scaletrain.config import ParallelConfig
     from scaletrain.models.llama import ModelArgs
     from scaletrain.models.presets import build_model
@@ -63,12 +71,13 @@ def measure_block(matmul: tuple[float, float]) -> tuple[float, float, float, flo
     selective = apply_recompute(build_model(args, 0, "cpu"), "selective")
     t0, rate = matmul
     xs, ys, extra = [], [], []
-    for seq in (64, 512):
+    for seq in BLOCK_SEQS:
         tokens = torch.randint(0, 64, (1, seq))
         took = best_time(partial(_forward_backward, model, tokens), budget_s=0.4)
         extra.append(best_time(partial(_forward_backward, selective, tokens), budget_s=0.4) - took)
         shape = _Shape(seq, seq, args.dim, args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden)
-        mm = sum(3 * (t0 + f / rate) for f in _matmuls(shape))
+        rates = [rate] * 7 + [attention[1] or rate] * 2  # _matmuls' order: the 7 Linears, QKᵀ and AV
+        mm = sum(3 * (t0 + f / r) for f, r in zip(_matmuls(shape), rates))
         xs.append(ELEMENTWISE_TRAFFIC * layer_activation_bytes(args, ParallelConfig(), 1, seq, 4))
         ys.append(max(took - mm, 1e-9))
     a, b = fit_line(xs, ys)
@@ -319,9 +328,10 @@ def measure_one_thread(log) -> tuple[DeviceProfile, float]:
     log(
         f"matmul fp32: t0 {fp32[0] * 1e6:.1f} us, {fp32[1] / 1e9:.2f} GFLOP/s per thread; bf16 {bf16[1] / 1e9:.2f}"
     )
-    op_overhead, elementwise_bw, sel_fixed, sel_share = measure_block(fp32)
+    attention = measure_attention()
+    op_overhead, elementwise_bw, sel_fixed, sel_share = measure_block(fp32, attention)
     log(
-        f"block: {op_overhead * 1e3:.2f} ms fixed, element-wise {elementwise_bw / 1e9:.2f} GB/s; selective "
+        f"causal attention {attention[1] / 1e9:.1f} GFLOP/s; block: {op_overhead * 1e3:.2f} ms fixed, element-wise {elementwise_bw / 1e9:.2f} GB/s; selective "
         f"recompute {sel_fixed * 1e3:.2f} ms fixed + {sel_share:.2f} of the element-wise forward"
     )
     adam_bw = measure_adam_bandwidth(ADAM_TRAFFIC)
@@ -339,6 +349,7 @@ def measure_one_thread(log) -> tuple[DeviceProfile, float]:
         cast_bw=cast_bw,
         selective_block_s=sel_fixed,
         selective_share=sel_share,
+        attention=attention,
         step_overhead_s=measure_step_overhead(op_overhead),
         threads=1,
     )

@@ -87,3 +87,35 @@ def measure_adam_bandwidth(traffic: int, device: torch.device | None = None, n: 
     fused = device is not None and device.type == "cuda"
     opt = torch.optim.AdamW([p], lr=1e-4, fused=fused, foreach=not fused)
     return traffic * p.numel() / best_time(opt.step, budget_s=0.3, device=device)
+
+
+# Attention shapes (sequence, head_dim) of a CPU's causal SDPA, 4 query and 2 key/value heads: the debug model's
+# head and a 30M-class model's, at the lengths the planner's CPU layouts train.
+ATTENTION_SHAPES = ((128, 32), (512, 32), (256, 64), (1024, 64))
+
+
+def attention_flops(seq: int, width: int) -> float:
+    """Forward FLOPs of causal attention over `seq` tokens of `width` query channels as the time model counts them
+    (estimators/time._matmuls): QKᵀ and AV, each 2·seq·(seq/2)·width."""
+    return 2 * (2 * seq * (seq / 2) * width)
+
+
+def measure_attention(shapes: tuple[tuple[int, int], ...] = ATTENTION_SHAPES) -> tuple[float, float]:
+    """(seconds per call, FLOP/s) of causal SDPA's forward and backward on this CPU, fitted to t0 + 3 x forward
+    FLOPs / rate (backward charged twice forward, as the time model charges it). torch's CPU flash kernel runs far
+    below the GEMM rate: 10-20 GFLOP/s per thread here against ~100 for the matmuls of the same model, so a block's
+    attention cannot be charged at the GEMM rate (issue 35: the debug model at seq 256 spent 126 ms a step in it
+    against 15 ms predicted)."""
+    heads, kv_heads = 4, 2
+    xs, ys = [], []
+    for seq, dim in shapes:
+        q = torch.randn(1, heads, seq, dim, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, seq, dim, requires_grad=True) for _ in range(2))
+        xs.append(3 * attention_flops(seq, heads * dim))
+        ys.append(best_time(partial(_attention_step, q, k, v)))
+    t0, slope = fit_line(xs, ys)
+    return t0, 1.0 / max(slope, 1e-18)
+
+
+def _attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()

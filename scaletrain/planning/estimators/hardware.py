@@ -104,6 +104,9 @@ class DeviceProfile:
     # a CPU's calibration; 0 where not measured (a GPU, a CPU profile saved before it): the memory bandwidth's.
     cast_t0_s: float = 0.0
     cast_bw: float = 0.0
+    # A CPU's causal attention (torch's SDPA kernel, forward and backward): (seconds per call, FLOP/s) measured by
+    # planning/measure.measure_attention; (0, 0) where not measured (a GPU, an older CPU profile): the GEMM rate's.
+    attention: tuple[float, float] = (0.0, 0.0)
     # Why the calibration's machine was busy ("" when it was not): its figures are then a share of the cores, and
     # every plan that uses the profile says so (planning/calibrate.busy_reason).
     busy: str = ""
@@ -128,6 +131,7 @@ class DeviceProfile:
         data = {k: v for k, v in data.items() if k in known}
         data["matmul"] = {k: tuple(v) for k, v in data.get("matmul", {}).items()}
         data["collectives"] = {k: tuple(v) for k, v in data.get("collectives", {}).items()}
+        data["attention"] = tuple(data.get("attention", (0.0, 0.0)))
         return cls(**data)
 
 
@@ -238,7 +242,7 @@ PROFILE_FILE = "planner_profile.json"
 PROBE_FILE = (
     "planner_probe.json"  # a CPU's probe (planning/probe.py), used until `plan --calibrate` saves a profile
 )
-PROBE_VERSION = 2  # raised when what the probe measures changes: an older cache is measured again
+PROBE_VERSION = 3  # raised when what the probe measures changes: an older cache is measured again
 
 
 def probe_key() -> dict:
