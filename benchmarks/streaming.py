@@ -119,7 +119,8 @@ def _rank(rank: int, ranks: int, port: int, url: str, tmp: str, split: bool, seq
     rate = steps * batch // ranks * seq / (time.perf_counter() - t1)
     loader.close()
     fetched = sum(f.stat().st_size for f in (cache / "stream").glob("*.shard"))
-    out.put((rank, first, rate, fetched))
+    exchanges = loader.token_counts.exchanges if loader.token_counts is not None else 0
+    out.put((rank, first, rate, fetched, exchanges / (steps + 1)))
     dist.destroy_process_group()
 
 
@@ -158,7 +159,7 @@ def per_rank(args: argparse.Namespace, tmp: Path) -> None:
           f"batches (~one epoch), {args.rounds} rounds; load average {load_before:.1f} before, {load_after:.1f} "
           f"after ({os.cpu_count()} CPUs)")  # fmt: skip
     print(
-        f"{'case':<30} {'rank':>4} {'fetched MiB (min-max)':>24} {'first batch s':>16} {'tok/s (min-max)':>26}"
+        f"{'case':<30} {'rank':>4} {'fetched MiB (min-max)':>24} {'first batch s':>16} {'tok/s (min-max)':>26} {'exchanges/step':>14}"
     )
     out_json = {}
     for name, rounds in results.items():
@@ -166,10 +167,12 @@ def per_rank(args: argparse.Namespace, tmp: Path) -> None:
             firsts = [rnd[k][1] for rnd in rounds]
             rates = [rnd[k][2] for rnd in rounds]
             mib = [rnd[k][3] / 2**20 for rnd in rounds]
-            out_json[f"{name}/rank{k}"] = {"fetched_mib": mib, "first_batch_s": firsts, "tokens_per_s": rates}
+            exchanges = [rnd[k][4] for rnd in rounds]
+            out_json[f"{name}/rank{k}"] = {"fetched_mib": mib, "first_batch_s": firsts, "tokens_per_s": rates,
+                                           "exchanges_per_step": exchanges}  # fmt: skip
             print(f"{name:<30} {k:>4} {statistics.median(mib):>9.2f} ({min(mib):.2f}-{max(mib):.2f})    "
                   f"{statistics.median(firsts):>12.3f}    {statistics.median(rates):>12,.0f} "
-                  f"({min(rates):,.0f}-{max(rates):,.0f})")  # fmt: skip
+                  f"({min(rates):,.0f}-{max(rates):,.0f})    {statistics.median(exchanges):.2f}")  # fmt: skip
     print(json.dumps({"load_avg": [load_before, load_after], "corpus_mib": corpus_bytes / 2**20,
                       "results": out_json}))  # fmt: skip
 

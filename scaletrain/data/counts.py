@@ -66,6 +66,7 @@ class TokenCounts:
         self.agreed: dict[str, int] = {}
         self.pending: dict[str, int] = {}
         self.members: list[int] | None = None  # each group rank's data-parallel rank, after the first share
+        self.exchanges = 0  # shares so far (benchmarks/streaming.py reports them a step)
         found = self._read()
         (self.pending if gather else self.agreed).update(found)
         self._on_disk = set(found)
@@ -87,6 +88,7 @@ class TokenCounts:
         """Exchange what each rank counted (a collective: every rank of the group calls it at the same point)."""
         assert self.gather is not None
         every = self.gather({"dp": dp_rank, "counts": self.pending})
+        self.exchanges += 1
         self.pending = {}
         self.members = [int(p["dp"]) for p in every]
         new = {k: v for p in every for k, v in p["counts"].items() if k not in self.agreed}

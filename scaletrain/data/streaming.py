@@ -299,15 +299,19 @@ class StreamingLoader:
         while True:
             todo, unknown = [], False
             for i, js in by_source.items():
-                s = self.streams[i]
-                for e, k, a, b, agreed in s.reach(len(js) * L + 1):
+                s, m = self.streams[i], len(js)
+                # An eighth more than the walk: a shard whose size put it just past the walk's end is counted in
+                # this round, not alone in another (it is the next batch's if not this one's).
+                for e, k, a, b, agreed in s.reach(m * L + 1 + m * L // 8):
                     if agreed:
                         continue
-                    unknown = True
-                    # Sample t of this source holds its tokens [t*L, t*L + L + 1): those over [a, b) are expected
-                    # to need the shard; their ranks count it (they read it anyway), or one member if none is here.
-                    ts = range(max(0, (a - 1) // L), min(len(js) - 1, (b - 1) // L) + 1)
-                    owners = {js[t] // local for t in ts} & set(c.members)
+                    unknown |= a < m * L + 1
+                    # Sample t of this source holds its tokens [t*L, t*L + L + 1): those over [a, b) are expected to
+                    # need the shard (past the batch: the next one's, taken as like this one); their ranks count it
+                    # (they read it anyway), or one member if none is in this group.
+                    lo = max(0, (a - 1) // L)
+                    ts = range(lo, min((b - 1) // L, lo + m - 1) + 1)  # m of them name every rank there is
+                    owners = {js[t % m] // local for t in ts} & set(c.members)
                     anyone = (e * len(s.shards) + k) % len(c.members) == c.group_rank
                     if (self.dp_rank in owners) if owners else anyone:
                         todo.append((s, e, k))
