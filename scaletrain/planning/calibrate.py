@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ from scaletrain.planning.estimators.search import estimate
 from scaletrain.planning.estimators.time import ADAM_TRAFFIC
 from scaletrain.planning.measure import (
     fit_line,
+    fit_line_robust,
     measure_adam_bandwidth,
     measure_attention,
     measure_cast,
@@ -42,10 +44,11 @@ from scaletrain.planning.measure import (
 )
 
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
-# Sequence lengths measure_block times its one-block model at. Five, not two: on a shared 2-core host one timing
-# can be off by 2x (seq 512 once took as long as seq 256), and a two-point line then puts the fixed cost at 0
-# (issue 35: the probe's op_overhead_s was 0.00 ms, so the search saw no cost in more, smaller micro-batches).
-BLOCK_SEQS = (32, 64, 128, 256, 512)
+# Sequence lengths measure_block times its one-block model at: the first so short that the block is all dispatch
+# (its element-wise traffic ~1% of the longest's), which measures the fixed cost by itself. A line through all
+# lengths put it at 0 in every probe on this host (issue 35): a byte out of cache costs more than one in cache,
+# so the line's intercept is below 0, and the search then saw no cost in more, smaller micro-batches.
+BLOCK_SEQS = (4, 64, 128, 256, 512)
 
 
 def measure_block(
@@ -53,10 +56,11 @@ def measure_block(
 ) -> tuple[float, float, float, float]:
     """(fixed seconds per block forward+backward, element-wise bytes/s, selective recompute's fixed seconds per
     block, the share of the element-wise forward it re-runs): a one-block model (dim 256, a vocabulary of 64 so the
-    head is negligible) timed at BLOCK_SEQS' lengths. What its matmuls at the fitted rate do not explain is fitted
-    as a + traffic / bandwidth, with the traffic the time model charges (ELEMENTWISE_TRAFFIC x the bytes the block
-    saves; its attention at `attention`'s rate where measured, as the time model charges it); what the same block
-    under selective recompute adds, as a + share x that forward's element-wise time."""
+    head is negligible) timed at BLOCK_SEQS' lengths. What its matmuls at the fitted rate do not explain (its
+    attention at `attention`'s rate where measured, as the time model charges it) is a + traffic / bandwidth, with
+    the traffic the time model charges (ELEMENTWISE_TRAFFIC x the bytes the block saves): a is that remainder at the
+    shortest length, the bandwidth the median of the others' traffic over their remainder beyond a. What the same
+    block under selective recompute adds is fitted as a + share x that forward's element-wise time."""
     from scaletrain.config import ParallelConfig
     from scaletrain.models.llama import ModelArgs
     from scaletrain.models.presets import build_model
@@ -80,9 +84,10 @@ def measure_block(
         mm = sum(3 * (t0 + f / r) for f, r in zip(_matmuls(shape), rates))
         xs.append(ELEMENTWISE_TRAFFIC * layer_activation_bytes(args, ParallelConfig(), 1, seq, 4))
         ys.append(max(took - mm, 1e-9))
-    a, b = fit_line(xs, ys)
+    a = ys[0]
+    b = statistics.median(max(y - a, 1e-12) / x for x, y in zip(xs[1:], ys[1:]))
     ew_fwd = [(a + x * b) / 3 for x in xs]  # the time model's element-wise forward of the block
-    sel_a, sel_share = fit_line(ew_fwd, [max(e, 0.0) for e in extra])
+    sel_a, sel_share = fit_line_robust(ew_fwd, [max(e, 0.0) for e in extra])
     return a, 1.0 / max(b, 1e-15), sel_a, max(sel_share, 0.0)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import statistics
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -38,6 +39,20 @@ def run_ranks(rank_fn: Callable, nproc: int, *args) -> object:
         out = str(Path(d) / "result")
         mp.start_processes(rank_fn, args=(nproc, port, *args, out), nprocs=nproc, start_method="spawn")
         return json.loads(Path(out).read_text())
+
+
+def fit_line_robust(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Theil-Sen (intercept, slope) of y = a + b·x: the median of the pairwise slopes, then the median of y - b·x,
+    intercept clamped at >= 0. One disturbed timing among five moves it little, where least squares can put the
+    intercept below 0 (issue 35: a block's fixed cost fitted as 0 on a loaded host)."""
+    pairs = [
+        (ys[j] - ys[i]) / (xs[j] - xs[i])
+        for i in range(len(xs))
+        for j in range(i + 1, len(xs))
+        if xs[j] != xs[i]
+    ]
+    b = statistics.median(pairs) if pairs else 0.0
+    return max(statistics.median(y - b * x for x, y in zip(xs, ys)), 0.0), b
 
 
 def measure_matmul(

@@ -119,3 +119,43 @@ def test_a_cpus_attention_runs_at_its_measured_rate_counted_as_the_measurement_c
     saved = CPU.to_json()
     del saved["attention"]
     assert type(CPU).from_json(saved).attention == (0.0, 0.0)
+
+
+def test_a_blocks_fixed_cost_is_measured_where_the_block_is_all_dispatch(monkeypatch):
+    # measure_block's timings replaced by a block that costs 4 ms of dispatch and 5 GB/s of element-wise traffic in
+    # cache, three times the time per byte beyond 30 MB (out of cache, as this host's larger matmuls and element-wise
+    # ops ran). A line through every length puts the fixed cost at 0 (what every probe here fitted, so the search
+    # saw no cost in more micro-batches: default's micro-batch 1 measured 1.38x micro-batch 4, predicted within
+    # 1.5%); measured at the shortest length, where the block is all dispatch, it is kept.
+    from scaletrain.config import ParallelConfig
+    from scaletrain.models.llama import ModelArgs
+    from scaletrain.planning.estimators.memory import layer_activation_bytes
+    from scaletrain.planning.estimators.time import ELEMENTWISE_TRAFFIC, _matmuls, _Shape
+    from scaletrain.planning.measure import fit_line
+
+    fixed, bw, matmul, attention = 4e-3, 5e9, (1e-6, 90e9), (0.0, 20e9)
+    args = ModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=704, vocab_size=64)
+
+    def parts(seq: int) -> tuple[float, float]:
+        shape = _Shape(seq, seq, 256, 256, 128, 704)
+        rates = [matmul[1]] * 7 + [attention[1]] * 2
+        mm = sum(3 * (matmul[0] + f / r) for f, r in zip(_matmuls(shape), rates))
+        traffic = ELEMENTWISE_TRAFFIC * layer_activation_bytes(args, ParallelConfig(), 1, seq, 4)
+        return mm, traffic
+
+    def ew(traffic: float) -> float:
+        return fixed + min(traffic, 30e6) / bw + max(traffic - 30e6, 0) * 3 / bw
+
+    calls = []
+
+    def fake(fn, budget_s=0.15, **_):
+        mm, traffic = parts(fn.args[1].shape[1])
+        calls.append(1)
+        selective = len(calls) % 2 == 0  # measure_block times the plain block, then the selective one
+        return mm + ew(traffic) + (2e-3 if selective else 0.0)
+
+    monkeypatch.setattr(calibrate, "best_time", fake)
+    a, got_bw, _, _ = calibrate.measure_block(matmul, attention)
+    assert a == pytest.approx(fixed, rel=0.05) and got_bw == pytest.approx(bw, rel=0.35)
+    xs = [parts(seq)[1] for seq in calibrate.BLOCK_SEQS]
+    assert fit_line(xs, [ew(x) for x in xs])[0] == 0.0  # the line through them all: clamped
