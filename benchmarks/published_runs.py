@@ -95,33 +95,35 @@ class Run:
 
 FSDP = ParallelConfig(data_parallel="fsdp")
 TT_H100 = ("h100-500w-sxm", "h100-500w-nvl")
-OP_SAC = (
-    "torchtitan's selective AC is per-op: it also recomputes every second matmul (wk, wo, w3 of each block, 37% of "
-    "a block's forward linear FLOPs for 8B); ours keeps every matmul's output"
+# torchtitan's per-op selective AC (selective_ac_option = "op") is memory.recompute = selective_op, run as they ran it.
+LOSS = (
+    "loss on the whole micro-batch's logits: bf16, an fp32 copy and fp32 log-softmax (train.py at 9dec370, "
+    "components/loss.py at e7c0cae); ours is "
+    "chunked and fused with the output layer (issue 40), and scaletrain has no unchunked mode to plan theirs"
 )
 COMPILED = "torch.compile fuses the element-wise ops the planner charges as eager kernels"
 FLOAT8 = "torchao float8 tensorwise Linear (our fp8)"
 RUNS: tuple[Run, ...] = (
     Run("torchtitan Llama 3.1 8B, 8 H100, FSDP, bf16 (table 1)", TORCHTITAN, "8B", 8, 8192, 16, 2, FSDP,
-        "selective", "bf16", TT_H100, 5762, 82.4, OP_SAC),
+        "selective_op", "bf16", TT_H100, 5762, 82.4, LOSS),
     Run("torchtitan Llama 3.1 8B, 128 H100, FSDP, bf16 (table 3)", TORCHTITAN, "8B", 128, 8192, 256, 2, FSDP,
-        "selective", "bf16", TT_H100, 5605, 67.0, OP_SAC),
+        "selective_op", "bf16", TT_H100, 5605, 67.0, LOSS),
     Run("torchtitan Llama 3.1 8B, 8 H100, FSDP, compile + float8 (table 1)", TORCHTITAN, "8B", 8, 8192, 16, 2,
-        FSDP, "selective", "fp8", TT_H100, 8532, 76.8, f"{OP_SAC}; {COMPILED}; {FLOAT8}"),
+        FSDP, "selective_op", "fp8", TT_H100, 8532, 76.8, f"{LOSS}; {COMPILED}; {FLOAT8}"),
     Run("torchtitan Llama 3.1 8B, 64 H100, FSDP 8 TP 8, compile, bf16 (async-TP doc, vanilla TP)",
         TORCHTITAN_ASYNC_TP, "8B", 64, 8192, 96, 12,
-        ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True), "selective", "bf16", TT_H100, 4378,
-        None, f"{OP_SAC}; {COMPILED}"),
+        ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True), "selective_op", "bf16", TT_H100, 4378,
+        None, f"{LOSS}; {COMPILED}"),
     Run("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 TP 8, compile + float8, full AC (table 4)", TORCHTITAN, "70B",
         256, 8192, 512, 16, ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True), "full", "fp8",
-        TT_H100, 829, 71.9, f"{COMPILED}; {FLOAT8}; unchunked fp32 loss over 16 x 8192 tokens (ours: chunked)"),
+        TT_H100, 829, 71.9, f"{COMPILED}; {FLOAT8}; {LOSS}"),
     Run("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 TP 8, compile, bf16, full AC (async-TP doc, vanilla TP)",
         TORCHTITAN_ASYNC_TP, "70B", 256, 8192, 512, 16,
         ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True), "full", "bf16", TT_H100, 597.3, None,
-        COMPILED),
+        f"{COMPILED}; {LOSS}"),
     Run("torchtitan Llama 3.1 8B, 32 H200 (4 nodes), FSDP, compile + float8 (Trainy)", TRAINY, "8B", 32, 8192, 64,
-        2, FSDP, "selective", "fp8", ("h200",), 10938, 47.96,
-        f"{OP_SAC}; {COMPILED}; {FLOAT8} with float8 FSDP all-gather (ours gathers bf16)"),
+        2, FSDP, "selective_op", "fp8", ("h200",), 10938, 47.96,
+        f"{LOSS}; {COMPILED}; {FLOAT8} with float8 FSDP all-gather (ours gathers bf16)"),
     Run("Megatron-Bridge Llama 3 8B, 8 H100, FSDP, FP8-CS", MEGATRON, "8B", 8, 8192, 128, 1,
         ParallelConfig(data_parallel="fsdp", grad_sync="micro_batch"), "every_k", "fp8", ("h100",), 14451, None,
         "full recompute of 5 of 32 blocks (ours: every 6th block, 5.3 of 32); Transformer Engine's FP8 current "

@@ -122,6 +122,12 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
                 "each compiled block into pieces, and compiled MoE has not been tested against eager; set "
                 "training.compile = false"
             )
+        if cfg.memory.recompute == "selective_op" and (args.n_experts > 0 or args.mla):
+            problems.append(
+                "memory.recompute selective_op is refused with MoE or MLA blocks: it recomputes every second "
+                "Linear of a block by position, which the planner models and the tests check for dense "
+                "Llama-style blocks only; use selective or full"
+            )
         problems += _deepseek(cfg, args)
         problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp)
     problems += data_problems(cfg.data)

@@ -349,10 +349,12 @@ class ParallelConfig:
 
 @dataclass
 class MemoryConfig:
-    recompute: Literal["none", "full", "every_k", "selective"] = "none"
+    recompute: Literal["none", "full", "every_k", "selective", "selective_op"] = "none"
     """Activation recompute: full re-runs each block's forward in backward (keeps only block inputs); every_k does
     so for every recompute_every-th block; selective keeps matmul and attention outputs and recomputes the
-    element-wise ops and norms (Korthikanti et al. 2022)."""
+    element-wise ops and norms (Korthikanti et al. 2022); selective_op is torchtitan's per-op policy (its default
+    selective AC): as selective, but every second Linear of a block (wk, wo, w3) is recomputed too (dense blocks
+    without MLA only)."""
     recompute_every: int = 2
     """every_k only: recompute layers k-1, 2k-1, ... (every k-th block)."""
     activation_offload: bool = False

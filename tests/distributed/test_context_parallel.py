@@ -85,7 +85,7 @@ def _count_ring_work(rank: int, size: int) -> dict:
         for mode in ("none", "selective", "full"):
             block = _RingBlock(RingAttention(None, load_balance=True))
             if mode != "none":
-                checkpoint_forward(block, selective=mode == "selective")
+                checkpoint_forward(block, mode)
             calls.update(forward=0, exchange=0)
             block(x).backward()
             counts[mode] = dict(calls)

@@ -57,6 +57,8 @@ CASES = {
     "tp2_sp_fsdp2_full": dict(mode="full", tp=2, sequence_parallel=True, dp_shard=2, **FSDP),
     "pp2_fsdp2_every_k": dict(mode="every_k", pp=2, dp_shard=2, pp_schedule="1f1b", n_layers=4, **FSDP),
     "cp2_tp2_sp_selective": dict(mode="selective", cp=2, tp=2, sequence_parallel=True, **FSDP),
+    # torchtitan's per-op policy on DTensor Linears (one counted mm each) and SP's saved reduce-scatters.
+    "tp2_sp_fsdp2_selective_op": dict(mode="selective_op", tp=2, sequence_parallel=True, dp_shard=2, **FSDP),
 }
 
 

@@ -246,7 +246,7 @@ def test_one_block_saves_what_the_formula_says():
     )
 
 
-@pytest.mark.parametrize("policy", ["none", "full", "selective", "every_k"])
+@pytest.mark.parametrize("policy", ["none", "full", "selective", "every_k", "selective_op"])
 def test_measured_activations_match_the_model_for_every_policy(policy):
     """Every storage alive after the forward (memory.measure, which also sees what checkpoints keep): the blocks
     at the policy's formula plus the head (last block output, final norm's x-hat and y, log-softmax: 3h + V)."""
@@ -260,3 +260,22 @@ def test_measured_activations_match_the_model_for_every_policy(policy):
     blocks = 2 * none + 2 * kept if policy == "every_k" else 4 * kept
     head = 2 * 64 * (3 * args.dim + args.vocab_size) * 4
     assert measured == pytest.approx(blocks + head, rel=0.01)
+
+
+def test_selective_op_saves_less_than_selective_by_the_outputs_it_recomputes():
+    """Measured to the byte: per block, selective_op keeps neither wk's, wo's nor w3's output (kv + h + f)."""
+    args = dataclasses.replace(DEBUG, max_seq_len=64)
+    x, y = torch.randint(0, args.vocab_size, (2, 64)), torch.randint(0, args.vocab_size, (2, 64))
+    measured = {}
+    for policy in ("selective", "selective_op"):
+        model = apply_recompute(build_model(args, 0, "cpu"), policy)
+        measured[policy], loss = saved_activation_bytes(lambda m=model: cross_entropy(m(x), y))
+        loss.backward()
+    per_layer = {p: layer_activation_bytes(args, ParallelConfig(), 2, 64, 4, p) for p in measured}
+    kv = args.n_kv_heads * args.head_dim
+    assert (
+        per_layer["selective"] - per_layer["selective_op"] == 2 * 64 * (kv + args.dim + args.ffn_hidden) * 4
+    )
+    assert measured["selective"] - measured["selective_op"] == 4 * (
+        per_layer["selective"] - per_layer["selective_op"]
+    )

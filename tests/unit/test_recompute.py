@@ -5,6 +5,7 @@ offload switches are refused before launch where they cannot run."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -19,10 +20,12 @@ from scaletrain.models.loss import cross_entropy
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.offload import apply_activation_offload, fsdp_offload_policy, offload_problems
 from scaletrain.parallel.recompute import apply_recompute, recomputed_blocks
+from scaletrain.planning.estimators.hardware import DEFAULT_CPU
+from scaletrain.planning.estimators.time import step_time
 from scaletrain.validate import load_config
 from tests.distributed.reference import full_model, global_batches, tiny_args, train_steps
 
-POLICIES = ("full", "every_k", "selective")
+POLICIES = ("full", "every_k", "selective", "selective_op")
 
 
 def _train(mode: str):
@@ -58,9 +61,13 @@ class _CountOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: Counter = Counter()
+        self.mm_flops = 0  # 2 m k n of every aten.mm
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls[func.__name__] += 1
+        if func is torch.ops.aten.mm.default:
+            (m, k), n = args[0].shape, args[1].shape[1]
+            self.mm_flops += 2 * m * k * n
         return func(*args, **(kwargs or {}))
 
 
@@ -79,13 +86,36 @@ def test_backward_recomputes_what_each_policy_promises():
         seen[mode] = count.calls
     attn = "_scaled_dot_product_flash_attention_for_cpu.default"
     mm = seen["none"]["mm.default"]
-    for mode, blocks in (("none", 0), ("full", 4), ("every_k", 2), ("selective", 4)):
+    for mode, blocks in (("none", 0), ("full", 4), ("every_k", 2), ("selective", 4), ("selective_op", 4)):
         assert seen[mode]["silu.default"] == blocks, mode
         assert seen[mode]["rsqrt.default"] == 2 * blocks, mode  # two RMSNorms per block
     # Non-reentrant checkpoint stops recomputing once backward has what it needs: w2's matmul is not re-run.
     assert seen["full"]["mm.default"] == mm + 6 * 4 and seen["full"][attn] == 4
     assert seen["every_k"]["mm.default"] == mm + 6 * 2
     assert seen["selective"]["mm.default"] == mm and seen["selective"][attn] == 0
+    # selective_op (torchtitan's per-op policy) re-runs every second Linear: wk, wo and w3 of each block.
+    assert seen["selective_op"]["mm.default"] == mm + 3 * 4 and seen["selective_op"][attn] == 0
+
+
+def test_the_planners_recompute_for_selective_op_is_the_matmuls_backward_re_runs():
+    """The time model's extra recompute for selective_op over selective (at 1 FLOP/s and no fixed cost per
+    matmul, its seconds are FLOPs) equals the FLOPs of the matmuls backward runs again, counted by a dispatch mode
+    (the tiny shape's q, kv and ffn widths differ, so the wrong Linears would not add up)."""
+    args = tiny_args()
+    x, y = global_batches(args, global_batch=2, steps=1)[0]
+    measured, planned = {}, {}
+    profile = dataclasses.replace(DEFAULT_CPU, matmul={"fp32": (0.0, 1.0)}, threads=1, cores=1)
+    for mode in ("selective", "selective_op"):
+        model = apply_recompute(full_model(args), mode)
+        loss = cross_entropy(model(x), y)
+        with _CountOps() as count:
+            loss.backward()
+        measured[mode] = count.mm_flops
+        plan = step_time(args, ParallelConfig(), TrainingConfig(micro_batch=2), MemoryConfig(recompute=mode),
+                         args.max_seq_len, 1, profile, global_batch=2)  # fmt: skip
+        planned[mode] = plan["recompute_s"]
+    rerun = measured["selective_op"] - measured["selective"]
+    assert rerun > 0 and planned["selective_op"] - planned["selective"] == pytest.approx(rerun, rel=1e-9)
 
 
 def test_saved_activations_full_below_selective_below_none():
@@ -97,7 +127,7 @@ def test_saved_activations_full_below_selective_below_none():
         model = apply_recompute(copy.deepcopy(base), mode, 2)
         saved[mode], loss = saved_activation_bytes(lambda m=model: cross_entropy(m(x), y))
         loss.backward()
-    assert saved["full"] < saved["selective"] < saved["none"]
+    assert saved["full"] < saved["selective_op"] < saved["selective"] < saved["none"]
     assert saved["full"] < saved["every_k"] < saved["none"]
 
 
@@ -138,6 +168,13 @@ def test_recompute_every_must_be_positive():
     assert _problems("--memory.recompute", "every_k", "--memory.recompute_every", "0") == [
         "memory.recompute_every must be >= 1 with recompute every_k, got 0"
     ]
+
+
+@pytest.mark.parametrize("preset", ["debug_moe", "debug_deepseek_v3"])
+def test_selective_op_is_refused_where_its_positions_are_not_a_llama_blocks(preset):
+    (problem,) = _problems("--model.preset", preset, "--memory.recompute", "selective_op")
+    assert "memory.recompute selective_op is refused with MoE or MLA blocks" in problem
+    assert load_config(None, ["--training.device", "cpu", "--memory.recompute", "selective_op"])
 
 
 def test_offload_decisions_on_cuda_without_cuda():

@@ -171,6 +171,7 @@ def layer_activation_bytes(
       v, the attention output and its logsumexp, and SwiGLU's four f-sized tensors are split by tp. No a·s² term:
       fused SDPA never stores the scores (Korthikanti et al. 2022 count 34·sbh + 5·a·s²·b for GPT with dropout).
     - selective: 5h + 2kv + 2f + a (the matmul and SDPA outputs, and the block input).
+    - selective_op: 4h + kv + f + a, selective less the outputs of wk, wo and w3 (every second Linear).
     - full: h (the block input). every_k: the mean of full and none over the layers it recomputes (1 in k)."""
     s = seq_len / p.cp * micro  # tokens of one micro-batch on this rank
     ffn = ffn_shape(
@@ -183,6 +184,9 @@ def layer_activation_bytes(
         per_token = h / sp
     elif recompute == "selective":
         per_token = 3 * h / sp + (attention_saved(args) + 2 * f + a) / tp
+    elif recompute == "selective_op":
+        kv = args.n_kv_heads * args.head_dim
+        per_token = 2 * h / sp + (attention_saved(args) - kv + f + a) / tp
     else:
         per_token = (4 * h + 2) / sp + 2 * h + (attention_saved(args) + a + 4 * f) / tp
     # GPT-OSS's sink attention (models/attention.sink_attention) is no fused kernel: it keeps the fp32 scores
@@ -496,7 +500,12 @@ def _candidates(
         pp_layout = dataclasses.replace(p, pp=pp, dp_shard=-1, data_parallel=mode)
         out.append((f"--parallel.pp {pp}{note}", pp_layout, t, m))
     # Least recompute first: selective keeps the matmul outputs, full only each block's input.
-    stronger = {"none": ("selective", "full"), "every_k": ("selective", "full"), "selective": ("full",)}
+    stronger = {
+        "none": ("selective", "full"),
+        "every_k": ("selective", "full"),
+        "selective": ("full",),
+        "selective_op": ("full",),
+    }
     for policy in stronger.get(m.recompute, ()):
         out.append((f"--memory.recompute {policy}", p, t, dataclasses.replace(m, recompute=policy)))
     # Divisors only, so that the global batch stays divisible by micro_batch x data-parallel ranks.

@@ -241,9 +241,12 @@ def _block_times(
     saved = layer_activation_bytes(args, p, micro, seq_len, elt)
     elementwise = ELEMENTWISE_TRAFFIC * saved / (profile.memory_bw * share)
     overhead = profile.op_overhead_s * _slowdown(profile, share) if profile.kind == "cpu" else 0.0
+    # selective_op recomputes every second Linear of the forward (wk, wo, w3; parallel/recompute.py)
+    again = sum(t0 + f / r for f, r in zip(flops[1:-2:2], rates[1:-2:2]))
     return {
         "fwd": fwd,
         "bwd": bwd,
+        "linears_again": again,
         "elementwise": elementwise + overhead,
         "attention": 3 * (flops[-1] * 2) / rates[-1],
     }
@@ -473,11 +476,11 @@ def _compute_parts(
     policy, extra = memory.recompute, recompute_share(memory)
     ew_fwd = b["elementwise"] / 3  # forward's share of the element-wise work
     recompute = extra * (b["fwd"] + ew_fwd + b["cast_again"])
-    if (
-        policy == "selective"
-    ):  # a CPU's calibration measures the share it re-runs and its dispatch mode's cost
+    # A CPU's calibration measures the share selective re-runs and its dispatch mode's cost.
+    if policy in ("selective", "selective_op"):
         fixed = profile.selective_block_s * _slowdown(profile, share) if profile.kind == "cpu" else 0.0
         recompute += (profile.selective_share or SELECTIVE_SHARE) * ew_fwd + fixed
+        recompute += b["linears_again"] if policy == "selective_op" else 0.0
     t0, rate = _matmul_rate(profile, _not_fp8(precision))
     head_flops = 2 * micro * seq_len / p.cp * args.dim * args.vocab_size / p.tp
     head = 3 * (t0 * _slowdown(profile, share) + head_flops / (rate * share))  # forward, dX, dW
