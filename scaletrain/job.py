@@ -176,15 +176,13 @@ def build(cfg: Config) -> Job:
     lease = RankLease(run.path, rank)  # one live process a rank
     writer = MetricsWriter(run.path, env.is_main, cfg.metrics.tensorboard, cfg.metrics.wandb_project)
 
-    # -- Data: rank 0 tokenises (or finds the cache) first, the other ranks then read the same shards. Every rank of
-    # one data-parallel group (its tp, cp and pp peers) reads the same slice of the global batch; data.streaming's
-    # ranks agree the shards' token counts over the control group and fetch only the shards under their slice.
+    # -- Data: rank 0 tokenises (or finds the cache) first, then the others. The ranks of one data-parallel group
+    # (tp, cp, pp peers) read one slice of the global batch; streamed, only the shards under it (data/counts.py).
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     batches = BatchRamp.of(cfg.training.batch_ramp, layout.global_batch)  # each step's batch (checked)
     dp = fault_tolerance.data_slice(dims.dp_rank, layout.dp_size, cfg.fault_tolerance)  # (rank, size)
     loader = first(lambda: build_loader(cfg.data, tokenizer, layout.global_batch, *dp, cfg.training.seed, log.info,
-                                        batches.consumed(cfg.training.steps) * cfg.data.seq_len,
-                                        dims.control))  # fmt: skip
+                                        batches.consumed(cfg.training.steps) * cfg.data.seq_len, dims.control))  # fmt: skip
 
     # -- Model: built on meta and parallelised there; each rank then materialises only its share, with the
     # single-process values for the seed (parallel/materialize.py). An HF import then overwrites each rank's share

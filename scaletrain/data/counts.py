@@ -19,9 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from scaletrain.data.prepare import READER_REVISION, TokenizeJob
 from scaletrain.data.storage import Shard
-from scaletrain.data.tokenizer import fingerprint
 
 log = logging.getLogger("scaletrain")
 
@@ -31,15 +29,9 @@ INDEX_NAME = "stream-token-counts.jsonl"
 Gather = Callable[[object], list]
 
 
-def job_digest(job: TokenizeJob) -> str:
-    """What makes a shard's tokens besides its bytes: tokenizer, field, token dtype, reader revision (the format is
-    the source's, or the URL's suffix under "auto": the URL is in the key)."""
-    text = f"{fingerprint(job.tokenizer)}\0{job.fmt}\0{job.field}\0{job.dtype}\0reader{READER_REVISION}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def shard_key(shard: Shard, digest: str) -> str:
-    """A shard's identity for its count: URL, size, its version tag (S3's ETag, a file's mtime) and the job."""
+    """A shard's identity for its count: URL, size, its version tag (S3's ETag, a file's mtime) and the digest of
+    the tokenize job (data.streaming.job_digest)."""
     return hashlib.sha256(f"{shard.url}\0{shard.size}\0{shard.tag}\0{digest}".encode()).hexdigest()[:32]
 
 

@@ -28,12 +28,18 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import DataConfig, SourceConfig
-from scaletrain.data.counts import INDEX_NAME, TokenCounts, group_gather, job_digest, shard_key
-from scaletrain.data.prepare import TokenizeJob, resolve_cache_dir, token_dtype, tokenize_file
+from scaletrain.data.counts import INDEX_NAME, TokenCounts, group_gather, shard_key
+from scaletrain.data.prepare import (
+    READER_REVISION,
+    TokenizeJob,
+    resolve_cache_dir,
+    token_dtype,
+    tokenize_file,
+)
 from scaletrain.data.schedule import MixtureSchedule
 from scaletrain.data.sources import Skipped, resolve_format
 from scaletrain.data.storage import Shard, ShardCache, list_shards, source_filesystem
-from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer
+from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer, fingerprint
 from scaletrain.errors import UserError
 
 log = logging.getLogger("scaletrain")
@@ -63,6 +69,13 @@ def source_names(data: DataConfig) -> list[str]:
 def shuffle_seed(seed: int, source: int, epoch: int) -> int:
     """The seed of a source's shard order in an epoch: a new shuffle each epoch, its own per source."""
     return int(np.random.default_rng([seed % (1 << 63), 7, source, epoch]).integers(1 << 62))
+
+
+def job_digest(job: TokenizeJob) -> str:
+    """What makes a shard's tokens besides its bytes, for its token count's key: tokenizer, field, token dtype,
+    reader revision (the format is the source's, or the URL's suffix under "auto": the URL is in the key)."""
+    text = f"{fingerprint(job.tokenizer)}\0{job.fmt}\0{job.field}\0{job.dtype}\0reader{READER_REVISION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class SourceStream:
