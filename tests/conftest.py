@@ -26,6 +26,7 @@ SLOW_FIRST = (
     "distributed/test_hybrid_layouts.py",
     "cluster/test_slurm.py",
     "cluster/test_node_loss.py",
+    "distributed/test_muon.py",
     "cluster/test_partition.py",
     "e2e/test_resilience.py",
     "cluster/test_many_nodes.py",
