@@ -305,7 +305,8 @@ class StreamingLoader:
     def _agree(self, by_source: dict[int, list[int]], n: int) -> None:
         """Count, over the ranks, every shard the batch's walk passes (a collective: every rank of the group calls it
         at the same point, and decides from the agreed counts alone whether to go round again)."""
-        c, L, local = self.token_counts, self.seq_len, n // self.dp_size
+        # A rollback's gap of samples (load_state_dict) need not split evenly: owners are a guess either way.
+        c, L, local = self.token_counts, self.seq_len, max(1, n // self.dp_size)
         assert c is not None
         if c.members is None:  # first use: each rank's slice, and what each found on disk or read at build
             c.share(self.dp_rank)

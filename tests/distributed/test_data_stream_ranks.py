@@ -134,11 +134,21 @@ def _rank(rank: int, world: int, url: str, tmp: str, dry: str) -> dict:
     group = dist.new_group(backend="gloo")
     ld = _loader(_cfg(Path(tmp) / f"rank{rank}"), rank, world, group)
     steps = [rows(*ld.next_batch()) for _ in range(STEPS)]
+    state = ld.state_dict()
     ld.close()
+    # A rollback past bad samples (resilience.guard) asks for one sample more than the position holds: fewer than
+    # the ranks (a loader of its own, with a key of its own: what it fetches is not counted above).
+    os.environ["AWS_ACCESS_KEY_ID"] = f"rollback{rank}"
+    again = _loader(_cfg(Path(tmp) / f"rank{rank}"), rank, world, group)
+    for _ in range(STEPS):
+        again.next_batch()
+    again.load_state_dict({**again.state_dict(), "next_sample": BATCH * STEPS + 1})
+    rollback = rows(*again.next_batch())
+    again.close()
     # A local source that runs dry: every rank stops at the same step.
     stop = _loader(data_cfg([dry], Path(tmp) / f"dry{rank}", when_dry="stop"), rank, world, group, batch=4)
     dry_at = next(n for n in range(100) if _raises_dry(stop))
-    return {"steps": steps, "state": ld.state_dict(), "dry_at": dry_at}
+    return {"steps": steps, "state": state, "rollback": rollback, "dry_at": dry_at}
 
 
 def _raises_dry(ld) -> bool:
@@ -218,6 +228,12 @@ def test_each_rank_fetches_only_the_shards_under_its_samples(s3, tmp_path: Path)
     assert [rows(*again.next_batch()) for _ in range(STEPS)] == ranks[1]["steps"]
     firsts = {path_of(reference[0][0][0]), path_of(reference[0][1][0])}  # the first samples of a and b
     assert server.fetched("again") == needed[1] | firsts
+    # Passed over one sample on 2 ranks, the next batch is the one one rank reads.
+    single = _loader(_cfg(tmp_path / "rollback"), 0, 1)
+    for _ in range(STEPS):
+        single.next_batch()
+    single.load_state_dict({**single.state_dict(), "next_sample": BATCH * STEPS + 1})
+    assert ranks[0]["rollback"] + ranks[1]["rollback"] == rows(*single.next_batch())
     # A position saved on 2 ranks continues on 1.
     os.environ["AWS_ACCESS_KEY_ID"] = AWS_ENV["AWS_ACCESS_KEY_ID"]
     resumed = _loader(_cfg(tmp_path / "resumed"), 0, 1)
