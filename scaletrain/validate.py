@@ -116,18 +116,7 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
         shapes += model_shape_problems(args, cfg.model, vocab)
         shapes += moe_problems(cfg.moe, args, cfg.model.preset)
         problems += shapes
-        if args.n_experts > 0 and cfg.training.compile:
-            problems.append(
-                "training.compile with MoE blocks is refused: the experts' data-dependent token splits break "
-                "each compiled block into pieces, and compiled MoE has not been tested against eager; set "
-                "training.compile = false"
-            )
-        if cfg.memory.recompute == "selective_op" and (args.n_experts > 0 or args.mla):
-            problems.append(
-                "memory.recompute selective_op is refused with MoE or MLA blocks: it recomputes every second "
-                "Linear of a block by position, which the planner models and the tests check for dense "
-                "Llama-style blocks only; use selective or full"
-            )
+        problems += _sparse_blocks(cfg, args)
         problems += _deepseek(cfg, args)
         problems += qat_problems(cfg.precision, args, tp=cfg.parallel.tp)
     problems += data_problems(cfg.data)
@@ -178,6 +167,24 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
         problems += rank_problems(cfg, layout, args)
     if not problems and args is not None:
         problems += fits_in_memory_problems(cfg, layout, args)
+    return problems
+
+
+def _sparse_blocks(cfg: Config, args: ModelArgs) -> list[str]:
+    """MoE and MLA blocks against what was tested only on dense Llama-style blocks (compile, per-op recompute)."""
+    problems = []
+    if args.n_experts > 0 and cfg.training.compile:
+        problems.append(
+            "training.compile with MoE blocks is refused: the experts' data-dependent token splits break "
+            "each compiled block into pieces, and compiled MoE has not been tested against eager; set "
+            "training.compile = false"
+        )
+    if cfg.memory.recompute == "selective_op" and (args.n_experts > 0 or args.mla):
+        problems.append(
+            "memory.recompute selective_op is refused with MoE or MLA blocks: it recomputes every second "
+            "Linear of a block by position, which the planner models and the tests check for dense "
+            "Llama-style blocks only; use selective or full"
+        )
     return problems
 
 
