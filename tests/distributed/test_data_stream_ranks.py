@@ -9,7 +9,6 @@ source (when_dry = "stop") ends both ranks at the same step as one rank."""
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import re
 import shutil
@@ -98,23 +97,11 @@ class ServedS3:
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory):
-    saved = {k: os.environ.get(k) for k in [*AWS_ENV, "AWS_ENDPOINT_URL"]}
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = ServedS3()
-    server.start()
-    os.environ.update(AWS_ENV, AWS_ENDPOINT_URL=server.url)
-    import boto3
+    from tests.unit.test_data_stream_s3 import serving  # here: the ranks import this module and need no moto
 
-    local = tmp_path_factory.mktemp("corpus")
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    for d in write_corpus(local):
-        for f in sorted(d.iterdir()):
-            client.upload_file(str(f), BUCKET, f"{d.name}/{f.name}")
-    yield server, local
-    server.stop()
-    for k, v in saved.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    server, local = ServedS3(), tmp_path_factory.mktemp("corpus")
+    with serving(server, BUCKET, write_corpus(local)):
+        yield server, local
 
 
 def _cfg(tmp: Path, **kw):

@@ -6,7 +6,6 @@ data position, every source's, so no sample was trained twice or skipped; `scale
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from tests.unit.test_data_streaming import write_corpus
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
-from tests.unit.test_data_stream_s3 import AWS_ENV, BUCKET, S3Server  # noqa: E402
+from tests.unit.test_data_stream_s3 import BUCKET, S3Server, serving  # noqa: E402
 
 RTOL = 1e-5  # fp32 on CPU, 2 data-parallel ranks against 1: the reduction order only (docs/parallelism.md)
 
@@ -55,22 +54,9 @@ interval = 0
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    saved = {k: os.environ.get(k) for k in [*AWS_ENV, "AWS_ENDPOINT_URL"]}
-    server = S3Server()
-    server.start()
-    os.environ.update(AWS_ENV, AWS_ENDPOINT_URL=server.url)  # what the training processes inherit
-    import boto3
-
     local = tmp_path_factory.mktemp("corpus")
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    for d in write_corpus(local, shards=3, docs=40):
-        for f in sorted(d.iterdir()):
-            client.upload_file(str(f), BUCKET, f"{d.name}/{f.name}")
-    yield local
-    server.stop()
-    for k, v in saved.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    with serving(S3Server(), BUCKET, write_corpus(local, shards=3, docs=40)):
+        yield local
 
 
 def test_s3_equals_local_and_a_2_rank_stop_continues_on_1(s3, tmp_path: Path, capsys):

@@ -5,6 +5,7 @@ comes from AWS_ENDPOINT_URL or the source's config; a source that cannot be list
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -53,26 +54,35 @@ class S3Server:
         self._server._server.server_close()
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Server, Path]]:
-    """The server, with the corpus of test_data_streaming uploaded under s3://corpus/{a,b}/; and its local copy."""
+@contextlib.contextmanager
+def serving(server, bucket: str, corpora: list[Path]) -> Iterator[None]:
+    """`server` (anything with start, stop and url) started, the AWS environment pointed at it (what the training
+    processes inherit too), each corpus directory uploaded under s3://BUCKET/<its name>/; all undone after."""
     saved = {k: os.environ.get(k) for k in [*AWS_ENV, "AWS_ENDPOINT_URL"]}
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = S3Server()
     server.start()
     os.environ.update(AWS_ENV, AWS_ENDPOINT_URL=server.url)
     import boto3
 
-    local = tmp_path_factory.mktemp("corpus")
     client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    for d in write_corpus(local, shards=4, docs=6):
+    client.create_bucket(Bucket=bucket)
+    for d in corpora:
         for f in sorted(d.iterdir()):
-            client.upload_file(str(f), BUCKET, f"{d.name}/{f.name}")
-    yield server, local
-    server.stop()
-    for k, v in saved.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            client.upload_file(str(f), bucket, f"{d.name}/{f.name}")
+    try:
+        yield
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Server, Path]]:
+    """The server, with the corpus of test_data_streaming uploaded under s3://corpus/{a,b}/; and its local copy."""
+    local, server = tmp_path_factory.mktemp("corpus"), S3Server()
+    with serving(server, BUCKET, write_corpus(local, shards=4, docs=6)):
+        yield server, local
 
 
 def test_streamed_and_local_files_give_the_same_samples(s3, tmp_path: Path):
