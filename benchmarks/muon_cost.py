@@ -38,11 +38,11 @@ import torch.multiprocessing as mp
 
 from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.hardware import cpu_features
+from scaletrain.job import build_core
 from scaletrain.models import ModelArgs, build_model
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.planning.estimators.hardware import DEFAULT_CPU, GPUS
 from scaletrain.planning.estimators.time import step_time
-from scaletrain.job import build_core
 
 SEQ = 128
 ARGS = ModelArgs(

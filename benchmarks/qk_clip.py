@@ -19,9 +19,9 @@ import time
 import torch
 
 from scaletrain.config import OptimizerConfig, ParallelConfig, TrainingConfig
+from scaletrain.job import build_core
 from scaletrain.models import ModelArgs, build_model
 from scaletrain.parallel.mesh import ParallelDims
-from scaletrain.job import build_core
 
 CPU = torch.device("cpu")
 

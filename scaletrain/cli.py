@@ -294,7 +294,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         else:
             code = run_training(cfg)  # STOPPED_EXIT_CODE when stopped early
     finally:
-        ended = run is not None and (run.finished(cfg.training.steps) is not None or run.ran_dry() is not None)
+        ended = run is not None and (
+            run.finished(cfg.training.steps) is not None or run.ran_dry() is not None
+        )
         if run is not None and is_main and run.started() and not ended:
             print(f"to continue this run: {continue_command(typed, run.path)}", file=sys.stderr)
     if code == 0 and cfg.metrics.sample_prompt and is_main and run is not None:

@@ -20,13 +20,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from scaletrain.checkpoint.state import ModelState
 from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.data.ramp import BatchRamp
+from scaletrain.job import build_core
 from scaletrain.models import ModelArgs, Transformer, build_model
 from scaletrain.optim.optimizers import Optimizers
 from scaletrain.parallel.data_parallel import full_state_dict
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
 from scaletrain.parallel.parallelize import ParallelModel
 from scaletrain.parallel.step import StepRunner
-from scaletrain.job import build_core
 from tests.distributed.spawn import spawn
 
 CPU = torch.device("cpu")

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import ParallelConfig, PrecisionConfig, TrainingConfig
+from scaletrain.job import build_core
 from scaletrain.models import loss as loss_module
 from scaletrain.parallel.layout import fsdp_applies
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
 from scaletrain.precision.policy import resolve_precision
-from scaletrain.job import build_core
 from tests.distributed.reference import (
     CPU,
     OPT,

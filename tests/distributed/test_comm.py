@@ -15,9 +15,9 @@ import torch.distributed.checkpoint as dcp
 
 from scaletrain.checkpoint import ModelState
 from scaletrain.config import ParallelConfig, TrainingConfig
+from scaletrain.job import build_core
 from scaletrain.models import ModelArgs
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
-from scaletrain.job import build_core
 from tests.distributed.reference import (
     CPU,
     OPT,

@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.checkpoint import ModelState
 from scaletrain.config import ParallelConfig, PrecisionConfig, TrainingConfig
+from scaletrain.job import build_core
 from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
 from scaletrain.parallel.parallelize import fsdp_applies
 from scaletrain.precision import resolve_precision
-from scaletrain.job import build_core
 from tests.distributed.reference import (
     CPU,
     OPT,

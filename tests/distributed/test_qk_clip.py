@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 
 from scaletrain.config import MemoryConfig, OptimizerConfig, ParallelConfig, TrainingConfig
-from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
 from scaletrain.job import build_core
+from scaletrain.parallel.mesh import ParallelDims, all_reduce_mean
 from tests.distributed.reference import (
     CPU,
     OPT,

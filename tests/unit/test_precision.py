@@ -20,6 +20,7 @@ from scaletrain.config import (
 )
 from scaletrain.config.io import to_dict
 from scaletrain.errors import ConfigError
+from scaletrain.job import build_core
 from scaletrain.models import ModelArgs, build_model
 from scaletrain.parallel.mesh import DistEnv, ParallelDims
 from scaletrain.parallel.parallelize import parallelize
@@ -33,7 +34,6 @@ from scaletrain.precision import (
 )
 from scaletrain.resilience.guard import Guard
 from scaletrain.run.resume import resume_problems
-from scaletrain.job import build_core
 from scaletrain.validate import load_config
 
 CPU = torch.device("cpu")

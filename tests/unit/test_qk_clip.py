@@ -13,12 +13,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
+from scaletrain.job import build_core
 from scaletrain.models import attention
 from scaletrain.models.attention import _block_mask, _bool_mask, max_logits, max_logits_bytes
 from scaletrain.optim.qk_clip import QKClip, attention_layers, head_scales, qk_clip_problems
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.planning.estimators.memory import per_rank_bytes
-from scaletrain.job import build_core
 from tests.fixtures import tiny
 
 CPU = torch.device("cpu")
