@@ -155,6 +155,10 @@ def _jsonl_corpus(root: Path, files: int = 12) -> Path:
     return root
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_prepare_data_stops_its_workers_and_exits_130(tmp_path):
     config = tmp_path / "data.toml"
     corpus = _jsonl_corpus(tmp_path / "corpus")
@@ -163,9 +167,11 @@ def test_ctrl_c_during_prepare_data_stops_its_workers_and_exits_130(tmp_path):
         cache = tmp_path / f"cache{attempt}"
         cmd = [sys.executable, "-m", "scaletrain", "prepare-data", "--config", str(config)]
         env = {**os.environ, "SCALETRAIN_CACHE": str(cache)}
-        # Its own process group, as a shell gives a foreground job: Ctrl-C reaches the workers too.
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                             cwd=ROOT, start_new_session=True)  # fmt: skip
+        # Its own process group, as a shell gives a foreground job: Ctrl-C reaches the workers too. And Ctrl-C's
+        # default action, as a foreground job has it: a suite started in the background (`make test &`) ignores
+        # SIGINT, which a child inherits, and prepare-data then ran to its end (exit 0) under the Ctrl-C.
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                             start_new_session=True, preexec_fn=_default_sigint)  # fmt: skip
         deadline = time.monotonic() + 120
         while (
             not list((cache / "shards").glob(".tmp-*")) and p.poll() is None and time.monotonic() < deadline
