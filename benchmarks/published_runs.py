@@ -84,11 +84,12 @@ class Run:
     attention: str = (
         "auto"  # model.attention: the kernel the run used (cudnn: Transformer Engine's fused attention)
     )
+    loss: str = "chunked"  # model.loss: how the run computed its loss (TT_LOSS for torchtitan's)
 
     def config(self) -> Config:
         t = TrainingConfig(global_batch=self.global_batch, micro_batch=self.micro, eval_interval=0)
         memory = MemoryConfig(recompute=self.recompute, recompute_every=self.recompute_every)
-        model = ModelConfig(preset=self.preset, attention=self.attention)
+        model = ModelConfig(preset=self.preset, attention=self.attention, loss=self.loss)
         return Config(model=model, data=DataConfig(seq_len=self.seq), training=t,
                       parallel=self.parallel, memory=memory, precision=PrecisionConfig(compute=self.precision))  # fmt: skip
 
@@ -96,34 +97,36 @@ class Run:
 FSDP = ParallelConfig(data_parallel="fsdp")
 TT_H100 = ("h100-500w-sxm", "h100-500w-nvl")
 # torchtitan's per-op selective AC (selective_ac_option = "op") is memory.recompute = selective_op, run as they ran it.
-LOSS = (
-    "loss on the whole micro-batch's logits: bf16, an fp32 copy and fp32 log-softmax (train.py at 9dec370, "
-    "components/loss.py at e7c0cae); ours is "
-    "chunked and fused with the output layer (issue 40), and scaletrain has no unchunked mode to plan theirs"
+# torchtitan computes its loss on the whole micro-batch's logits (bf16 under FSDP's mixed precision), their fp32
+# copy and the fp32 log-softmax, F.cross_entropy(pred.flatten(0, 1).float(), ...) (train.py at 9dec370,
+# components/loss.py at e7c0cae): scaletrain's model.loss = "whole", and its runs are planned with it.
+TT_LOSS = "whole"
+RESERVED = (
+    "memory published as torch's max_reserved (train.py at 9dec370): the allocator's blocks, used or not"
 )
 COMPILED = "torch.compile fuses the element-wise ops the planner charges as eager kernels"
 FLOAT8 = "torchao float8 tensorwise Linear (our fp8)"
 RUNS: tuple[Run, ...] = (
     Run("torchtitan Llama 3.1 8B, 8 H100, FSDP, bf16 (table 1)", TORCHTITAN, "8B", 8, 8192, 16, 2, FSDP,
-        "selective_op", "bf16", TT_H100, 5762, 82.4, LOSS),
+        "selective_op", "bf16", TT_H100, 5762, 82.4, RESERVED, loss=TT_LOSS),
     Run("torchtitan Llama 3.1 8B, 128 H100, FSDP, bf16 (table 3)", TORCHTITAN, "8B", 128, 8192, 256, 2, FSDP,
-        "selective_op", "bf16", TT_H100, 5605, 67.0, LOSS),
+        "selective_op", "bf16", TT_H100, 5605, 67.0, RESERVED, loss=TT_LOSS),
     Run("torchtitan Llama 3.1 8B, 8 H100, FSDP, compile + float8 (table 1)", TORCHTITAN, "8B", 8, 8192, 16, 2,
-        FSDP, "selective_op", "fp8", TT_H100, 8532, 76.8, f"{LOSS}; {COMPILED}; {FLOAT8}"),
+        FSDP, "selective_op", "fp8", TT_H100, 8532, 76.8, f"{RESERVED}; {COMPILED}; {FLOAT8}", loss=TT_LOSS),
     Run("torchtitan Llama 3.1 8B, 64 H100, FSDP 8 TP 8, compile, bf16 (async-TP doc, vanilla TP)",
         TORCHTITAN_ASYNC_TP, "8B", 64, 8192, 96, 12,
         ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True), "selective_op", "bf16", TT_H100, 4378,
-        None, f"{LOSS}; {COMPILED}"),
+        None, COMPILED, loss=TT_LOSS),
     Run("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 TP 8, compile + float8, full AC (table 4)", TORCHTITAN, "70B",
         256, 8192, 512, 16, ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True), "full", "fp8",
-        TT_H100, 829, 71.9, f"{COMPILED}; {FLOAT8}; {LOSS}"),
+        TT_H100, 829, 71.9, f"{COMPILED}; {FLOAT8}; {RESERVED}", loss=TT_LOSS),
     Run("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 TP 8, compile, bf16, full AC (async-TP doc, vanilla TP)",
         TORCHTITAN_ASYNC_TP, "70B", 256, 8192, 512, 16,
         ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True), "full", "bf16", TT_H100, 597.3, None,
-        f"{COMPILED}; {LOSS}"),
+        COMPILED, loss=TT_LOSS),
     Run("torchtitan Llama 3.1 8B, 32 H200 (4 nodes), FSDP, compile + float8 (Trainy)", TRAINY, "8B", 32, 8192, 64,
         2, FSDP, "selective_op", "fp8", ("h200",), 10938, 47.96,
-        f"{LOSS}; {COMPILED}; {FLOAT8} with float8 FSDP all-gather (ours gathers bf16)"),
+        f"{COMPILED}; {FLOAT8} with float8 FSDP all-gather (ours gathers bf16)", loss=TT_LOSS),
     Run("Megatron-Bridge Llama 3 8B, 8 H100, FSDP, FP8-CS", MEGATRON, "8B", 8, 8192, 128, 1,
         ParallelConfig(data_parallel="fsdp", grad_sync="micro_batch"), "every_k", "fp8", ("h100",), 14451, None,
         "full recompute of 5 of 32 blocks (ours: every 6th block, 5.3 of 32); Transformer Engine's FP8 current "

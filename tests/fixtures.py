@@ -1,6 +1,7 @@
 """Objects more than one test module builds: a tiny model, a checkpoint's state and manager, a stand-in MoE model with
-load buffers to fill, a bit flipper, and a guard for process-wide settings. Test modules import these from here,
-never from each other (tests/helpers.py holds the subprocess side: the CLI and what a run wrote)."""
+load buffers to fill, a bit flipper, a guard for process-wide settings, and a counter of the bytes alive at once.
+Test modules import these from here, never from each other (tests/helpers.py holds the subprocess side: the CLI and
+what a run wrote)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.checkpoint import CheckpointManager, LoaderState, ModelState, TrainState
 from scaletrain.config import CheckpointConfig, OptimizerConfig
@@ -185,3 +188,29 @@ def kept_process_settings() -> Iterator[None]:
         torch.set_num_threads(threads)
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         torch.use_deterministic_algorithms(deterministic)
+
+
+# ------------------------------------------------------------------------------------------------ live memory
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes alive at once among the tensors the ops under it create (new storages, not views of their
+    inputs), each counted until its storage is freed: what a computation holds at its peak, not its largest single
+    allocation (issue 35: QK-clip's max_logits held 4,663 live bytes against the 2,048 of one chunk, the previous
+    chunk still held)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[StorageWeakRef, int]] = []
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()] if torch.is_tensor(a)
+        }
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:  # new memory, not a view
+                self.made.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        self.peak = max(self.peak, sum(n for ref, n in self.made if not ref.expired()))
+        return out

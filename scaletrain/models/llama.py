@@ -53,6 +53,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention: str = "auto"  # models.attention.AttentionBackend
+    loss: str = "chunked"  # model.loss: "chunked" or "whole" (models/loss.output_loss)
     window: int = 0  # sliding-window attention: query i sees keys i - window < j <= i; 0 = off
     window_every: int = 1  # the window on layers 0, k, 2k, ... (1: every layer)
     # Mixture of experts (models/moe.py, docs/moe.md); n_experts 0 is the dense model.
@@ -362,9 +363,9 @@ class Transformer(nn.Module):
         and its RoPE position counts from the document's first token. cache: a `KVCache` for decoding: `tokens`
         continue the sequence it holds (positions from cache.pos on), and their keys and values are added to it.
         targets: [batch, seq] next-token ids: the forward then returns the summed cross-entropy (fp32 scalar) instead
-        of the logits, computed in chunks that never hold the whole logits (`loss.output_loss`, issue 40). Inside
-        the forward, so FSDP2's root unit has the output weight gathered around it. A stage without the output
-        ignores them."""
+        of the logits, computed as model.loss says: in chunks that never hold the whole logits (`loss.output_loss`,
+        issue 40), or over the whole micro-batch. Inside the forward, so FSDP2's root unit has the output weight
+        gathered around it. A stage without the output ignores them."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if document_ids is not None:
             assert positions is None, "document masking with split sequences (cp) is refused by validate"
@@ -391,10 +392,12 @@ class Transformer(nn.Module):
             return h
         if targets is None:
             return self.output(h)
-        loss = output_loss(self.output, h, targets)
+        loss = output_loss(self.output, h, targets, self.args.loss)
         if self.mtp is not None and self.training:
-            coef = self.args.mtp_loss_coef
-            loss = loss + mtp_loss(self.mtp, last, targets, self.tok_embeddings, self.output, cos, sin, coef)
+            coef, mode = self.args.mtp_loss_coef, self.args.loss
+            loss = loss + mtp_loss(
+                self.mtp, last, targets, self.tok_embeddings, self.output, cos, sin, coef, mode
+            )
         return loss
 
     @torch.no_grad()

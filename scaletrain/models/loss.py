@@ -11,9 +11,16 @@ from torch.utils.checkpoint import checkpoint
 
 # The largest logits chunk, in elements (128 MiB in fp32): a step's logits larger than this are computed a chunk of
 # tokens at a time. Small vocabularies (the debug model's 320 x a few thousand tokens) stay one chunk, which is
-# today's computation bit for bit; Llama 3's 128,256 get 261 tokens per chunk, about 3 chunk-sized fp32 buffers
-# alive at once (logits, their exponentials, their gradient): 0.4 GiB whatever the tokens per step.
+# today's computation bit for bit; Llama 3's 128,256 get 261 tokens per chunk, two chunk-sized fp32 buffers alive
+# at once (the logits and their log-softmax, which becomes their gradient in place): 0.25 GiB whatever the tokens
+# per step (model.loss = "whole" computes the whole logits instead).
 LOGITS_CHUNK_ELEMENTS = 2**25
+# What the whole loss (model.loss = "whole", or one chunk) holds per logit at its peak, as autograd keeps it: in
+# forward the logits (4 bytes in fp32; 2 under bf16 autocast, plus their fp32 copy, 4) and the fp32 log-softmax (4,
+# saved for backward): 8 in fp32, 10 in bf16; in backward the saved log-softmax, nll_loss's dense gradient of it and
+# log_softmax's gradient of the logits, 4 bytes each: 12 in both, the peak (measured to within 1%,
+# tests/unit/test_loss.py). torchtitan's loss (F.cross_entropy of the logits' fp32 copy) is this one.
+WHOLE_LOSS_BYTES_PER_LOGIT = 12
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -31,10 +38,13 @@ def chunk_tokens(vocab_size: int) -> int:
     return max(1, LOGITS_CHUNK_ELEMENTS // vocab_size)
 
 
-def output_loss(output: nn.Linear, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of `output(h)` against `targets` ([batch, seq]), without the whole logits.
+def output_loss(
+    output: nn.Linear, h: torch.Tensor, targets: torch.Tensor, mode: str = "chunked"
+) -> torch.Tensor:
+    """Summed cross-entropy of `output(h)` against `targets` ([batch, seq]); `mode` is model.loss.
 
-    One chunk (a small vocabulary): `output(h)` and `cross_entropy`, as before issue 40. Several, on a plain
+    "whole", or one chunk (a small vocabulary): `output(h)` and `cross_entropy` over the whole micro-batch, as
+    before issue 40 (and as torchtitan computes it). "chunked", without the whole logits: several chunks, on a plain
     nn.Linear with plain tensors (one process, DDP, FSDP2 inside the root's forward, autocast, fp8 and QAT, which
     leave the output layer alone): `linear_cross_entropy` computes each chunk's gradient in the forward, so nothing
     is recomputed. Otherwise (the output's weight is a tensor-parallel DTensor): each chunk's `output(chunk)` and
@@ -42,7 +52,7 @@ def output_loss(output: nn.Linear, h: torch.Tensor, targets: torch.Tensor) -> to
     recomputes them in its backward (one more output-layer forward); the module's own hooks (TP's layouts, the
     vocabulary-parallel loss) run as usual."""
     n = chunk_tokens(output.weight.shape[0])  # a DTensor's shape is the whole vocabulary's
-    if targets.numel() <= n:
+    if mode == "whole" or targets.numel() <= n:
         return cross_entropy(output(h), targets, reduction="sum")
     if _fusable(output, h):
         return linear_cross_entropy(h.flatten(0, -2), output.weight, targets.flatten(), n)
@@ -106,18 +116,22 @@ def _chunked(
             # log_softmax, as F.cross_entropy computes it (one fused kernel; logsumexp is several on a CPU).
             logp = torch.log_softmax((x @ wc.T).float(), dim=-1)
             loss -= logp.gather(1, t[:, None]).sum()
-            if not with_grads:
-                continue
-            # d(loss)/d(logits) = softmax - one_hot, in place over the chunk's log-probabilities.
-            grad = logp.exp_()
-            grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-            grad = grad.to(dtype)
-            if dtype == torch.float32:  # straight into the fp32 buffers, no temporaries
-                torch.mm(grad, wc, out=grad_h[start : start + chunk])
-                grad_w.addmm_(grad.T, x)
-            else:
-                grad_h[start : start + chunk] = grad @ wc
-                grad_w += grad.T @ x
+            if with_grads:
+                # d(loss)/d(logits) = softmax - one_hot, in place over the chunk's log-probabilities.
+                grad = logp.exp_()
+                grad[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+                grad = grad.to(dtype)
+                if dtype == torch.float32:  # straight into the fp32 buffers, no temporaries
+                    torch.mm(grad, wc, out=grad_h[start : start + chunk])
+                    grad_w.addmm_(grad.T, x)
+                else:
+                    grad_h[start : start + chunk] = grad @ wc
+                    grad_w += grad.T @ x
+                del grad
+            # Freed before the next chunk's logits are made: one chunk's buffers alive at a time, not two (kept,
+            # the live peak was 12 bytes a chunk's logit in fp32, 14 in bf16, against the 8 loss_activation_bytes
+            # counts).
+            del logp
     return loss, grad_h, grad_w
 
 
@@ -138,15 +152,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_h * grad_loss).to(h_dtype), (grad_w * grad_loss).to(w_dtype), None, None
 
 
-def loss_activation_bytes(tokens: float, vocab: int, dim: int, tp: int = 1, seq_len: int = 0) -> float:
-    """Bytes the loss holds at its peak for `tokens` tokens (the planner's memory model): two fp32 buffers of one
-    chunk's logits (logits or log-softmax, and their gradient) over the rank's share of the vocabulary; plus, on the
-    fused path (tp 1, several chunks), the fp32 gradients of the output weight and of the hidden states kept from
-    forward to backward. `seq_len`: under sequence parallel, where chunks are whole sequences."""
+def loss_activation_bytes(
+    tokens: float, vocab: int, dim: int, tp: int = 1, seq_len: int = 0, mode: str = "chunked"
+) -> float:
+    """Bytes the loss holds at its peak for `tokens` tokens (the planner's memory model). The whole loss (`mode`
+    "whole", or a single chunk): WHOLE_LOSS_BYTES_PER_LOGIT over the rank's share of the vocabulary. Several
+    chunks: two fp32 buffers of one chunk's logits (logits or log-softmax, and their gradient); plus, on the fused
+    path (tp 1), the fp32 gradients of the output weight and of the hidden states kept from forward to backward.
+    `seq_len`: under sequence parallel, where chunks are whole sequences."""
     chunk = chunk_tokens(vocab)
     if seq_len:
         chunk = max(1, chunk // seq_len) * seq_len
-    if tokens <= chunk:
-        return 2 * tokens * vocab * 4 / tp
+    if mode == "whole" or tokens <= chunk:
+        return WHOLE_LOSS_BYTES_PER_LOGIT * tokens * vocab / tp
     fused = 4 * (vocab * dim + tokens * dim) if tp == 1 else 0
     return 2 * chunk * vocab * 4 / tp + fused

@@ -40,10 +40,12 @@ def mtp_loss(
     cos: torch.Tensor,
     sin: torch.Tensor,
     coef: float,
+    mode: str = "chunked",
 ) -> torch.Tensor:
     """coef x the MTP cross-entropy, summed over its seq - 1 positions and scaled by seq / (seq - 1), so that the
     step's mean over batch x seq tokens (loss.token_mean) adds coef x the MTP module's mean loss. h: the main
-    model's last hidden states before its final norm, [batch, seq, dim]; targets: [batch, seq] (token i+1 at i)."""
+    model's last hidden states before its final norm, [batch, seq, dim]; targets: [batch, seq] (token i+1 at i);
+    mode: model.loss, as the main loss."""
     seq = targets.shape[1]
     if seq < 2:
         return h.new_zeros((), dtype=torch.float32)
@@ -53,4 +55,4 @@ def mtp_loss(
         slice(None),
     )  # positions 0..seq-2, whether cos is [seq, d] or [batch, seq, d]
     x = mtp(h[:, :-1], embed(targets[:, :-1]), cos[cut], sin[cut])
-    return output_loss(output, x, targets[:, 1:]) * (coef * seq / (seq - 1))
+    return output_loss(output, x, targets[:, 1:], mode) * (coef * seq / (seq - 1))

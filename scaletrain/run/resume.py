@@ -23,6 +23,7 @@ CANNOT_CHANGE = (
 )
 FREE = (
     "model.attention",  # which kernel computes the same attention
+    "model.loss",  # chunked or whole: the same loss
     "memory",  # recompute and offload change what is kept, not what is computed
     "training.compile",
     "parallel",

@@ -1,8 +1,9 @@
-"""The chunked loss (issue 40) in every layout that runs the loss: each case trains 10 steps twice in the same
-layout, once with the whole logits (what every step ran before issue 40: one chunk, `cross_entropy(output(h))`)
-and once with chunks of 16 tokens, and compares losses, grad norms, final parameters and an evaluation. It also
-records which chunked path ran: the fused one (gradients computed in the forward) on plain tensors, the
-checkpointed one where the output layer is tensor parallel."""
+"""The chunked loss (issue 40) and model.loss = "whole" in every layout that runs the loss: each case trains 10
+steps twice in the same layout with chunks of 16 tokens allowed, once with model.loss = "whole" (what every step
+ran before issue 40: `cross_entropy(output(h))`, as torchtitan computes it) and once chunked, and compares losses,
+grad norms, final parameters and an evaluation. It also records which chunked path ran: none under "whole"; the
+fused one (gradients computed in the forward) on plain tensors, the checkpointed one where the output layer is
+tensor parallel."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ MOE = dict(n_experts=4, top_k=2, moe_hidden=64, aux_loss_coef=0.01, z_loss_coef=
 # name -> (ParallelConfig fields or None for one process, precision, model fields, expected path)
 CASES = {
     "single": (None, "fp32", {}, "fused"),
+    "ddp": (dict(data_parallel="ddp"), "fp32", {}, "fused"),
     "fsdp": (dict(data_parallel="fsdp"), "fp32", {}, "fused"),
     "tp_sp": (dict(tp=2, sequence_parallel=True), "fp32", {}, "checkpointed"),
     "tp": (dict(tp=2), "fp32", {}, "checkpointed"),
@@ -49,9 +51,9 @@ RTOL = {"fp32": 1e-5, "bf16": 2e-2}
 ATOL = {"fp32": PARAM_ATOL, "bf16": 2e-2}
 
 
-def _train(spec: tuple, world_size: int, chunked: bool) -> dict:
+def _train(spec: tuple, world_size: int, loss: str) -> dict:
     layout, precision_name, model_fields, _ = spec
-    args = tiny_args(**model_fields)
+    args = tiny_args(**model_fields, loss=loss)
     batches = global_batches(args)
     pcfg = ParallelConfig(**(layout or {}))
     dims = ParallelDims() if layout is None else ParallelDims.from_config(pcfg, world_size)
@@ -78,8 +80,7 @@ def _train(spec: tuple, world_size: int, chunked: bool) -> dict:
 
     loss_module.linear_cross_entropy = count("fused", fused)
     loss_module._chunk_loss = count("checkpointed", chunk)
-    if chunked:
-        loss_module.LOGITS_CHUNK_ELEMENTS = CHUNK_TOKENS * args.vocab_size
+    loss_module.LOGITS_CHUNK_ELEMENTS = CHUNK_TOKENS * args.vocab_size
     try:
         pm, optimizers, runner = build_core(full_model(args), dims, pcfg, tcfg, OPT, device=CPU, n_microbatches=m,
                                             precision=prec)  # fmt: skip
@@ -109,7 +110,7 @@ def chunked_case(rank: int, world_size: int, out: str) -> None:
     for name, spec in CASES.items():
         if spec[0] is None and rank != 0:
             continue
-        whole, chunked = _train(spec, world_size, False), _train(spec, world_size, True)
+        whole, chunked = _train(spec, world_size, "whole"), _train(spec, world_size, "chunked")
         rel = lambda a, b: max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))  # noqa: E731
         results[name] = {
             "loss_rel": rel(chunked["losses"], whole["losses"]),
@@ -138,7 +139,7 @@ def test_chunked_loss_trains_as_the_whole_logits(results, name):
         f"{name}: loss {r['loss_rel']:.1e}, grad norm {r['norm_rel']:.1e} (relative), params {r['param_abs']:.1e} "
         f"(absolute), eval {r['eval_rel']:.1e}"
     )
-    # The whole-logits run never chunks; the chunked one takes the path its layout allows.
+    # model.loss = "whole" never chunks; the chunked run takes the path its layout allows.
     assert r["whole_calls"] == {"fused": 0, "checkpointed": 0}
     assert r["chunked_calls"][path] > 0 and sum(r["chunked_calls"].values()) == r["chunked_calls"][path]
     assert r["loss_rel"] <= RTOL[precision] and r["norm_rel"] <= RTOL[precision]

@@ -13,7 +13,7 @@ from scaletrain.config import MemoryConfig, ModelConfig, ParallelConfig, Trainin
 from scaletrain.errors import ConfigError
 from scaletrain.metrics.memory import saved_activation_bytes
 from scaletrain.models.llama import ModelArgs, count_parameters
-from scaletrain.models.loss import cross_entropy
+from scaletrain.models.loss import WHOLE_LOSS_BYTES_PER_LOGIT, cross_entropy
 from scaletrain.models.presets import build_meta_model, build_model, resolve_model_args
 from scaletrain.parallel.recompute import apply_recompute
 from scaletrain.planning.estimators.memory import (
@@ -74,7 +74,8 @@ def test_tp2_halves_the_layers_tp_splits():
     # the gathered inputs of wq/wk/wv and w1/w3 (2h) stay whole under both.
     assert no_sp - sp == 256 * 2 * (4 * DEBUG.dim + 2) / 2 * 4
     assert sp - one / 2 == 256 * 2 * 2 * DEBUG.dim / 2 * 4
-    assert e["logits"] == 2 * 2 * 256 * DEBUG.vocab_size * 4 / 2
+    # One chunk of logits, the whole loss's (models/loss.py), split by vocabulary.
+    assert e["logits"] == 2 * 256 * DEBUG.vocab_size * WHOLE_LOSS_BYTES_PER_LOGIT / 2
 
 
 def test_pp2_halves_the_layers():

@@ -9,8 +9,6 @@ import math
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
 from scaletrain.job import build_core
@@ -19,7 +17,7 @@ from scaletrain.models.attention import _block_mask, _bool_mask, max_logits, max
 from scaletrain.optim.qk_clip import QKClip, attention_layers, head_scales, qk_clip_problems
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.planning.estimators.memory import per_rank_bytes
-from tests.fixtures import tiny
+from tests.fixtures import LiveBytes, tiny
 
 CPU = torch.device("cpu")
 
@@ -190,28 +188,6 @@ def test_validate_refuses_what_qk_clip_cannot_measure():
     assert "training.compile" in compiled
 
 
-class _Live(TorchDispatchMode):
-    """The most bytes alive at once among the tensors the ops under it create (new storages, not views of their
-    inputs), each counted until its storage is freed: what max_logits holds at its peak, not its largest single
-    allocation (issue 35: 4,663 live bytes against the 2,048 of one chunk, the previous chunk still held)."""
-
-    def __init__(self):
-        super().__init__()
-        self.made: list[tuple[StorageWeakRef, int]] = []
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()] if torch.is_tensor(a)
-        }
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:  # new memory, not a view
-                self.made.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
-        self.peak = max(self.peak, sum(n for ref, n in self.made if not ref.expired()))
-        return out
-
-
 # 2**25: every query in one chunk; 512: one query per chunk; 2000: three, the last chunk shorter
 @pytest.mark.parametrize("chunk", [2**25, 512, 2000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -221,7 +197,7 @@ def test_the_memory_estimate_holds_what_max_logits_holds_at_once(monkeypatch, ch
     monkeypatch.setattr(attention, "_MAX_LOGIT_CHUNK", chunk)
     b, hq, hkv, s, elt = 2, 4, 2, 64, torch.finfo(dtype).bits // 8
     q, k = torch.randn(b, hq, s, 8, dtype=dtype), torch.randn(b, hkv, s, 8, dtype=dtype)
-    with _Live() as seen:
+    with LiveBytes() as seen:
         max_logits(q, k)
     estimate = max_logits_bytes(b, hq, s, elt)
     assert seen.peak <= estimate < 1.1 * seen.peak, (seen.peak, estimate)

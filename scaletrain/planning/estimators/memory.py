@@ -301,7 +301,8 @@ def pp_rank_bytes(
         # QK-clip: its forwards measure the logits, one chunk of a layer's scores at a time (at the peak too).
         if qk_clip and layers:
             part["activations"] += max_logits_bytes(micro, args.n_heads // p.tp, int(seq_len / p.cp), elt)
-        # fp32 logits, one chunk of tokens at a time (issue 40), split by vocabulary under tp (loss parallel).
+        # The loss's logits, one chunk of tokens at a time (issue 40) or whole (model.loss), split by vocabulary
+        # under tp (loss parallel).
         part["logits"] = last * _logits_bytes(args, p, micro, seq_len)
         # DDP's gradients are views into its buckets (gradient_as_bucket_view): one bucket of scratch for the
         # all-reduce in flight, no larger than the gradients it holds. FSDP's reduce-scatter buffers are one
@@ -371,10 +372,10 @@ def step_transient_bytes(part: dict[str, float], foreach_step: bool) -> float:
 
 
 def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int) -> float:
-    """The loss's peak on the last stage (models/loss.py's loss_activation_bytes): under sequence parallel its
-    chunks are whole sequences."""
+    """The loss's peak on the last stage (models/loss.py's loss_activation_bytes) as model.loss computes it: under
+    sequence parallel its chunks are whole sequences."""
     sp_rows = seq_len if p.tp > 1 and p.sequence_parallel else 0
-    return loss_activation_bytes(micro * seq_len / p.cp, args.vocab_size, args.dim, p.tp, sp_rows)
+    return loss_activation_bytes(micro * seq_len / p.cp, args.vocab_size, args.dim, p.tp, sp_rows, args.loss)
 
 
 def root_unit_bytes(
