@@ -79,9 +79,10 @@ def pytest_runtest_logreport(report) -> None:
 
 def pytest_sessionfinish(session, exitstatus: int) -> None:
     """A whole-suite run (`make test`, no selection) records its wall time: tests/preflight.py quotes it next time
-    as what the suite takes on this machine."""
+    as what the suite takes on this machine. `--collect-only` ran no test: its seconds would read as the suite's."""
     config = session.config
     whole = [Path(a).resolve() for a in config.args] == [Path(__file__).parent] and not config.option.keyword
+    whole = whole and not config.option.collectonly
     if hasattr(config, "workerinput") or not whole or exitstatus not in (0, 1) or config.option.markexpr:
         return
     LAST_RUN.parent.mkdir(parents=True, exist_ok=True)
