@@ -41,6 +41,7 @@ CONFIG = str(ROOT / "configs" / "debug.toml")
 D256 = ["--model.dim", "256", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2"]
 D256 += ["--model.ffn_hidden", "704"]
 FSDP = ["--parallel.data_parallel", "fsdp"]
+BF16 = ["--precision.compute", "bf16"]
 # (processes, model, layout overrides): data, tensor, pipeline and context parallel, three recompute policies.
 LAYOUTS: list[tuple[int, str, list[str]]] = [
     (1, "debug", []),
@@ -59,6 +60,11 @@ LAYOUTS: list[tuple[int, str, list[str]]] = [
     (2, "d256", [*FSDP, "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
     (4, "d256", [*FSDP, "--parallel.pp", "2"]),
     (2, "d256", [*FSDP, "--parallel.cp", "2", "--memory.recompute", "selective"]),
+    # bf16 (autocast on one process and under ddp, FSDP2's policy under fsdp), recompute on and off.
+    (1, "d256", BF16),
+    (2, "d256", [*BF16, "--parallel.data_parallel", "ddp", "--memory.recompute", "selective"]),
+    (2, "d256", [*BF16, *FSDP, "--memory.recompute", "full"]),
+    (4, "debug", [*BF16, *FSDP]),
 ]
 COMMON = ["--data.seq_len", "128", "--training.global_batch", "8", "--training.eval_interval", "0"]
 COMMON += ["--training.threads", "1"]  # one thread per process: the calibrated rate, and robust to load
@@ -121,7 +127,8 @@ def describe(n: int, model: str, layout: list[str]) -> str:
         else "ddp"
     )
     sp = " sp" if "--parallel.sequence_parallel" in layout else ""
-    return f"{model:<5} n={n} {mode}{sp} {' '.join(parts)}"
+    bf16 = " bf16" if "--precision.compute" in layout else ""
+    return f"{model:<5} n={n} {mode}{sp}{bf16} {' '.join(parts)}"
 
 
 def published() -> None:

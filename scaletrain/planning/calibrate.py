@@ -24,6 +24,7 @@ from scaletrain.hardware import (
     cpu_model_name,
     cuda_available,
     gpu_count,
+    pin_mmap_threshold,
     run_from_small_parent,
     usable_cpus,
 )
@@ -123,6 +124,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     each collective at each size; rank 0 writes the times and its peak RSS less the tensors it made."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    pin_mmap_threshold()  # the allocator a CPU worker runs with (parallel/mesh.setup_process)
     import scaletrain.train  # noqa: F401  (a worker imports the trainer before anything else)
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -329,6 +331,10 @@ def measure_one_thread(log) -> tuple[DeviceProfile, float]:
     they come: DEFAULT_CPU with the matmul rates, a block's fixed cost, selective recompute's, the memory bandwidth
     (element-wise and AdamW's passes), autocast's casts and a step's overhead filled in; and the element-wise
     bandwidth alone."""
+    # Measured with the allocator a CPU worker runs with (parallel/mesh.setup_process): every tensor of 128 KiB or
+    # more is a fresh mapping whose pages fault in when first written. Unpinned, the heap reuses resident pages and
+    # a step ran faster than any worker's: the CLI's 2-rank rows measured 5-53% slower than the probe predicted.
+    pin_mmap_threshold()
     fp32, bf16 = measure_matmul(torch.float32), measure_matmul(torch.bfloat16)
     log(
         f"matmul fp32: t0 {fp32[0] * 1e6:.1f} us, {fp32[1] / 1e9:.2f} GFLOP/s per thread; bf16 {bf16[1] / 1e9:.2f}"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from scaletrain.hardware import best_time, busy_reason, cpu_model_name, usable_cpus
+from scaletrain.hardware import best_time, busy_reason, cpu_model_name, pin_mmap_threshold, usable_cpus
 from scaletrain.parallel.layout import Layout
 from scaletrain.planning.calibrate import (
     _fit,
@@ -130,6 +130,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     layouts' training steps as train.py builds them; rank 0 writes the fastest time of each."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    pin_mmap_threshold()  # the allocator a CPU worker runs with (parallel/mesh.setup_process)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result = {
         "times": time_collectives(world),

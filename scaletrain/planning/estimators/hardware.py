@@ -242,7 +242,7 @@ PROFILE_FILE = "planner_profile.json"
 PROBE_FILE = (
     "planner_probe.json"  # a CPU's probe (planning/probe.py), used until `plan --calibrate` saves a profile
 )
-PROBE_VERSION = 3  # raised when what the probe measures changes: an older cache is measured again
+PROBE_VERSION = 4  # raised when what the probe measures changes: an older cache is measured again
 
 
 def probe_key() -> dict:
