@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.helpers import FIXED_PEAK
+
 ROOT = Path(__file__).resolve().parents[2]
 SUBNET = "198.18"  # 198.18.C.K: C a cluster of this process, K the node (1, 2, ...)
 _clusters = itertools.count()
@@ -309,4 +311,4 @@ def torchrun(
     return [str(Path(sys.executable).parent / "torchrun"), "--nnodes", nnodes, "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, *conf, "--rdzv-id", rdzv_id,
             "--max-restarts", str(max_restarts), "-m", "scaletrain", "train", "--config", config,
-            "--metrics.progress", "false", *train_args]  # fmt: skip
+            "--metrics.progress", "false", *FIXED_PEAK, *train_args]  # fmt: skip

@@ -21,7 +21,7 @@ from scaletrain.compare.parity import (
 from scaletrain.resilience.goodput import compute_goodput
 from scaletrain.run.directory import RunDir
 from tests.cluster.nodes import NODE_ENV, Cluster, problem, torchrun
-from tests.helpers import ROOT, events, run_cli
+from tests.helpers import FIXED_PEAK, ROOT, events, run_cli
 
 pytestmark = pytest.mark.skipif(problem() is not None, reason=str(problem()))
 
@@ -55,9 +55,8 @@ def reference(tmp_path_factory):
     def get(config: str) -> tuple[list[dict], dict]:
         if config not in done:
             run = tmp_path_factory.mktemp("reference") / "run"
-            run_cli(
-                "train", "--config", config, *SETTINGS, *single_process(), "--run.dir", str(run), timeout=120
-            )
+            args = [*SETTINGS, *FIXED_PEAK, *single_process(), "--run.dir", str(run)]
+            run_cli("train", "--config", config, *args, timeout=120)
             done[config] = (RunDir(run).read_metrics(), final_params(run))
         return done[config]
 

@@ -18,6 +18,7 @@ from scaletrain.run.directory import read_jsonl
 from tests.cluster import nodes, slurm
 from tests.cluster.nodes import Cluster
 from tests.cluster.slurm import Slurm
+from tests.helpers import FIXED_PEAK
 
 why = nodes.problem() or slurm.problem()
 pytestmark = pytest.mark.skipif(why is not None, reason=str(why))
@@ -37,6 +38,7 @@ threads = 1
 log_interval = 1
 progress = false
 tensorboard = false
+peak_tflops = {peak}
 """
 
 
@@ -49,7 +51,7 @@ def cluster():
 def _sbatch(cluster: Slurm, tmp: Path, steps: int, *options: str, **variables: str) -> tuple[str, Path]:
     """Submit the recipe from the project root, as `sbatch examples/slurm/train.sbatch`; the job id and RUN_DIR."""
     config, run = tmp / "cpu.toml", tmp / "run"
-    config.write_text(CPU_CONFIG.format(steps=steps))
+    config.write_text(CPU_CONFIG.format(steps=steps, peak=FIXED_PEAK[1]))
     env = {**cluster.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # the venv, activated
            "CONFIG": str(config), "RUN_DIR": str(run), "NPROC_PER_NODE": "1", **variables}  # fmt: skip
     done = cluster.cluster.nodes[0].run(

@@ -16,7 +16,7 @@ import pytest
 
 from scaletrain.resilience.fault_tolerance import torchft_installed
 from tests.cluster.nodes import Cluster, Node, problem
-from tests.helpers import events, read_jsonl
+from tests.helpers import QUICK, events, read_jsonl
 
 pytestmark = [
     pytest.mark.skipif(problem() is not None, reason=str(problem())),
@@ -37,8 +37,7 @@ def _group(group: int, node: Node, run: Path) -> list[str]:
     """The command of replica group `group` on `node`: the same on every node but for group and address."""
     return [sys.executable, "-m", "scaletrain", "train", "--config", "configs/debug.toml", "--nproc", "2",
             "--max-restarts", "1", "--run.dir", str(run), "--training.steps", "100000",
-            "--training.eval_interval", "0", "--metrics.log_interval", "1", "--metrics.progress", "false",
-            "--metrics.tensorboard", "false", "--training.threads", "1",
+            "--training.eval_interval", "0", "--metrics.log_interval", "1", *QUICK,
             "--fault_tolerance.enabled", "true", "--fault_tolerance.lighthouse", f"http://node0:{PORT}",
             "--fault_tolerance.group", str(group), "--fault_tolerance.address", node.hostname]  # fmt: skip
 

@@ -8,7 +8,7 @@ import re
 import torch
 
 from scaletrain.compare.parity import ParityResult, compare_run, format_result, param_diff
-from tests.helpers import DEBUG, run_cli
+from tests.helpers import DEBUG, FIXED_PEAK, run_cli
 
 # Through the real CLI on the debug config (its data, tokenizer and checkpoints): three dimensions at once, and zero2
 # with tp and sp (no harness case pairs zero2 with tp). tp x cp and interleaved x fsdp are trained by the harness
@@ -34,6 +34,7 @@ def test_mixed_layouts_match_the_single_process_run():
         *MIXED,
         "--training.micro_batch",
         "2",
+        *FIXED_PEAK,
         # Overridden: parity always saves a final checkpoint, to compare the parameters.
         "--checkpoint.enabled",
         "false",

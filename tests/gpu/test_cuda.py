@@ -566,7 +566,9 @@ def test_train_on_cuda_writes_finite_falling_losses(tmp_path, precision):
     """CPU twin: tests/e2e/test_train_cli.py::test_single_process_run_writes_the_run_directory_contract. Here the
     run is on the GPU (the start event and the log line say so), in both precisions, with a checkpoint mid-run."""
     run = tmp_path / "run"
-    args = ["--config", DEBUG, *QUICK, "--run.dir", str(run), "--training.device", "cuda"]
+    # metrics.peak_tflops 0 after QUICK's fixed CPU figure: the GPU table's peak, which the MFU check reads
+    args = ["--config", DEBUG, *QUICK, "--metrics.peak_tflops", "0", "--run.dir", str(run)]
+    args += ["--training.device", "cuda"]
     proc = run_cli("train", *args, "--precision.compute", precision, "--checkpoint.interval", "10")
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [5, 10, 15, 20]
