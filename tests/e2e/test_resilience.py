@@ -6,25 +6,36 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from scaletrain.checkpoint.run_model import load_run_model
 from tests.helpers import ROOT, events, free_port, per_step, read_jsonl, train_args, train_cli
 
 BASE = dict(training__eval_interval=0, metrics__log_interval=1)
+# The deterministic 2-rank run that the killed-worker tests (--nproc and two torchrun agents) must end equal to.
+RESTART = dict(
+    BASE, steps=12, training__deterministic=True, checkpoint__interval=3, checkpoint__snapshot_interval=2
+)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """RESTART run once without a fault: both tests compare with it (the suite runs a file in one worker)."""
+    ref = tmp_path_factory.mktemp("uninterrupted") / "ref"
+    train_cli(ref, nproc=2, **RESTART)
+    return ref
 
 
 def _inject(*tables):
     return "--resilience.inject=[" + ", ".join(tables) + "]"
 
 
-def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupted_run(tmp_path):
-    args = dict(
-        BASE, steps=12, training__deterministic=True, checkpoint__interval=3, checkpoint__snapshot_interval=2
-    )
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    train_cli(ref, nproc=2, **args)
-    train_cli(run, "--max-restarts", "2", _inject('{kind="kill", rank=1, step=7}'), nproc=2, **args)
+def test_killed_worker_is_restarted_and_the_final_weights_equal_the_uninterrupted_run(
+    tmp_path, uninterrupted
+):
+    ref, run = uninterrupted, tmp_path / "run"
+    train_cli(run, "--max-restarts", "2", _inject('{kind="kill", rank=1, step=7}'), nproc=2, **RESTART)
     # One failure, one restart, blamed on the killed rank (not on its peer, which lost its connection to it).
     [failure] = events(run, "failure")
     assert (failure["cause"], failure["rank"]) == ("killed", 1), failure
@@ -162,14 +173,10 @@ def test_auto_interval_is_measured_again_after_a_restart(tmp_path):
     assert events(run)[-1]["kind"] == "end"
 
 
-def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path):
+def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path, uninterrupted):
     # Two agents joined by c10d rendezvous on localhost act as two nodes; node 1's worker is killed at step 6 and
     # torchrun's own restart brings both nodes back, resuming the deterministic run bit for bit.
-    args = dict(
-        BASE, steps=10, training__deterministic=True, checkpoint__interval=3, checkpoint__snapshot_interval=2
-    )
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    train_cli(ref, nproc=2, **args)
+    ref, run = uninterrupted, tmp_path / "run"
     port = free_port()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     agents = []
@@ -198,7 +205,7 @@ def test_two_torchrun_agents_as_two_nodes_recover_from_a_killed_worker(tmp_path)
             "0.2",
             "-m",
             "scaletrain",
-            *train_args(run, _inject('{kind="kill", rank=1, step=6}'), **args),
+            *train_args(run, _inject('{kind="kill", rank=1, step=6}'), **RESTART),
         ]
         log = open(tmp_path / f"node{node}.log", "w")  # a file, not a pipe: nobody reads it while they run
         agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env))
