@@ -84,17 +84,24 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert start["resumed"] and start["step"] == pre[0]["step"]
 
 
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    """A 3-step run that each export below reads (and none writes to): trained once for the file."""
+    run = tmp_path_factory.mktemp("three_steps") / "run"
+    train_cli(run, steps=3, training__eval_interval=0)
+    return run
+
+
 @pytest.mark.parametrize(
     ("dtype", "max_shard_size"),
     [("fp32", None), ("bf16", "100KB")],
     ids=["fp32-one-file", "bf16-sharded"],
 )
-def test_hugging_face_export_and_import_give_the_same_logits(tmp_path, dtype, max_shard_size):
+def test_hugging_face_export_and_import_give_the_same_logits(tmp_path, three_steps, dtype, max_shard_size):
     transformers = pytest.importorskip("transformers")
     from safetensors import safe_open
 
-    run = tmp_path / "run"
-    train_cli(run, steps=3, training__eval_interval=0)
+    run = three_steps
     out = tmp_path / "hf"
     flags = ["--dtype", dtype] + (["--max-shard-size", max_shard_size] if max_shard_size else [])
     proc = run_cli("convert", "--to", "hf", str(run), str(out), *flags)
