@@ -35,7 +35,6 @@ from scaletrain.hardware import (  # noqa: E402
 from scaletrain.parallel.layout import Layout  # noqa: E402
 from scaletrain.planning.commands import plan_one  # noqa: E402
 from scaletrain.planning.estimators.inputs import parse_unvalidated  # noqa: E402
-from scaletrain.planning.estimators.search import overhead_of  # noqa: E402
 
 CONFIG = str(ROOT / "configs" / "debug.toml")
 D256 = ["--model.dim", "256", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2"]
@@ -193,7 +192,7 @@ def main() -> None:
         cfg = parse_unvalidated(CONFIG, overrides(n, model, layout, opt.steps, opt.gpu))
         plan, profile = plan_one(cfg, Layout.of(cfg, n), kind, None)
         pred_mem = plan.memory_by_pp_rank[0] / 2**20  # rank 0 is what mem_peak_mib reports
-        base = overhead_of(profile, n) / 2**20
+        base = profile.process_bytes(n) / 2**20
         mem = statistics.median(r["mem_peak_mib"] for r in runs[i])
         times = sorted(r["step_time_s"] for r in runs[i])
         step = statistics.median(times)

@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 
 GiB = 2**30
-# What a CPU rank holds before the model's first byte: the interpreter with torch and gloo's connections, 297 MiB
-# resident per rank at 16 ranks (benchmarks/init_peak.py); the memory check's and the planner's one figure.
-CPU_OVERHEAD_BYTES = 320 * 2**20
+# What a CPU process holds before the model's first byte (the interpreter, torch's kernels, gloo's connections) where
+# this CPU's probe or calibration has not measured it (planning/estimators/memory.cpu_process_bytes): the largest
+# measured, so that an unmeasured CPU errs toward refusing. It depends on the CPU and the torch build: 289 MiB a
+# forked worker and 365 one process on an AMD EPYC, 372 and 449 on an Intel Xeon with AMX (torch 2.13.0+cpu).
+CPU_OVERHEAD_BYTES = 450 * 2**20
 
 # ---------------------------------------------------------------------------------------------------------- CUDA
 

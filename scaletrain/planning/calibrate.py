@@ -215,6 +215,34 @@ def _tiny_run(n: int, env: dict, extra: tuple[str, ...] = (), repeats: int = TIN
     }
 
 
+def tiny_env(cache_dir: Path) -> dict:
+    """The environment of the tiny runs, their data tokenised first (and indexed for the launcher): a run that
+    prepares the data in its own process counts that in its peak RSS."""
+    env = {**os.environ, "SCALETRAIN_CACHE": str(cache_dir)}
+    subprocess.run(
+        [sys.executable, "-m", "scaletrain", "prepare-data", *TINY], env=env, check=True, capture_output=True
+    )
+    return env
+
+
+def _bare(profile: DeviceProfile) -> DeviceProfile:
+    return dataclasses.replace(profile, overhead_bytes=0, worker_overhead_bytes=0, step_overhead_s=0.0)
+
+
+def framework_bytes(profile: DeviceProfile, one: dict, two: dict, slack: float) -> tuple[int, int]:
+    """(bytes of one training process, of a worker the launcher forked) before the model's first byte: the tiny
+    runs' peak RSS on one process (`one`) and on two (`two`) less the tensors predicted for them and `slack` x their
+    activations. Both depend on the CPU and the torch build (the pages of the kernels it dispatches to): 365 and
+    289 MiB on an AMD EPYC, 449 and 372 on an Intel Xeon with AMX (torch 2.13.0+cpu, issue 35)."""
+    cfg = parse_unvalidated(None, TINY)
+    args, bare = model_args(cfg), _bare(profile)
+    out = []
+    for n, run in ((1, one), (2, two)):
+        plan = estimate(cfg, args, Layout.of(cfg, n), bare).memory
+        out.append(int(run["mem_peak_mib"] * 2**20 - plan["total"] - slack * plan["activations"]))
+    return out[0], out[1]
+
+
 def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int = 2) -> DeviceProfile:
     """The constants only a real run shows, from a tiny model trained through the CLI: on one process, at small
     and large activations; with fsdp on 2, 4 and 8 (up to nproc; workers forked by the launcher); with tp 2,
@@ -223,16 +251,11 @@ def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int =
     the predicted work is the loop's fixed cost per step; what each fsdp run adds beyond the prediction, per
     collective call, is a call's fixed cost at that many processes (on a CPU it grows with the ranks sharing the
     cores); what the tp, sp and cp runs add, per block, is their dispatch cost (DTensor, the ring's chunk loop)."""
-    env = {**os.environ, "SCALETRAIN_CACHE": str(cache_dir)}
-    # Tokenise the data first (and let the two-process launcher index it): a run that prepares the data in its own
-    # process counts that in its peak RSS.
-    subprocess.run(
-        [sys.executable, "-m", "scaletrain", "prepare-data", *TINY], env=env, check=True, capture_output=True
-    )
+    env = tiny_env(cache_dir)
     one, two = _tiny_run(1, env), _tiny_run(2, env)
     cfg = parse_unvalidated(None, TINY)
     args = model_args(cfg)
-    bare = dataclasses.replace(profile, overhead_bytes=0, worker_overhead_bytes=0, step_overhead_s=0.0)
+    bare = _bare(profile)
     solo = estimate(cfg, args, Layout.of(cfg, 1), bare)
     step = max(one["step_time_s"] - solo.time["step_time_s"], 0.0)
     fitted = dataclasses.replace(bare, step_overhead_s=step)
@@ -265,9 +288,7 @@ def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int =
     excess.append(big["mem_peak_mib"] * 2**20 - big_plan.memory["total"])
     grown = big_plan.memory["activations"] - solo.memory["activations"]
     slack = max((excess[1] - excess[0]) / max(grown, 1.0), 0.0)
-    base1 = int(excess[0] - slack * solo.memory["activations"])
-    two_plan = estimate(cfg, args, Layout.of(cfg, 2), bare).memory
-    base2 = int(two["mem_peak_mib"] * 2**20 - two_plan["total"] - slack * two_plan["activations"])
+    base1, base2 = framework_bytes(profile, one, two, slack)
     calls = ", ".join(f"{v * 1e3:.2f} ms over {k}" for k, v in by_ranks.items())
     log(
         f"framework: {base1 / 2**20:.0f} MiB per process, {base2 / 2**20:.0f} MiB per forked worker; "

@@ -21,9 +21,12 @@ from scaletrain.hardware import best_time, busy_reason, cpu_model_name, pin_mmap
 from scaletrain.parallel.layout import Layout
 from scaletrain.planning.calibrate import (
     _fit,
+    _tiny_run,
     fit_collectives,
+    framework_bytes,
     measure_one_thread,
     time_collectives,
+    tiny_env,
 )
 from scaletrain.planning.estimators.hardware import PROBE_FILE, DeviceProfile, probe_key
 from scaletrain.planning.estimators.inputs import model_args, parse_unvalidated
@@ -58,7 +61,7 @@ def run_probe(cache_dir: Path, why: str, log=None) -> DeviceProfile:
     start = time.perf_counter()
     path = cache_dir / PROBE_FILE
     busy = busy_reason()  # before the probe's own processes add to the load
-    profile = measure(log)
+    profile = measure(log, cache_dir)
     took = time.perf_counter() - start
     source = f"probed {time.strftime('%Y-%m-%d %H:%M')} in {took:.0f} s, cached in {path}"
     profile = dataclasses.replace(profile, source=source, busy=busy or "")
@@ -70,7 +73,7 @@ def run_probe(cache_dir: Path, why: str, log=None) -> DeviceProfile:
     return profile
 
 
-def measure(log) -> DeviceProfile:
+def measure(log, cache_dir: Path) -> DeviceProfile:
     """Every measurement of the probe, into one profile whose `validated` states the held-out error."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -105,6 +108,13 @@ def measure(log) -> DeviceProfile:
         got = {"step_time_s": ranks[field]}
         fitted = _fit(parse_unvalidated(None, [*FIT, *split]), RANKS, profile, got, **{field: 1.0})
         profile = dataclasses.replace(profile, **{field: fitted})
+    # The framework's resident bytes, which the memory check counts per process: two tiny runs through the CLI
+    # (one process; two forked workers), as a calibration measures them (allocator slack 0: the workers' pinned
+    # allocator frees every large tensor; it was fitted at 0.01 on the same host).
+    env = tiny_env(cache_dir)
+    one, two = (_tiny_run(n, env, repeats=1) for n in (1, 2))
+    base1, base2 = framework_bytes(profile, one, two, 0.0)
+    profile = dataclasses.replace(profile, overhead_bytes=base1, worker_overhead_bytes=base2)
     held = parse_unvalidated(None, HELD_OUT)
     predicted = estimate(held, model_args(held), Layout.of(held, RANKS), profile).time["step_time_s"]
     error = predicted / ranks["held_out_s"] - 1
@@ -114,7 +124,10 @@ def measure(log) -> DeviceProfile:
         f"{os.getloadavg()[0]:.1f})"
     )
     per_block = ", ".join(f"{k[:2]} {getattr(profile, k) * 1e3:.2f} ms" for k in SPLITS)
-    log(f"probe: collective call {call * 1e3:.2f} ms; per block {per_block}; step time {validated}")
+    log(
+        f"probe: collective call {call * 1e3:.2f} ms; per block {per_block}; framework {base1 / 2**20:.0f} MiB per "
+        f"process, {base2 / 2**20:.0f} per worker; step time {validated}"
+    )
     return dataclasses.replace(profile, validated=validated, expected_error=abs(error))
 
 

@@ -3,6 +3,8 @@ an estimate within its stated error of that share is refused, with the reason.""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import pytest
@@ -58,6 +60,7 @@ def _available(monkeypatch, tmp_path, gib: float) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: 24684000 kB\nMemAvailable: {int(gib * 2**20)} kB\n")
     monkeypatch.setattr("scaletrain.hardware.MEMINFO", str(meminfo))
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))  # no probe or calibration: the built-in figure
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
 
@@ -65,15 +68,16 @@ def _available(monkeypatch, tmp_path, gib: float) -> None:
 def test_the_issue_case_near_the_limit_is_refused_with_its_estimate_error_limit_and_fix(
     monkeypatch, tmp_path
 ):
-    # Estimated 0.967 GiB per rank; 17 GiB available is 1.06 GiB for each of 16 ranks: under the estimate plus its
-    # 10%, so refused, and the estimate --dry-run prints (which once said "fits" against the physical memory) agrees.
-    _available(monkeypatch, tmp_path, 17.0)
+    # Estimated 1.10 GiB per rank (on the built-in framework figure: nothing measured this CPU); 19 GiB available is
+    # 1.19 GiB for each of 16 ranks: under the estimate plus its 10%, so refused, and the estimate --dry-run prints
+    # (which once said "fits" against the physical memory) agrees.
+    _available(monkeypatch, tmp_path, 19.0)
     with pytest.raises(ConfigError) as e:
         load_config("configs/debug.toml", ISSUE_CASE, world_size=16, check_run_dir=False)
     msg = str(e.value)
-    assert "estimated 0.967 GiB per process" in msg  # the estimate
-    assert "stated error of 10%" in msg and "up to 1.06 GiB" in msg  # its error
-    assert "1.06 GiB host memory share (17.0 GiB available now over 16 local process(es))" in msg  # the limit
+    assert "estimated 1.1 GiB per process" in msg  # the estimate
+    assert "stated error of 10%" in msg and "up to 1.21 GiB" in msg  # its error
+    assert "1.19 GiB host memory share (19.0 GiB available now over 16 local process(es))" in msg  # the limit
     assert "to fit: --parallel.tp 2" in msg and "--memory.recompute selective" in msg  # what to change
     cfg = parse_unvalidated("configs/debug.toml", ISSUE_CASE)
     assert "DOES NOT FIT (within the estimate's 10% error" in describe_estimate(
@@ -85,3 +89,22 @@ def test_the_same_case_with_room_to_spare_is_accepted(monkeypatch, tmp_path):
     _available(monkeypatch, tmp_path, 20.0)  # 1.25 GiB per rank: the estimate plus 10% fits
     cfg = load_config("configs/debug.toml", ISSUE_CASE, world_size=16, check_run_dir=False)
     assert cfg.parallel.dp_shard == 16
+
+
+def test_the_check_counts_the_framework_bytes_this_cpus_probe_measured(monkeypatch, tmp_path):
+    """A process's framework bytes depend on the CPU (289-449 MiB measured on two CPU kinds): where this CPU's probe
+    (or calibration) measured them, the check counts its figures, the forked workers' for a launch of several, and
+    refuses what the built-in figure would have let through."""
+    from scaletrain.planning.estimators.hardware import DEFAULT_CPU, PROBE_FILE, probe_key
+    from scaletrain.planning.estimators.memory import cpu_process_bytes, memory_estimate
+
+    _available(monkeypatch, tmp_path, 20.0)  # accepted on the built-in figure (test above)
+    measured = dataclasses.replace(
+        DEFAULT_CPU, overhead_bytes=600 * 2**20, worker_overhead_bytes=520 * 2**20, source="probed"
+    )
+    (tmp_path / PROBE_FILE).write_text(json.dumps({"key": probe_key(), "profile": measured.to_json()}))
+    cfg = parse_unvalidated("configs/debug.toml", ISSUE_CASE)
+    assert memory_estimate(cfg, 16)["overhead"] == 520 * 2**20
+    assert cpu_process_bytes(cfg, 1) == 600 * 2**20  # one process, not forked
+    with pytest.raises(ConfigError, match="overhead 0.508"):
+        load_config("configs/debug.toml", ISSUE_CASE, world_size=16, check_run_dir=False)

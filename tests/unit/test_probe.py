@@ -28,7 +28,7 @@ def probing(monkeypatch, tmp_path):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     calls = []
 
-    def fake(log):
+    def fake(log, *_):
         calls.append(1)
         return dataclasses.replace(DEFAULT_CPU, op_overhead_s=4e-3, validated=VALIDATED, expected_error=0.12)
 

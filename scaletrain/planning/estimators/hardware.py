@@ -122,6 +122,10 @@ class DeviceProfile:
     )  # calibrated: op -> (latency, bw)
     source: str = "datasheet"
 
+    def process_bytes(self, world_size: int) -> int:
+        """The framework's bytes per rank: a CPU's forked workers (world > 1) pay their own measured figure."""
+        return self.worker_overhead_bytes or self.overhead_bytes if world_size > 1 else self.overhead_bytes
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -189,11 +193,11 @@ def gpu_kind(name: str) -> str:
 UNCALIBRATED = "uncalibrated defaults: run `scaletrain plan --calibrate` for this machine's figures"
 REDO = "rerun `scaletrain plan --calibrate` on a quiet machine (about 5 minutes)"
 # The error an uncalibrated CPU plan carries. Step time (issue 24): a held-out 2-rank fsdp layout (6 layers, dim 512,
-# seq 256) predicted 2.07x its measured step time on DEFAULT_CPU. Memory (issue 35): the estimate needs no
-# calibration; six held-out layouts measured 1.04-1.11x below it (benchmarks/memory_matrix.py, docs/planner.md).
+# seq 256) predicted 2.07x its measured step time on DEFAULT_CPU. Memory (issue 35): the estimate's terms need no
+# calibration, but a process's framework bytes depend on the CPU (hardware.CPU_OVERHEAD_BYTES).
 UNCALIBRATED_BAND = (
-    "uncalibrated: step time may be off by ~2x (memory: 4-11% above the measured peak on held-out layouts); run "
-    "`scaletrain plan --calibrate` (about 5 minutes) for this machine's step times"
+    "uncalibrated: step time may be off by ~2x (memory: on the built-in 450 MiB a process, the largest measured); "
+    "run `scaletrain plan --calibrate` (about 5 minutes) for this machine's step times"
 )
 
 
@@ -208,8 +212,9 @@ def profile_caveat(profile: DeviceProfile) -> str | None:
             f" under load ({profile.busy}: measured again when the machine is quiet)" if profile.busy else ""
         )
         return (
-            f"probed{under}, not calibrated: step time {profile.validated}; memory 4-11% above the measured peak "
-            "on held-out layouts; `scaletrain plan --calibrate` (about 5 minutes) refines the step time"
+            f"probed{under}, not calibrated: step time {profile.validated}; memory counts this CPU's measured "
+            f"{profile.process_bytes(1) / 2**20:.0f} MiB a process ({profile.process_bytes(2) / 2**20:.0f} a "
+            "worker); `scaletrain plan --calibrate` (about 5 minutes) refines the step time"
         )
     if profile.busy:
         return f"this profile was calibrated under load ({profile.busy}); {REDO}"

@@ -11,6 +11,7 @@ import torch
 
 from scaletrain.config import Config, MemoryConfig, ParallelConfig, TrainingConfig
 from scaletrain.data.loader import tokenizer_vocab
+from scaletrain.data.prepare import resolve_cache_dir
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import CPU_OVERHEAD_BYTES, host_memory_bytes, uses_cuda
 from scaletrain.models.attention import max_logits_bytes
@@ -27,6 +28,7 @@ from scaletrain.parallel.pipeline import (
     reshards_after_forward,
     stages_per_rank,
 )
+from scaletrain.planning.estimators.hardware import UNCALIBRATED, load_profile
 from scaletrain.planning.estimators.moe import ffn_shape
 
 GiB = 2**30
@@ -225,17 +227,19 @@ def per_rank_bytes(
     precision: str = "fp32",
     qk_clip: bool = False,
     foreach_step: bool = False,
+    gloo: bool = False,
 ) -> dict[str, float]:
     """Bytes on the fullest rank, by part (PARTS) and "total"; with optimizer offload, "host" holds what moved to
     host memory (not in the total). `local_batch`: sequences per data-parallel rank per step (sets the pipeline
     micro-batches; None: pp of training.micro_batch each); `precision`: precision.compute; `qk_clip`:
     optimizer.qk_clip is on (its forwards measure the logits); `foreach_step`: AdamW runs its foreach kernels (a
-    CPU's default, see step_transient_bytes). Raises ConfigError if the sizes do not tile `world_size`, ValueError
+    CPU's default, see step_transient_bytes); `gloo`: the collectives run on gloo, a CPU's backend (its
+    reduce-scatter copies, root_unit_bytes). Raises ConfigError if the sizes do not tile `world_size`, ValueError
     if the layers cannot fill the pipeline stages."""
     ranks = pp_rank_bytes(
         args, parallel, training, seq_len, world_size,
         local_batch=local_batch, overhead_bytes=overhead_bytes, memory=memory, precision=precision, qk_clip=qk_clip,
-        foreach_step=foreach_step,
+        foreach_step=foreach_step, gloo=gloo,
     )  # fmt: skip
     return max(ranks, key=lambda e: e["total"])
 
@@ -254,6 +258,7 @@ def pp_rank_bytes(
     precision: str = "fp32",
     qk_clip: bool = False,
     foreach_step: bool = False,
+    gloo: bool = False,
 ) -> list[dict[str, float]]:
     """per_rank_bytes of every pipeline rank, in pp-rank order (one entry without a pipeline)."""
     p, dims, mem = (
@@ -286,7 +291,7 @@ def pp_rank_bytes(
         n = (layers * block_split + tables * vocab_rows) / p.tp + layers * block_rep + last * args.dim
         part = _state_bytes(mode, n, shards, (block_split / p.tp + block_rep), elt)
         if mode in ("fsdp", "hsdp", "zero2") and shards > 1:  # the root unit, under every FSDP2 mode
-            part["gathered"] += root_unit_bytes(args, tables, last, p.tp, elt, mode == "zero2")
+            part["gathered"] += root_unit_bytes(args, tables, last, p.tp, elt, mode == "zero2", gloo)
         if routed:  # MoE: this rank's experts, sharded by ZeRO over the ranks that hold the same ones
             experts = _state_bytes(mode, layers * routed / ep, max(shards // ep, 1), routed / ep, elt)
             part = {k: part[k] + experts[k] for k in part}
@@ -379,7 +384,7 @@ def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int) 
 
 
 def root_unit_bytes(
-    args: ModelArgs, tables: int, last: bool, tp: int, elt: int, counted: bool = False
+    args: ModelArgs, tables: int, last: bool, tp: int, elt: int, counted: bool = False, gloo: bool = False
 ) -> float:
     """What FSDP2's root unit (the embedding, final norm and output of this rank's stages) adds to the gathered
     blocks, at the largest of three moments: its all-gather (the flat buffer and the weights copied out of it), its
@@ -387,13 +392,23 @@ def root_unit_bytes(
     and its reduce-scatter after the last block (resharded by then; every table's whole gradient and the flat fp32
     copy the reduce-scatter sends). Untied in fp32 that is 4 tables; measured 4.1-4.2 tables above the other
     terms on 2 and 8 gloo ranks (issue 35, a 31 MiB table). `counted`: the gathered weights are already in
-    "parameters" (zero2 keeps them from forward to backward)."""
+    "parameters" (zero2 keeps them from forward to backward). `gloo`: the collectives run on gloo (a CPU), whose
+    reduce-scatter (ProcessGroupGloo::reduce_scatter_tensor_coalesced, torch 2.13) clones the whole flat input and
+    all-reduces the clone: 2 fp32 copies of the rows, beside one table's whole gradient still held (the others are
+    freed once copied in). Measured at the root's reduce-scatter on 2 and 4 gloo ranks, untied, vocab 50304 x 512:
+    491 MiB above the sharded gradients, where the other two moments give 393 (benchmarks/memory_matrix.py cases
+    9 and 10; tests/distributed/test_root_unit_memory.py). Under zero2 the whole parameters it counts in
+    "parameters" are resharded by then, which more than covers the clone."""
     if not tables:
         return 0.0
-    rows = tables * args.vocab_size * args.dim / tp + last * args.dim
+    table = args.vocab_size * args.dim / tp
+    rows = tables * table + last * args.dim
     gather = 0.0 if counted else 2 * rows * elt
-    backward = 0.0 if counted else rows * elt + args.vocab_size * args.dim / tp * elt
-    return max(gather, backward, rows * (elt + GRAD_BYTES))
+    backward = 0.0 if counted else rows * elt + table * elt
+    reduce_scatter = rows * (elt + GRAD_BYTES)
+    if gloo and not counted:
+        reduce_scatter = max(reduce_scatter, 2 * rows * GRAD_BYTES + table * elt)
+    return max(gather, backward, reduce_scatter)
 
 
 def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int) -> dict[str, float]:
@@ -439,6 +454,7 @@ def memory_problem(
     precision: str = "fp32",
     qk_clip: bool = False,
     foreach_step: bool = False,
+    gloo: bool = False,
     error: float = 0.0,
 ) -> str | None:
     """None if the fullest rank fits in `device_bytes` with its stated `error` to spare (estimate x (1 + error));
@@ -453,7 +469,7 @@ def memory_problem(
         try:
             return per_rank_bytes(
                 args, p, t, seq_len, world, local_batch=local_batch, overhead_bytes=overhead_bytes, memory=m,
-                precision=precision, qk_clip=qk_clip, foreach_step=foreach_step,
+                precision=precision, qk_clip=qk_clip, foreach_step=foreach_step, gloo=gloo,
             )  # fmt: skip
         except (ConfigError, ValueError):  # a layout that does not tile or split: not a fix
             return None
@@ -546,6 +562,7 @@ def fits_in_memory_problems(cfg: Config, layout: Layout, args: ModelArgs) -> lis
         precision=cfg.precision.compute,
         qk_clip=cfg.optimizer.qk_clip > 0,
         foreach_step=_foreach_step(cfg),
+        gloo=where != "GPU",  # a CPU's workers run gloo (root_unit_bytes)
         error=0.0 if where == "GPU" else CPU_ESTIMATE_ERROR,  # measured on a CPU host only
     )
     return [f"model.preset '{cfg.model.preset}': {problem}"] if problem else []
@@ -557,7 +574,7 @@ def memory_estimate(cfg: Config, world_size: int) -> dict[str, float]:
     it with the kernel's figures)."""
     layout = Layout.of(cfg, world_size)
     args = resolve_model_args(cfg.model, tokenizer_vocab(cfg.data.tokenizer), cfg.data.seq_len, moe=cfg.moe)
-    _, _, overhead = device_memory(cfg, world_size)
+    _, where, overhead = device_memory(cfg, world_size)
     return per_rank_bytes(
         args,
         cfg.parallel,
@@ -570,6 +587,7 @@ def memory_estimate(cfg: Config, world_size: int) -> dict[str, float]:
         precision=cfg.precision.compute,
         qk_clip=cfg.optimizer.qk_clip > 0,
         foreach_step=_foreach_step(cfg),
+        gloo=where != "GPU",
     )
 
 
@@ -590,4 +608,13 @@ def device_memory(cfg: Config, world_size: int) -> tuple[int, str, int]:
     # the physical memory (its launcher made the first check).
     host = host_memory_bytes()
     where = f"host memory share ({host / GiB:.1f} GiB available now over {local} local process(es))"
-    return host // local, where, CPU_OVERHEAD_BYTES
+    return host // local, where, cpu_process_bytes(cfg, world_size)
+
+
+def cpu_process_bytes(cfg: Config, world_size: int) -> int:
+    """A CPU process's framework bytes (the interpreter, torch's kernels, gloo) as this CPU's probe or calibration
+    measured them, cached for its CPU model and torch (`plan`, `train --dry-run`); CPU_OVERHEAD_BYTES where nothing
+    was measured. It depends on the CPU: 289-365 MiB on an AMD EPYC, 372-449 on an Intel Xeon with AMX, so the
+    built-in figure alone left the check 50-130 MiB a process short on the latter (issue 35)."""
+    profile = load_profile("cpu", resolve_cache_dir(cfg.data))
+    return CPU_OVERHEAD_BYTES if profile.source == UNCALIBRATED else profile.process_bytes(world_size)

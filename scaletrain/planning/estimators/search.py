@@ -110,13 +110,6 @@ def memory_error(profile: DeviceProfile) -> float:
     return CPU_ESTIMATE_ERROR if profile.kind == "cpu" else 0.0
 
 
-def overhead_of(profile: DeviceProfile, world_size: int) -> int:
-    """The framework's bytes per rank: a CPU's forked workers (world > 1) pay their own calibrated figure."""
-    return (
-        profile.worker_overhead_bytes or profile.overhead_bytes if world_size > 1 else profile.overhead_bytes
-    )
-
-
 def estimate(
     cfg: Config, args: ModelArgs, layout: Layout, profile: DeviceProfile, gpus_per_node: int | None = None
 ) -> Plan:
@@ -130,12 +123,13 @@ def estimate(
         seq,
         world_size,
         local_batch=max(layout.local_batch, 1),
-        overhead_bytes=overhead_of(profile, world_size),
+        overhead_bytes=profile.process_bytes(world_size),
         memory=cfg.memory,
         activation_slack=profile.activation_slack,
         precision=cfg.precision.compute,
         qk_clip=cfg.optimizer.qk_clip > 0,
         foreach_step=adamw_implementation(cfg.optimizer.implementation, _device_type(profile)) == "foreach",
+        gloo=_device_type(profile) == "cpu",
     )
     worst = max(ranks, key=lambda e: e["total"])
     time = step_time(
