@@ -192,7 +192,7 @@ def main() -> None:
         cfg = parse_unvalidated(CONFIG, overrides(n, model, layout, opt.steps, opt.gpu))
         plan, profile = plan_one(cfg, Layout.of(cfg, n), kind, None)
         pred_mem = plan.memory_by_pp_rank[0] / 2**20  # rank 0 is what mem_peak_mib reports
-        base = profile.process_bytes(n) / 2**20
+        base = profile.process_bytes(n, cfg.precision.compute) / 2**20
         mem = statistics.median(r["mem_peak_mib"] for r in runs[i])
         times = sorted(r["step_time_s"] for r in runs[i])
         step = statistics.median(times)

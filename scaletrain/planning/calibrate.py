@@ -229,18 +229,30 @@ def _bare(profile: DeviceProfile) -> DeviceProfile:
     return dataclasses.replace(profile, overhead_bytes=0, worker_overhead_bytes=0, step_overhead_s=0.0)
 
 
-def framework_bytes(profile: DeviceProfile, one: dict, two: dict, slack: float) -> tuple[int, int]:
-    """(bytes of one training process, of a worker the launcher forked) before the model's first byte: the tiny
-    runs' peak RSS on one process (`one`) and on two (`two`) less the tensors predicted for them and `slack` x their
-    activations. Both depend on the CPU and the torch build (the pages of the kernels it dispatches to): 365 and
-    289 MiB on an AMD EPYC, 449 and 372 on an Intel Xeon with AMX (torch 2.13.0+cpu, issue 35)."""
-    cfg = parse_unvalidated(None, TINY)
-    args, bare = model_args(cfg), _bare(profile)
+HALF = ("--precision.compute", "bf16")
+
+
+def framework_bytes(profile: DeviceProfile, one: dict, two: dict, half: dict, slack: float) -> dict[str, int]:
+    """The profile's framework bytes before the model's first byte, from the tiny runs' peak RSS less the tensors
+    predicted for them and `slack` x their activations: one training process (`one`), a worker the launcher forked
+    (`two`, on two processes), and what computing in bf16 adds to one process (`half`). They depend on the CPU and
+    the torch build (the pages of the kernels it dispatches to): 365 and 289 MiB on an AMD EPYC, 449, 372 and +30
+    on an Intel Xeon with AMX (torch 2.13.0+cpu, issue 35)."""
+    bare = _bare(profile)
     out = []
-    for n, run in ((1, one), (2, two)):
-        plan = estimate(cfg, args, Layout.of(cfg, n), bare).memory
+    for n, run, extra in ((1, one, ()), (2, two, ()), (1, half, HALF)):
+        cfg = parse_unvalidated(None, [*TINY, *extra])
+        plan = estimate(cfg, model_args(cfg), Layout.of(cfg, n), bare).memory
         out.append(int(run["mem_peak_mib"] * 2**20 - plan["total"] - slack * plan["activations"]))
-    return out[0], out[1]
+    return {"overhead_bytes": out[0], "worker_overhead_bytes": out[1], "half_overhead_bytes": out[2] - out[0]}
+
+
+def describe_framework(framework: dict[str, int]) -> str:
+    mib = {k: v / 2**20 for k, v in framework.items()}
+    return (
+        f"framework: {mib['overhead_bytes']:.0f} MiB per process, {mib['worker_overhead_bytes']:.0f} MiB per "
+        f"forked worker, {mib['half_overhead_bytes']:+.0f} MiB computing in bf16"
+    )
 
 
 def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int = 2) -> DeviceProfile:
@@ -252,7 +264,7 @@ def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int =
     collective call, is a call's fixed cost at that many processes (on a CPU it grows with the ranks sharing the
     cores); what the tp, sp and cp runs add, per block, is their dispatch cost (DTensor, the ring's chunk loop)."""
     env = tiny_env(cache_dir)
-    one, two = _tiny_run(1, env), _tiny_run(2, env)
+    one, two, half = _tiny_run(1, env), _tiny_run(2, env), _tiny_run(1, env, HALF)
     cfg = parse_unvalidated(None, TINY)
     args = model_args(cfg)
     bare = _bare(profile)
@@ -288,18 +300,15 @@ def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int =
     excess.append(big["mem_peak_mib"] * 2**20 - big_plan.memory["total"])
     grown = big_plan.memory["activations"] - solo.memory["activations"]
     slack = max((excess[1] - excess[0]) / max(grown, 1.0), 0.0)
-    base1, base2 = framework_bytes(profile, one, two, slack)
+    framework = framework_bytes(profile, one, two, half, slack)
     calls = ", ".join(f"{v * 1e3:.2f} ms over {k}" for k, v in by_ranks.items())
     log(
-        f"framework: {base1 / 2**20:.0f} MiB per process, {base2 / 2**20:.0f} MiB per forked worker; "
-        f"{slack:.2f} x the activations beyond the tensors; {step * 1e3:.1f} ms fixed per step; "
+        f"{describe_framework(framework)}; {slack:.2f} x the activations beyond the tensors; {step * 1e3:.1f} ms fixed per step; "
         f"per collective call {calls}; per block tp "
         f"{fitted.tp_block_s * 1e3:.2f} ms (sequence parallel +{fitted.sp_block_s * 1e3:.2f} ms), ring attention "
         f"{fitted.cp_block_s * 1e3:.2f} ms"
     )
-    return dataclasses.replace(
-        fitted, overhead_bytes=base1, worker_overhead_bytes=base2, activation_slack=slack
-    )
+    return dataclasses.replace(fitted, **framework, activation_slack=slack)
 
 
 def _fit(cfg, n: int, profile: DeviceProfile, got: dict, **unit) -> float:

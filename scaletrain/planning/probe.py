@@ -20,8 +20,10 @@ import torch.distributed as dist
 from scaletrain.hardware import best_time, busy_reason, cpu_model_name, pin_mmap_threshold, usable_cpus
 from scaletrain.parallel.layout import Layout
 from scaletrain.planning.calibrate import (
+    HALF,
     _fit,
     _tiny_run,
+    describe_framework,
     fit_collectives,
     framework_bytes,
     measure_one_thread,
@@ -108,13 +110,13 @@ def measure(log, cache_dir: Path) -> DeviceProfile:
         got = {"step_time_s": ranks[field]}
         fitted = _fit(parse_unvalidated(None, [*FIT, *split]), RANKS, profile, got, **{field: 1.0})
         profile = dataclasses.replace(profile, **{field: fitted})
-    # The framework's resident bytes, which the memory check counts per process: two tiny runs through the CLI
-    # (one process; two forked workers), as a calibration measures them (allocator slack 0: the workers' pinned
-    # allocator frees every large tensor; it was fitted at 0.01 on the same host).
+    # The framework's resident bytes, which the memory check counts per process: three tiny runs through the CLI
+    # (one process, two forked workers, one process in bf16), as a calibration measures them (allocator slack 0: the
+    # workers' pinned allocator frees every large tensor; calibration fitted 0.01 on the same host).
     env = tiny_env(cache_dir)
-    one, two = (_tiny_run(n, env, repeats=1) for n in (1, 2))
-    base1, base2 = framework_bytes(profile, one, two, 0.0)
-    profile = dataclasses.replace(profile, overhead_bytes=base1, worker_overhead_bytes=base2)
+    one, two, half = _tiny_run(1, env, repeats=1), _tiny_run(2, env, repeats=1), _tiny_run(1, env, HALF, 1)
+    framework = framework_bytes(profile, one, two, half, 0.0)
+    profile = dataclasses.replace(profile, **framework)
     held = parse_unvalidated(None, HELD_OUT)
     predicted = estimate(held, model_args(held), Layout.of(held, RANKS), profile).time["step_time_s"]
     error = predicted / ranks["held_out_s"] - 1
@@ -125,8 +127,8 @@ def measure(log, cache_dir: Path) -> DeviceProfile:
     )
     per_block = ", ".join(f"{k[:2]} {getattr(profile, k) * 1e3:.2f} ms" for k in SPLITS)
     log(
-        f"probe: collective call {call * 1e3:.2f} ms; per block {per_block}; framework {base1 / 2**20:.0f} MiB per "
-        f"process, {base2 / 2**20:.0f} per worker; step time {validated}"
+        f"probe: collective call {call * 1e3:.2f} ms; per block {per_block}; {describe_framework(framework)}; "
+        f"step time {validated}"
     )
     return dataclasses.replace(profile, validated=validated, expected_error=abs(error))
 

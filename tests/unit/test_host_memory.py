@@ -100,11 +100,17 @@ def test_the_check_counts_the_framework_bytes_this_cpus_probe_measured(monkeypat
 
     _available(monkeypatch, tmp_path, 20.0)  # accepted on the built-in figure (test above)
     measured = dataclasses.replace(
-        DEFAULT_CPU, overhead_bytes=600 * 2**20, worker_overhead_bytes=520 * 2**20, source="probed"
+        DEFAULT_CPU,
+        overhead_bytes=600 * 2**20,
+        worker_overhead_bytes=520 * 2**20,
+        half_overhead_bytes=30 * 2**20,
+        source="probed",
     )
     (tmp_path / PROBE_FILE).write_text(json.dumps({"key": probe_key(), "profile": measured.to_json()}))
     cfg = parse_unvalidated("configs/debug.toml", ISSUE_CASE)
     assert memory_estimate(cfg, 16)["overhead"] == 520 * 2**20
     assert cpu_process_bytes(cfg, 1) == 600 * 2**20  # one process, not forked
+    half = parse_unvalidated("configs/debug.toml", [*ISSUE_CASE, "--precision.compute", "bf16"])
+    assert cpu_process_bytes(half, 16) == 550 * 2**20  # bf16's kernels: their pages and scratch
     with pytest.raises(ConfigError, match="overhead 0.508"):
         load_config("configs/debug.toml", ISSUE_CASE, world_size=16, check_run_dir=False)

@@ -80,6 +80,9 @@ class DeviceProfile:
     # CPU: the peak RSS of a worker forked from the launcher's warm fork server (`--nproc N`), which counts only the
     # library pages it touches, less than a process that imported everything itself (0: as overhead_bytes).
     worker_overhead_bytes: int = 0
+    # CPU: what a process adds when it computes in 16 bits (bf16/fp16, and fp8's bf16): the pages and scratch of the
+    # 16-bit kernels (oneDNN's) beyond fp32's, measured by a tiny bf16 run (30 MiB on an Intel Xeon with AMX).
+    half_overhead_bytes: int = 0
     # CPU: resident bytes beyond the live tensors per byte of activations (glibc keeps freed activation memory and
     # the backward's transients in its heap; calibrated from two runs with small and large activations; 0 on a GPU,
     # where the allocator's slack is inside overhead_bytes).
@@ -122,9 +125,11 @@ class DeviceProfile:
     )  # calibrated: op -> (latency, bw)
     source: str = "datasheet"
 
-    def process_bytes(self, world_size: int) -> int:
-        """The framework's bytes per rank: a CPU's forked workers (world > 1) pay their own measured figure."""
-        return self.worker_overhead_bytes or self.overhead_bytes if world_size > 1 else self.overhead_bytes
+    def process_bytes(self, world_size: int, precision: str = "fp32") -> int:
+        """The framework's bytes per rank: a CPU's forked workers (world > 1) pay their own measured figure, and a
+        process computing in 16 bits the kernels' pages that fp32 leaves untouched."""
+        base = self.worker_overhead_bytes or self.overhead_bytes if world_size > 1 else self.overhead_bytes
+        return base + (self.half_overhead_bytes if precision != "fp32" else 0)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

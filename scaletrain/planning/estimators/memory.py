@@ -617,4 +617,6 @@ def cpu_process_bytes(cfg: Config, world_size: int) -> int:
     was measured. It depends on the CPU: 289-365 MiB on an AMD EPYC, 372-449 on an Intel Xeon with AMX, so the
     built-in figure alone left the check 50-130 MiB a process short on the latter (issue 35)."""
     profile = load_profile("cpu", resolve_cache_dir(cfg.data))
-    return CPU_OVERHEAD_BYTES if profile.source == UNCALIBRATED else profile.process_bytes(world_size)
+    if profile.source == UNCALIBRATED:
+        return CPU_OVERHEAD_BYTES
+    return profile.process_bytes(world_size, cfg.precision.compute)

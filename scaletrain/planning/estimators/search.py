@@ -123,7 +123,7 @@ def estimate(
         seq,
         world_size,
         local_batch=max(layout.local_batch, 1),
-        overhead_bytes=profile.process_bytes(world_size),
+        overhead_bytes=profile.process_bytes(world_size, cfg.precision.compute),
         memory=cfg.memory,
         activation_slack=profile.activation_slack,
         precision=cfg.precision.compute,
