@@ -150,6 +150,13 @@ def test_recompute_adds_forward_flops_and_tp_is_on_the_critical_path():
     assert 0 < none["mfu"] < 1 and none["tokens_per_s"] == pytest.approx(8 * 8192 / none["step_time_s"])
 
 
+def test_sequence_parallel_moves_the_bytes_of_the_all_reduces_it_replaces():
+    """Megatron's sequence parallel swaps each tp all-reduce for an all-gather and a reduce-scatter, the two halves of
+    a ring all-reduce: the same bytes on the link. The model once divided them by 2, under-charging sp 2x on a GPU."""
+    tp, sp = (_time(ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=s)) for s in (False, True))
+    assert sp["tp_comm_s"] == pytest.approx(tp["tp_comm_s"], rel=0.02)
+
+
 def _precision_time(args, precision: str) -> dict:
     t = TrainingConfig(micro_batch=1)
     p = ParallelConfig(data_parallel="fsdp")

@@ -519,11 +519,11 @@ def _comm_parts(
     act = micro * seq_len / p.cp * args.dim * elt  # one micro-batch's hidden states on this rank
     out: dict[str, float] = {}
     # TP (Megatron): per block two all-reduces in forward and two in backward (SP: an all-gather and a
-    # reduce-scatter in place of each, the same bytes); full recompute repeats the forward's. On the critical path.
+    # reduce-scatter in place of each, a ring all-reduce's two halves: the same bytes); full recompute repeats the
+    # forward's. On the critical path.
     tp_per_block = 4 + 2 * recompute_share(memory)
     if p.sequence_parallel:
         one = all_gather_s(dims.tp, act, links["tp"]) + reduce_scatter_s(dims.tp, act, links["tp"])
-        one /= 2
     else:
         one = all_reduce_s(dims.tp, act, links["tp"])
     again = 1 + recompute_share(memory) / 3  # full recompute repeats the forward's third of the dispatch
