@@ -84,3 +84,13 @@ def spawn_gathered(fn: Callable, world_size: int, out: str, *args, timeout: floa
     spawn(_gather_to_file, world_size, fn, out, args, timeout=timeout)
     with open(out) as f:
         return json.load(f)
+
+
+def spawn_resident_peaks(fn: Callable, world_size: int, tmp_path_factory, name: str) -> list:
+    """`spawn_gathered` for workers that measure their resident peak by resetting it (/proc/self/clear_refs, then
+    VmHWM): skipped where the kernel offers no reset."""
+    import pytest
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs /proc/self/clear_refs (Linux) to reset the peak resident set")
+    return spawn_gathered(fn, world_size, str(tmp_path_factory.mktemp(name) / "results.json"))

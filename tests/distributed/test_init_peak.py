@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import os
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.planning.estimators.memory import per_rank_bytes
 from tests.distributed.reference import unwrap
-from tests.distributed.spawn import spawn_gathered
+from tests.distributed.spawn import spawn_resident_peaks
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -95,9 +94,7 @@ def worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    if not os.access("/proc/self/clear_refs", os.W_OK):
-        pytest.skip("needs /proc/self/clear_refs (Linux) to reset the peak resident set")
-    return spawn_gathered(worker, 4, str(tmp_path_factory.mktemp("init_peak") / "results.json"))
+    return spawn_resident_peaks(worker, 4, tmp_path_factory, "init_peak")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

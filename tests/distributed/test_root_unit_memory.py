@@ -7,8 +7,6 @@ fall short of the measurement, and the gloo form must bound it within 10%."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from scaletrain.optim.optimizers import optimizer_builder
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.planning.estimators.memory import per_rank_bytes
-from tests.distributed.spawn import spawn_gathered
+from tests.distributed.spawn import spawn_resident_peaks
 from tests.distributed.test_step_memory import _growth
 
 CPU = torch.device("cpu")
@@ -53,9 +51,7 @@ def worker(rank: int, world_size: int) -> int:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[int]:
-    if not os.access("/proc/self/clear_refs", os.W_OK):
-        pytest.skip("needs /proc/self/clear_refs (Linux) to reset the peak resident set")
-    return spawn_gathered(worker, 2, str(tmp_path_factory.mktemp("root_unit") / "results.json"))
+    return spawn_resident_peaks(worker, 2, tmp_path_factory, "root_unit")
 
 
 def _backward(gloo: bool) -> float:

@@ -9,8 +9,6 @@ gathered block: 97 MiB) fails."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -21,7 +19,7 @@ from scaletrain.optim.optimizers import optimizer_builder
 from scaletrain.parallel.mesh import ParallelDims
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.planning.estimators.memory import foreach_step_bytes, per_rank_bytes
-from tests.distributed.spawn import spawn_gathered
+from tests.distributed.spawn import spawn_resident_peaks
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -72,9 +70,7 @@ def worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[dict]:
-    if not os.access("/proc/self/clear_refs", os.W_OK):
-        pytest.skip("needs /proc/self/clear_refs (Linux) to reset the peak resident set")
-    return spawn_gathered(worker, 2, str(tmp_path_factory.mktemp("step_memory") / "results.json"))
+    return spawn_resident_peaks(worker, 2, tmp_path_factory, "step_memory")
 
 
 def _estimate(mode: str) -> dict[str, float]:
