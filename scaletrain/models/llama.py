@@ -28,7 +28,7 @@ from scaletrain.models.attention import (
 from scaletrain.models.init import trunc_normal
 from scaletrain.models.loss import output_loss
 from scaletrain.models.mla import LATENT_NORM_EPS, MLA, mla_init_names
-from scaletrain.models.moe import MoE, is_moe_layer, moe_init_plan
+from scaletrain.models.moe import MoE, compile_disabled, is_moe_layer, moe_init_plan
 from scaletrain.models.mtp import MTP, mtp_loss
 
 if TYPE_CHECKING:
@@ -257,7 +257,7 @@ class Attention(nn.Module):
             out = self.sdpa(q, k, v) if mask is None else self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
-    @torch.compiler.disable
+    @compile_disabled
     def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor, mask: object) -> None:
         """Raise `max_logits` to this forward's per-head maxima (after RoPE: the logits the kernel computes). Run
         again by a recomputed forward, it finds the same maxima; a max over micro-batches needs no count."""

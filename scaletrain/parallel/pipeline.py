@@ -4,40 +4,37 @@ run a `torch.distributed.pipelining` schedule whose mean loss and gradients equa
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 from torch.distributed.tensor import DTensor
 
 from scaletrain.models.llama import Transformer, logits_unmeasured
 from scaletrain.models.loss import token_mean
 from scaletrain.models.moe import MoE
 
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
 log = logging.getLogger(__name__)
 
+# Each schedule's torch.distributed.pipelining class, by name: the module is imported where a schedule is built
+# (build_schedule), because it imports torch._dynamo, 0.33 s of the start-up of every process that validates a config.
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 SINGLE_STAGE = ("gpipe", "1f1b")
 V_SHAPED = ("zbv", "dualpipev")
@@ -240,10 +237,14 @@ def build_schedule(
     problems = pipeline_problems(schedule_name, pp, len(stages), n_microbatches)
     if problems:
         raise ValueError("; ".join(problems))
+    from torch.distributed import pipelining  # here, not at the top: see SCHEDULES
+
     num_stages = pp * len(stages)
     group = pp_mesh.get_group()
-    pipeline_stages = [_Stage(module, index, num_stages, device, group=group) for index, module in stages]
-    cls = SCHEDULES[schedule_name]
+    pipeline_stages = [
+        _stage_class()(module, index, num_stages, device, group=group) for index, module in stages
+    ]
+    cls = getattr(pipelining, SCHEDULES[schedule_name])
     target = pipeline_stages[0] if schedule_name in SINGLE_STAGE else pipeline_stages
     schedule = cls(
         target,
@@ -254,23 +255,29 @@ def build_schedule(
     return pipeline_stages, schedule
 
 
-class _Stage(PipelineStage):
+@functools.cache
+def _stage_class() -> type[PipelineStage]:
     """A PipelineStage whose shape inference measures nothing: torch runs each stage's forward once on
     uninitialised inputs (torch.empty) to learn the activations' shapes, whose logits QK-clip must not take for the
     step's maxima (torch 2.13 names it _forward_metadata_inference; torchtitan overrides it likewise), and whose
     routing the MoE layers must not count: the first step's load would move the routing biases (moe.bias_update_rate)
-    by tokens that do not exist (issue 36: pp 2 left the single process at step 2)."""
+    by tokens that do not exist (issue 36: pp 2 left the single process at step 2). Made at first use, as a subclass
+    of a class whose module is imported then (see SCHEDULES)."""
+    from torch.distributed.pipelining import PipelineStage
 
-    def _forward_metadata_inference(self, *args, **kwargs):
-        moe = [m for m in self.submod.modules() if isinstance(m, MoE)]
-        held = [[b.clone() for b in m.buffers()] for m in moe]
-        with logits_unmeasured(self.submod):
-            out = super()._forward_metadata_inference(*args, **kwargs)
-        with torch.no_grad():
-            for m, saved in zip(moe, held, strict=True):
-                for b, v in zip(m.buffers(), saved, strict=True):
-                    b.copy_(v)
-        return out
+    class _Stage(PipelineStage):
+        def _forward_metadata_inference(self, *args, **kwargs):
+            moe = [m for m in self.submod.modules() if isinstance(m, MoE)]
+            held = [[b.clone() for b in m.buffers()] for m in moe]
+            with logits_unmeasured(self.submod):
+                out = super()._forward_metadata_inference(*args, **kwargs)
+            with torch.no_grad():
+                for m, saved in zip(moe, held, strict=True):
+                    for b, v in zip(m.buffers(), saved, strict=True):
+                        b.copy_(v)
+            return out
+
+    return _Stage
 
 
 class _MicrobatchMean:
