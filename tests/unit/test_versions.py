@@ -100,3 +100,12 @@ def test_reading_a_run_directory_imports_no_torch():
     code = "import sys; from scaletrain.run.directory import RunDir; print('torch' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr
+
+
+def test_the_cli_starts_without_the_report_or_dynamo():
+    """Every launch imports the CLI (twice under --nproc: the launcher, then the fork server): matplotlib (the
+    report) and torch._dynamo cost 0.3 s each there, and only `scaletrain report`, metrics.report and a compiled or
+    training worker need them (cli.py, models' compile_disabled, parallel/pipeline.py)."""
+    code = "import sys, scaletrain.cli; print(sorted(m for m in ('matplotlib', 'torch._dynamo') if m in sys.modules))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", (run.stdout, run.stderr)
