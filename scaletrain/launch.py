@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 
+import torch.distributed as dist
 from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -102,6 +103,11 @@ def run_training(cfg: Config) -> int:
             record_lost_peer(RunDir.at(cfg.run.dir), text)  # a surviving node names the one that went away
         _linger_if_a_peer_failed(text)
         os._exit(1)
+    # Ended normally: the process group goes before the interpreter. Left to its finalisation, gloo's worker threads
+    # can still hold work with tensors in it, and one rank of a finished simulated-node run died of SIGABRT at exit
+    # ("terminate called without an active exception"), which its agent reports as a failed run.
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if stopped == "interrupted":  # a first Ctrl-C: stopped after a step, saved (Preemption)
         print("\ninterrupted (Ctrl-C): stopped after a step and saved it", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE

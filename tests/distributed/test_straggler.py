@@ -84,15 +84,17 @@ def _links(rank: int, world_size: int, out: str, slow_node: str) -> None:
     nodes = {n: {"address": f"10.0.0.{i}", "ranks": ranks[n]} for i, n in enumerate(names)}
     if rank == nodes[slow_node]["ranks"][0]:
 
-        def late(to, group):  # straggler._send_probes, 50 ms late with each probe
+        def late(to, group):  # straggler._send_probes, 200 ms late with each probe
             asked, probe = torch.empty(1), torch.zeros(straggler.LINK_PROBE_BYTES // 4)
             for _ in range(straggler.LINK_PROBES):
                 dist.recv(asked, src=to, group=group, tag=straggler._ASK)
-                time.sleep(0.05)
+                time.sleep(0.2)
                 dist.send(probe, dst=to, group=group, tag=straggler._PROBE)
 
         straggler._send_probes = late
-    monitor = StragglerMonitor(factor=3.0, interval=1, nodes=nodes)
+    # Factor 20: a 4 MiB loopback send takes ~1 ms quiet, several under the suite's load (5 ranks on 2 cores), and at
+    # factor 3 a loaded link was named beside the slow one (the clean-clone suite, 2026-12-07).
+    monitor = StragglerMonitor(factor=20.0, interval=1, nodes=nodes)
     monitor.record(0.01)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(monitor.check(1, dist.group.WORLD)))
 
@@ -106,4 +108,4 @@ def test_a_slow_link_names_its_node_and_ranks_on_every_rank(tmp_path, world_size
     for rank in range(world_size):
         (found,) = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (found["cause"], found["node"], found["ranks"]) == ("link", slow_node, ranks)
-        assert found["link_s"] >= 0.05 and found["ratio"] > 3
+        assert found["link_s"] >= 0.2 and found["ratio"] > 20
