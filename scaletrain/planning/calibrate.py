@@ -53,12 +53,12 @@ BLOCK_SEQS = (4, 64, 128, 256, 512)
 
 
 def measure_block(
-    matmul: tuple[float, float], attention: tuple[float, float] = (0.0, 0.0)
+    matmul: tuple[float, float], attention: tuple[float, float] | None = None
 ) -> tuple[float, float, float, float]:
     """(fixed seconds per block forward+backward, element-wise bytes/s, selective recompute's fixed seconds per
     block, the share of the element-wise forward it re-runs): a one-block model (dim 256, a vocabulary of 64 so the
     head is negligible) timed at BLOCK_SEQS' lengths. What its matmuls at the fitted rate do not explain (its
-    attention at `attention`'s rate where measured, as the time model charges it) is a + traffic / bandwidth, with
+    attention at `attention`'s fp32 figures where measured, as the time model charges it) is a + traffic / bandwidth, with
     the traffic the time model charges (ELEMENTWISE_TRAFFIC x the bytes the block saves): a is that remainder at the
     shortest length, the bandwidth the median of the others' traffic over their remainder beyond a. What the same
     block under selective recompute adds is fitted as a + share x that forward's element-wise time."""
@@ -81,8 +81,9 @@ def measure_block(
         took = best_time(partial(_forward_backward, model, tokens), budget_s=0.4)
         extra.append(best_time(partial(_forward_backward, selective, tokens), budget_s=0.4) - took)
         shape = _Shape(seq, seq, args.dim, args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden)
-        rates = [rate] * 7 + [attention[1] or rate] * 2  # _matmuls' order: the 7 Linears, QKᵀ and AV
+        rates = [rate] * 7 + [attention[1] if attention else rate] * 2  # _matmuls' order: 7 Linears, QKᵀ, AV
         mm = sum(3 * (t0 + f / r) for f, r in zip(_matmuls(shape), rates))
+        mm += attention[0] * args.n_heads if attention else 0.0  # its rows: batch 1 x the heads
         xs.append(ELEMENTWISE_TRAFFIC * layer_activation_bytes(args, ParallelConfig(), 1, seq, 4))
         ys.append(max(took - mm, 1e-9))
     a = ys[0]
@@ -369,10 +370,13 @@ def measure_one_thread(log) -> tuple[DeviceProfile, float]:
     log(
         f"matmul fp32: t0 {fp32[0] * 1e6:.1f} us, {fp32[1] / 1e9:.2f} GFLOP/s per thread; bf16 {bf16[1] / 1e9:.2f}"
     )
-    attention = measure_attention()
-    op_overhead, elementwise_bw, sel_fixed, sel_share = measure_block(fp32, attention)
+    attention = {"fp32": measure_attention(torch.float32), "bf16": measure_attention(torch.bfloat16)}
+    op_overhead, elementwise_bw, sel_fixed, sel_share = measure_block(fp32, attention["fp32"])
+    said = ", ".join(
+        f"{k} {v[1] / 1e9:.1f} GFLOP/s + {v[0] * 1e6:.0f} us a row" for k, v in attention.items()
+    )
     log(
-        f"causal attention {attention[1] / 1e9:.1f} GFLOP/s; block: {op_overhead * 1e3:.2f} ms fixed, element-wise {elementwise_bw / 1e9:.2f} GB/s; selective "
+        f"causal attention {said}; block: {op_overhead * 1e3:.2f} ms fixed, element-wise {elementwise_bw / 1e9:.2f} GB/s; selective "
         f"recompute {sel_fixed * 1e3:.2f} ms fixed + {sel_share:.2f} of the element-wise forward"
     )
     adam_bw = measure_adam_bandwidth(ADAM_TRAFFIC)

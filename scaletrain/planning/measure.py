@@ -104,9 +104,11 @@ def measure_adam_bandwidth(traffic: int, device: torch.device | None = None, n: 
     return traffic * p.numel() / best_time(opt.step, budget_s=0.3, device=device)
 
 
-# Attention shapes (sequence, head_dim) of a CPU's causal SDPA, 4 query and 2 key/value heads: the debug model's
-# head and a 30M-class model's, at the lengths the planner's CPU layouts train.
-ATTENTION_SHAPES = ((128, 32), (512, 32), (256, 64), (1024, 64))
+# Attention shapes (batch, sequence, head_dim) of a CPU's causal SDPA, ATTENTION_HEADS query and half as many
+# key/value heads: the debug model's head and a 30M-class model's, at the lengths and micro-batches the planner's CPU
+# layouts train. Batches of 1 and 4 at the same length separate the cost of a (sequence, head) row from the FLOPs'.
+ATTENTION_SHAPES = ((1, 128, 32), (4, 128, 32), (1, 512, 32), (1, 256, 64), (4, 128, 64), (1, 1024, 64))
+ATTENTION_HEADS = 4
 
 
 def attention_flops(seq: int, width: int) -> float:
@@ -115,21 +117,45 @@ def attention_flops(seq: int, width: int) -> float:
     return 2 * (2 * seq * (seq / 2) * width)
 
 
-def measure_attention(shapes: tuple[tuple[int, int], ...] = ATTENTION_SHAPES) -> tuple[float, float]:
-    """(seconds per call, FLOP/s) of causal SDPA's forward and backward on this CPU, fitted to t0 + 3 x forward
-    FLOPs / rate (backward charged twice forward, as the time model charges it). torch's CPU flash kernel runs far
-    below the GEMM rate: 10-20 GFLOP/s per thread here against ~100 for the matmuls of the same model, so a block's
-    attention cannot be charged at the GEMM rate (issue 35: the debug model at seq 256 spent 126 ms a step in it
-    against 15 ms predicted)."""
-    heads, kv_heads = 4, 2
-    xs, ys = [], []
-    for seq, dim in shapes:
-        q = torch.randn(1, heads, seq, dim, requires_grad=True)
-        k, v = (torch.randn(1, kv_heads, seq, dim, requires_grad=True) for _ in range(2))
-        xs.append(3 * attention_flops(seq, heads * dim))
+def measure_attention(
+    dtype: torch.dtype = torch.float32, shapes: tuple[tuple[int, int, int], ...] = ATTENTION_SHAPES
+) -> tuple[float, float]:
+    """(seconds per (sequence, query head) row, FLOP/s) of causal SDPA's forward and backward in `dtype` on this CPU,
+    fitted to rows x c + 3 x forward FLOPs / rate (backward charged twice forward, as the time model charges it).
+    torch's CPU flash kernel runs far below the GEMM rate (10-20 GFLOP/s per thread at short lengths against ~100
+    for the matmuls of the same model; issue 35: the debug model at seq 256 spent 126 ms a step in it against 15 ms
+    predicted), and in bf16 each row costs more again: on an Intel Xeon with AMX a [4, 4, 128, 64] call took 5.0 ms
+    in bf16 against 2.2 in fp32, and a bf16 d256 step spent 39 ms of its 195 in attention, 8 charged before."""
+    rows, flops, ys = [], [], []
+    for batch, seq, dim in shapes:
+        q = torch.randn(batch, ATTENTION_HEADS, seq, dim, dtype=dtype, requires_grad=True)
+        k, v = (
+            torch.randn(batch, ATTENTION_HEADS // 2, seq, dim, dtype=dtype, requires_grad=True) for _ in "kv"
+        )
+        rows.append(batch * ATTENTION_HEADS)
+        flops.append(batch * 3 * attention_flops(seq, ATTENTION_HEADS * dim))
         ys.append(best_time(partial(_attention_step, q, k, v)))
-    t0, slope = fit_line(xs, ys)
-    return t0, 1.0 / max(slope, 1e-18)
+    per_row, per_flop = fit_plane(rows, flops, ys)
+    return per_row, 1.0 / max(per_flop, 1e-18)
+
+
+def fit_plane(x1: list[float], x2: list[float], ys: list[float]) -> tuple[float, float]:
+    """(a, b) >= 0 of y = a·x1 + b·x2 through the origin, least squares in relative error (each point weighted by
+    1/y: a short call counts as much as a long one); a clamped at 0 and b refitted alone when it would go below."""
+    u = [x / y for x, y in zip(x1, ys)]
+    w = [x / y for x, y in zip(x2, ys)]
+    uu, uw, ww, u1, w1 = (
+        sum(a * a for a in u),
+        sum(a * b for a, b in zip(u, w)),
+        sum(b * b for b in w),
+        sum(u),
+        sum(w),
+    )
+    det = uu * ww - uw * uw
+    a = (u1 * ww - w1 * uw) / det if det else 0.0
+    if a <= 0:
+        return 0.0, w1 / ww
+    return a, max((uu * w1 - uw * u1) / det, 0.0)
 
 
 def _attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

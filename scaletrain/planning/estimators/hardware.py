@@ -107,9 +107,10 @@ class DeviceProfile:
     # a CPU's calibration; 0 where not measured (a GPU, a CPU profile saved before it): the memory bandwidth's.
     cast_t0_s: float = 0.0
     cast_bw: float = 0.0
-    # A CPU's causal attention (torch's SDPA kernel, forward and backward): (seconds per call, FLOP/s) measured by
-    # planning/measure.measure_attention; (0, 0) where not measured (a GPU, an older CPU profile): the GEMM rate's.
-    attention: tuple[float, float] = (0.0, 0.0)
+    # A CPU's causal attention (torch's SDPA kernel, forward and backward) per compute dtype ("fp32", "bf16"):
+    # (seconds per (sequence, query head) row, FLOP/s), measured by planning/measure.measure_attention; empty where
+    # not measured (a GPU: its kernels' published shares), and a dtype not measured takes fp32's, else the GEMM rate.
+    attention: dict[str, tuple[float, float]] = field(default_factory=dict)
     # Why the calibration's machine was busy ("" when it was not): its figures are then a share of the cores, and
     # every plan that uses the profile says so (planning/calibrate.busy_reason).
     busy: str = ""
@@ -140,7 +141,12 @@ class DeviceProfile:
         data = {k: v for k, v in data.items() if k in known}
         data["matmul"] = {k: tuple(v) for k, v in data.get("matmul", {}).items()}
         data["collectives"] = {k: tuple(v) for k, v in data.get("collectives", {}).items()}
-        data["attention"] = tuple(data.get("attention", (0.0, 0.0)))
+        attention = data.get("attention", {})
+        # A profile saved before the per-dtype figures held one (seconds per call, FLOP/s), in fp32, whose per-call
+        # figure the time model never charged: its rate is kept, with no cost per row, as it was planned.
+        if isinstance(attention, list | tuple):
+            attention = {"fp32": (0.0, attention[1])} if attention[1] else {}
+        data["attention"] = {k: tuple(v) for k, v in attention.items()}
         return cls(**data)
 
 
@@ -252,7 +258,7 @@ PROFILE_FILE = "planner_profile.json"
 PROBE_FILE = (
     "planner_probe.json"  # a CPU's probe (planning/probe.py), used until `plan --calibrate` saves a profile
 )
-PROBE_VERSION = 4  # raised when what the probe measures changes: an older cache is measured again
+PROBE_VERSION = 5  # raised when what the probe measures changes: an older cache is measured again
 
 
 def probe_key() -> dict:

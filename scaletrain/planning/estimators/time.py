@@ -222,8 +222,9 @@ def _block_times(
         shape = dataclasses.replace(shape, q=q / p.tp, v=v / p.tp, proj=mla_projections(args))
     flops = _matmuls(shape)
     rates = [rate] * (len(flops) - 5) + [mlp_rate] * 3 + [hp_rate] * 2  # in _matmuls' order
-    if profile.kind == "cpu" and profile.attention[1]:  # SDPA's CPU kernel at its own rate, not the GEMMs'
-        rates[-2:] = [profile.attention[1] * share] * 2
+    attention = cpu_attention(profile, precision)
+    if attention is not None:  # SDPA's CPU kernel at its own rate, not the GEMMs'
+        rates[-2:] = [attention[1] * share] * 2
     back = list(rates)
     if profile.kind != "cpu":  # attention at its kernel's measured rates (ATTENTION_SHARES)
         peak = profile.peak_flops["bf16"] * share
@@ -235,6 +236,9 @@ def _block_times(
         back[-2:] = [peak * backward * 2 / ATTENTION_BACKWARD_FLOPS] * 2
     fwd = sum(t0 + f / r for f, r in zip(flops, rates))
     bwd = sum(2 * (t0 + f / r) for f, r in zip(flops, back))  # two matmuls per forward one: dX and dW
+    if attention is not None:  # and its cost per (sequence, head) row, a third in forward as its FLOPs are
+        rows = attention[0] * micro * args.n_heads / p.tp * _slowdown(profile, share)
+        fwd, bwd = fwd + rows / 3, bwd + 2 * rows / 3
     # On a CPU element-wise work moves fp32's bytes in every precision: autocast leaves the residual stream and the
     # norms in fp32, and a bf16 kernel converts each element (SiLU on 90k bf16 elements: 51 us, fp32 38 us here).
     elt = 4 if profile.kind == "cpu" else compute_bytes_of(precision)
@@ -250,6 +254,16 @@ def _block_times(
         "elementwise": elementwise + overhead,
         "attention": 3 * (flops[-1] * 2) / rates[-1],
     }
+
+
+def cpu_attention(profile: DeviceProfile, precision: str) -> tuple[float, float] | None:
+    """A CPU's measured SDPA figures (seconds per row, FLOP/s) for `precision`'s attention: bf16's under autocast,
+    FSDP2's 16-bit policy and fp8 (attention stays a bf16 kernel there), fp32's where that dtype was not measured;
+    None on a GPU or where nothing was measured (the GEMM rate's)."""
+    if profile.kind != "cpu":
+        return None
+    measured = profile.attention
+    return measured.get("fp32" if precision == "fp32" else "bf16") or measured.get("fp32")
 
 
 def cast_rate(profile: DeviceProfile) -> tuple[float, float]:
