@@ -273,7 +273,7 @@ def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int =
     step = max(one["step_time_s"] - solo.time["step_time_s"], 0.0)
     fitted = dataclasses.replace(bare, step_overhead_s=step)
     # Each constant is fitted on the run that shows it, in this order (a later fit counts the earlier ones):
-    # FSDP's per-call cost with 2, 4, 8 processes, then tp's and ring attention's per-block cost.
+    # FSDP's per-call cost with 2, 4, 8 processes, then tp's, sp's and ring attention's per-block cost (fit_split).
     by_ranks = {}
     for n in (2, 4, 8):
         if n <= nproc:
@@ -284,12 +284,11 @@ def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int =
     fitted = dataclasses.replace(fitted, call_by_ranks=by_ranks, collective_call_s=by_ranks.get("2", 0.0))
     tp2 = ["--parallel.tp", "2", "--model.n_kv_heads", "2"]  # tp needs whole key/value heads
     sp = [*tp2, "--parallel.sequence_parallel", "true"]
-    runs = (("tp_block_s", tp2), ("sp_block_s", sp), ("cp_block_s", ["--parallel.cp", "2"]))
-    for field, extra in runs:
+    for split, extra in (("tp", tp2), ("sp", sp), ("cp", ["--parallel.cp", "2"])):
         if nproc >= 2:
-            layout = parse_unvalidated(None, [*TINY, *extra])
-            got = _tiny_run(2, env, extra)
-            fitted = dataclasses.replace(fitted, **{field: _fit(layout, 2, fitted, got, **{field: 1.0})})
+            shapes = (extra, [*GROWN, *extra])
+            runs = [(parse_unvalidated(None, [*TINY, *e]), _tiny_run(2, env, tuple(e))) for e in shapes]
+            fitted = fit_split(fitted, split, 2, runs)
     # Memory: the resident bytes beyond the predicted tensors, at small and at large activations (one process).
     big_extra = ["--data.seq_len", "512", "--training.global_batch", "16", "--training.micro_batch", "8"]
     big_cfg = parse_unvalidated(None, [*TINY, *big_extra])
@@ -305,11 +304,42 @@ def measure_framework(profile: DeviceProfile, cache_dir: Path, log, nproc: int =
     calls = ", ".join(f"{v * 1e3:.2f} ms over {k}" for k, v in by_ranks.items())
     log(
         f"{describe_framework(framework)}; {slack:.2f} x the activations beyond the tensors; {step * 1e3:.1f} ms fixed per step; "
-        f"per collective call {calls}; per block tp "
-        f"{fitted.tp_block_s * 1e3:.2f} ms (sequence parallel +{fitted.sp_block_s * 1e3:.2f} ms), ring attention "
-        f"{fitted.cp_block_s * 1e3:.2f} ms"
+        f"per collective call {calls}; per block {describe_splits(fitted)}"
     )
     return dataclasses.replace(fitted, **framework, activation_slack=slack)
+
+
+# The tiny layout's model grown to the debug model's shape (dim 128, 4 layers, seq 128, micro-batch 4): a split's
+# per-block cost is fitted at both, fixed plus per hidden-state element (16x the tiny one's per micro-batch).
+GROWN = ["--model.dim", "128", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "2"]
+GROWN += ["--model.ffn_hidden", "352", "--data.seq_len", "128", "--training.global_batch", "8"]
+GROWN += ["--training.micro_batch", "4"]
+
+
+def fit_split(profile: DeviceProfile, split: str, n: int, runs: list[tuple[object, dict]]) -> DeviceProfile:
+    """`profile` with the cost per block of `split` ("tp", "sp" or "cp": time.split_block_s) fitted to two runs of
+    it, (config, measured) at a small and a grown shape: the fixed cost each run alone implies, then the line
+    through them over the hidden-state elements of a micro-batch (fixed >= 0, growth >= 0)."""
+    fixed, grown = f"{split}_block_s", f"{split}_element_s"
+    base = dataclasses.replace(profile, **{grown: 0.0})
+    (c1, e1), (c2, e2) = [(_fit(cfg, n, base, got, **{fixed: 1.0}), _hidden(cfg)) for cfg, got in runs]
+    per = max((c2 - c1) / (e2 - e1), 0.0)
+    a = c1 - per * e1
+    if a < 0:  # the grown run alone, through the origin
+        a, per = 0.0, c2 / e2
+    return dataclasses.replace(profile, **{fixed: a, grown: per})
+
+
+def describe_splits(profile: DeviceProfile) -> str:
+    return ", ".join(
+        f"{k} {getattr(profile, f'{k}_block_s') * 1e3:.2f} ms + {getattr(profile, f'{k}_element_s') * 1e9:.0f} ns a "
+        "hidden element"
+        for k in ("tp", "sp", "cp")
+    )
+
+
+def _hidden(cfg) -> float:
+    return cfg.training.micro_batch * cfg.data.seq_len / cfg.parallel.cp * model_args(cfg).dim
 
 
 def _fit(cfg, n: int, profile: DeviceProfile, got: dict, **unit) -> float:

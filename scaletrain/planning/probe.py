@@ -24,8 +24,11 @@ from scaletrain.planning.calibrate import (
     _fit,
     _tiny_run,
     describe_framework,
+    describe_splits,
     fit_collectives,
+    fit_split,
     framework_bytes,
+    measure_collectives,
     measure_one_thread,
     time_collectives,
     tiny_env,
@@ -44,12 +47,14 @@ HELD_OUT = ["--model.dim", "128", "--model.n_layers", "4", "--model.n_heads", "4
 HELD_OUT += ["--model.ffn_hidden", "352", "--data.seq_len", "128", "--training.global_batch", "8"]
 HELD_OUT += ["--training.micro_batch", "4", "--parallel.data_parallel", "fsdp", "--training.threads", "1"]
 RANKS = 2
-# Each fitted on FIT split over the 2 ranks another way, in this order (a later fit counts the earlier ones): tensor
-# parallel's, then sequence parallel's and ring attention's fixed cost per block (DTensor dispatch, the ring's loop).
+MORE_RANKS = 4  # the collectives alone are timed over this many ranks too
+# Each fitted on FIT and on HELD_OUT's model split over the 2 ranks another way, in this order (a later fit counts
+# the earlier ones): tensor parallel's, then sequence parallel's and ring attention's cost per block, fixed (DTensor
+# dispatch, the ring's loop) and per hidden-state element (the redistributions' copies; calibrate.fit_split).
 SPLITS = {
-    "tp_block_s": ["--parallel.tp", "2", "--model.n_kv_heads", "2"],
-    "sp_block_s": ["--parallel.tp", "2", "--model.n_kv_heads", "2", "--parallel.sequence_parallel", "true"],
-    "cp_block_s": ["--parallel.cp", "2"],
+    "tp": ["--parallel.tp", "2", "--model.n_kv_heads", "2"],
+    "sp": ["--parallel.tp", "2", "--model.n_kv_heads", "2", "--parallel.sequence_parallel", "true"],
+    "cp": ["--parallel.cp", "2"],
 }
 
 
@@ -87,6 +92,11 @@ def measure(log, cache_dir: Path) -> DeviceProfile:
         torch.set_num_threads(threads)
     ranks = run_ranks(_rank, RANKS)
     collectives = {f"{k}@{RANKS}": v for k, v in fit_collectives(ranks["times"], RANKS).items()}
+    # And over MORE_RANKS: gloo's figures change with the ranks sharing the cores (on 2 cores a ring step over 4 waits
+    # for its peer to be scheduled), which the 2-rank figures do not show: 4-rank fsdp rows were 8-14% faster
+    # predicted on those alone (issue 35).
+    more = measure_collectives(MORE_RANKS)[0]
+    collectives.update({f"{k}@{MORE_RANKS}": v for k, v in more.items()})
     peak, op_overhead = profile.peak_flops, profile.op_overhead_s
     log(
         f"probe: matmul fp32 {peak['fp32'] / 1e9:.1f} GFLOP/s per thread (512^3: {one / 1e9:.1f} on 1 thread, "
@@ -106,10 +116,10 @@ def measure(log, cache_dir: Path) -> DeviceProfile:
     fit_cfg = parse_unvalidated(None, FIT)
     call = _fit(fit_cfg, RANKS, profile, {"step_time_s": ranks["fit_s"]}, call_by_ranks={str(RANKS): 1.0})
     profile = dataclasses.replace(profile, collective_call_s=call, call_by_ranks={str(RANKS): call})
-    for field, split in SPLITS.items():
-        got = {"step_time_s": ranks[field]}
-        fitted = _fit(parse_unvalidated(None, [*FIT, *split]), RANKS, profile, got, **{field: 1.0})
-        profile = dataclasses.replace(profile, **{field: fitted})
+    for name, split in SPLITS.items():
+        runs = [(parse_unvalidated(None, [*base, *split]), {"step_time_s": ranks[f"{name}@{i}"]})
+                for i, base in enumerate((FIT, HELD_OUT))]  # fmt: skip
+        profile = fit_split(profile, name, RANKS, runs)
     # The framework's resident bytes, which the memory check counts per process: three tiny runs through the CLI
     # (one process, two forked workers, one process in bf16), as a calibration measures them (allocator slack 0: the
     # workers' pinned allocator frees every large tensor; calibration fitted 0.01 on the same host).
@@ -125,7 +135,7 @@ def measure(log, cache_dir: Path) -> DeviceProfile:
         f"predicted {predicted * 1e3:.0f} ms, measured {ranks['held_out_s'] * 1e3:.0f} ms per step, load average "
         f"{os.getloadavg()[0]:.1f})"
     )
-    per_block = ", ".join(f"{k[:2]} {getattr(profile, k) * 1e3:.2f} ms" for k in SPLITS)
+    per_block = describe_splits(profile)
     log(
         f"probe: collective call {call * 1e3:.2f} ms; per block {per_block}; {describe_framework(framework)}; "
         f"step time {validated}"
@@ -151,7 +161,11 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         "times": time_collectives(world),
         "fit_s": _step_s(FIT, world),
         "held_out_s": _step_s(HELD_OUT, world),
-        **{field: _step_s([*FIT, *split], world) for field, split in SPLITS.items()},
+        **{
+            f"{name}@{i}": _step_s([*base, *split], world)
+            for name, split in SPLITS.items()
+            for i, base in enumerate((FIT, HELD_OUT))
+        },  # fmt: skip
     }
     if rank == 0:
         Path(out).write_text(json.dumps(result))

@@ -523,3 +523,34 @@ def test_the_search_tries_expert_parallel_for_moe_models_and_its_plans_validate(
     assert 1 in eps and max(eps) > 1
     for p in plans[:20]:
         assert layout_problems(p.cfg, p.layout, args) == []
+
+
+def test_a_splits_cost_per_block_is_fitted_fixed_and_per_hidden_element():
+    # Sequence parallel's cost over tp measured 6 ms a step at the probe's dim-64 shape and 62 ms at dim 256 (2
+    # ranks, in-process, planner_pieces.py), where one fixed cost per block fitted at dim 64 charged 18: each split's
+    # redistributions copy the activations. fit_split takes a run at the tiny shape and one at the grown (debug)
+    # shape and recovers both parts of a cost that has both; one with no growth keeps all of it fixed.
+    from scaletrain.planning.calibrate import GROWN, TINY, fit_split
+    from scaletrain.planning.estimators.inputs import model_args, parse_unvalidated
+    from scaletrain.planning.estimators.search import estimate
+
+    start = dataclasses.replace(CPU2, call_by_ranks={"2": 2e-3}, tp_block_s=0.004, tp_element_s=20e-9)
+    for split, extra in (("sp", ["--parallel.sequence_parallel", "true"]), ("tp", [])):
+        tp = ["--parallel.tp", "2", "--model.n_kv_heads", "2", *extra]
+        cfgs = [parse_unvalidated(None, [*TINY, *shape, *tp]) for shape in ([], GROWN)]
+        for fixed, per in ((0.003, 40e-9), (0.006, 0.0)):
+            truth = dataclasses.replace(start, **{f"{split}_block_s": fixed, f"{split}_element_s": per})
+            runs = [(c, estimate(c, model_args(c), Layout.of(c, 2), truth).time) for c in cfgs]
+            blank = dataclasses.replace(truth, **{f"{split}_block_s": 0.0, f"{split}_element_s": 0.0})
+            got = fit_split(blank, split, 2, runs)
+            assert getattr(got, f"{split}_block_s") == pytest.approx(fixed)
+            assert getattr(got, f"{split}_element_s") == pytest.approx(per, abs=1e-15)
+    # The grown shape's per-block cost over a fixed one at the tiny shape is what makes the d256 row dearer.
+    cfg = parse_unvalidated(None, [*TINY, *GROWN, "--parallel.tp", "2", "--model.n_kv_heads", "2"])
+    flat = estimate(
+        cfg, model_args(cfg), Layout.of(cfg, 2), dataclasses.replace(start, tp_element_s=0.0)
+    ).time
+    grows = estimate(cfg, model_args(cfg), Layout.of(cfg, 2), start).time
+    hidden = 4 * 128 * 128  # micro-batch x seq x dim
+    blocks = grows["microbatches"] * 4
+    assert grows["tp_comm_s"] - flat["tp_comm_s"] == pytest.approx(blocks * 20e-9 * hidden, rel=1e-6)

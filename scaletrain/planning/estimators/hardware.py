@@ -99,6 +99,12 @@ class DeviceProfile:
         0.0  # what sequence parallel adds to that (the norms' and the sequence's redistributions)
     )
     cp_block_s: float = 0.0  # ring attention's fixed cost per block forward+backward
+    # What each of those adds per hidden-state element of a micro-batch on a rank (micro x seq / cp x dim), per
+    # block: the redistributions' and the ring's copies grow with the activations (issue 35: sp's cost measured 6 ms
+    # at dim 64 and 62 ms at dim 256, where a fixed cost fitted at dim 64 charged 18).
+    tp_element_s: float = 0.0
+    sp_element_s: float = 0.0
+    cp_element_s: float = 0.0
     selective_block_s: float = 0.0  # selective recompute's fixed cost per block (its dispatch mode, every op)
     selective_share: float = (
         0.0  # share of the element-wise forward selective recompute re-runs (0: the model's)
@@ -258,7 +264,7 @@ PROFILE_FILE = "planner_profile.json"
 PROBE_FILE = (
     "planner_probe.json"  # a CPU's probe (planning/probe.py), used until `plan --calibrate` saves a profile
 )
-PROBE_VERSION = 5  # raised when what the probe measures changes: an older cache is measured again
+PROBE_VERSION = 6  # raised when what the probe measures changes: an older cache is measured again
 
 
 def probe_key() -> dict:

@@ -266,6 +266,12 @@ def cpu_attention(profile: DeviceProfile, precision: str) -> tuple[float, float]
     return measured.get("fp32" if precision == "fp32" else "bf16") or measured.get("fp32")
 
 
+def split_block_s(profile: DeviceProfile, split: str, hidden: float) -> float:
+    """A CPU's fitted cost per block of tensor parallel ("tp"), what sequence parallel adds to it ("sp") or ring
+    attention ("cp"), for a micro-batch of `hidden` hidden-state elements on a rank: fixed plus per element."""
+    return getattr(profile, f"{split}_block_s") + getattr(profile, f"{split}_element_s") * hidden
+
+
 def cast_rate(profile: DeviceProfile) -> tuple[float, float]:
     """(seconds per cast call, bytes/s) of a cast to 16 bits: calibrated on a CPU (planning/measure.measure_cast);
     a profile without it (a GPU's, a CPU profile saved before the measurement) casts at its memory bandwidth with
@@ -527,7 +533,7 @@ def _comm_parts(
     slow: float,
 ) -> dict[str, float]:
     """Each parallelism's communication per step and the share of it on the critical path. On a CPU each call
-    also costs a calibrated fixed time (`_call_s`), and tp and cp a fixed dispatch cost per block."""
+    also costs a calibrated fixed time (`_call_s`), and tp, sp and cp a fitted cost per block (`split_block_s`)."""
     elt = compute_bytes_of(precision)
     gpu = profile.kind != "cpu"  # gloo on a few shared CPU cores overlaps nothing: all of it is exposed
     act = micro * seq_len / p.cp * args.dim * elt  # one micro-batch's hidden states on this rank
@@ -541,9 +547,11 @@ def _comm_parts(
     else:
         one = all_reduce_s(dims.tp, act, links["tp"])
     again = 1 + recompute_share(memory) / 3  # full recompute repeats the forward's third of the dispatch
+    hidden = micro * seq_len / p.cp * args.dim  # its elements, which the fitted per-block costs grow with
     tp_fixed = 0.0
     if not gpu and dims.tp > 1:
-        tp_fixed = (profile.tp_block_s + (profile.sp_block_s if p.sequence_parallel else 0.0)) * slow * again
+        sp = split_block_s(profile, "sp", hidden) if p.sequence_parallel else 0.0
+        tp_fixed = (split_block_s(profile, "tp", hidden) + sp) * slow * again
     out["tp_comm_s"] = m * layers * (tp_per_block * (one + _call_s(profile, dims.tp, slow)) + tp_fixed)
     # CP ring attention: cp-1 exchanges of a K/V chunk per block in forward, K/V and their gradients in backward;
     # each step overlaps the attention of the chunk in hand on a GPU.
@@ -556,7 +564,7 @@ def _comm_parts(
             ring = (dims.cp - 1) * max(0.0, step_comm - step_attn)
         else:
             call = _call_s(profile, dims.cp, slow)
-            ring = (dims.cp - 1) * (step_comm + 3 * call) + profile.cp_block_s * slow
+            ring = (dims.cp - 1) * (step_comm + 3 * call) + split_block_s(profile, "cp", hidden) * slow
         # Full and every_k recompute re-run the ring's forward (its K/V exchange); selective keeps the ring op's
         # output (parallel/recompute.py), so it repeats none of it.
         ring *= 1 + recompute_share(memory) / 3
