@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from scaletrain.parallel.layout import Layout
 from scaletrain.planning import calibrate, commands
@@ -189,3 +190,21 @@ def test_a_blocks_fixed_cost_is_measured_where_the_block_is_all_dispatch(monkeyp
     assert a == pytest.approx(fixed, rel=0.05) and got_bw == pytest.approx(bw, rel=0.35)
     xs = [parts(seq)[1] for seq in calibrate.BLOCK_SEQS]
     assert fit_line(xs, [ew(x) for x in xs])[0] == 0.0  # the line through them all: clamped
+
+
+def test_attention_is_fitted_per_row_and_per_flop_from_calls_of_two_batches(monkeypatch):
+    # measure_attention's timings replaced by a kernel of known cost: 250 us per (sequence, head) row and 100
+    # GFLOP/s (bf16's figures on this host). Batches of 1 and 4 at one length separate the two parts; a kernel with
+    # no row cost is fitted with none, and the rate alone then explains the calls.
+    from scaletrain.planning import measure
+
+    for per_row, rate in ((250e-6, 100e9), (0.0, 40e9)):
+
+        def fake(fn, *_, per_row=per_row, rate=rate, **__):
+            q = fn.args[0]
+            batch, heads, seq, dim = q.shape
+            return batch * heads * per_row + batch * 3 * measure.attention_flops(seq, heads * dim) / rate
+
+        monkeypatch.setattr(measure, "best_time", fake)
+        got_row, got_rate = measure.measure_attention(torch.bfloat16)
+        assert got_row == pytest.approx(per_row, abs=1e-12) and got_rate == pytest.approx(rate)
