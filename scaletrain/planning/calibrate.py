@@ -331,6 +331,7 @@ def fit_split(profile: DeviceProfile, split: str, n: int, runs: list[tuple[objec
 
 
 def describe_splits(profile: DeviceProfile) -> str:
+    """Each split's fitted cost per block, as the probe and calibration log it."""
     return ", ".join(
         f"{k} {getattr(profile, f'{k}_block_s') * 1e3:.2f} ms + {getattr(profile, f'{k}_element_s') * 1e9:.0f} ns a "
         "hidden element"

@@ -142,20 +142,13 @@ def measure_attention(
 def fit_plane(x1: list[float], x2: list[float], ys: list[float]) -> tuple[float, float]:
     """(a, b) >= 0 of y = a·x1 + b·x2 through the origin, least squares in relative error (each point weighted by
     1/y: a short call counts as much as a long one); a clamped at 0 and b refitted alone when it would go below."""
-    u = [x / y for x, y in zip(x1, ys)]
-    w = [x / y for x, y in zip(x2, ys)]
-    uu, uw, ww, u1, w1 = (
-        sum(a * a for a in u),
-        sum(a * b for a, b in zip(u, w)),
-        sum(b * b for b in w),
-        sum(u),
-        sum(w),
-    )
-    det = uu * ww - uw * uw
-    a = (u1 * ww - w1 * uw) / det if det else 0.0
+    y = torch.tensor(ys, dtype=torch.float64)
+    design = torch.tensor([x1, x2], dtype=torch.float64).T / y[:, None]
+    ones = torch.ones(len(ys), 1, dtype=torch.float64)
+    a, b = torch.linalg.lstsq(design, ones).solution.flatten().tolist()
     if a <= 0:
-        return 0.0, w1 / ww
-    return a, max((uu * w1 - uw * u1) / det, 0.0)
+        return 0.0, torch.linalg.lstsq(design[:, 1:], ones).solution.item()
+    return a, max(b, 0.0)
 
 
 def _attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
