@@ -47,6 +47,7 @@ from scaletrain.launch import install_stack_dump, launch_local, run_training, un
 from scaletrain.planning.calibrate import run_calibrate
 from scaletrain.planning.commands import auto_overrides, dry_run, run_plan
 from scaletrain.precision.qat import WEIGHT_DTYPES
+from scaletrain.resilience.membership import restart_count
 from scaletrain.resilience.preemption import follow_agent
 from scaletrain.run.directory import RunDir, continue_command, default_run_dir, find_run, shown
 from scaletrain.validate import load_config
@@ -245,7 +246,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     # Under an outside torchrun only the first attempt's rank 0 checks the run directory: the other ranks and
     # restarted workers find the one their own job made, and that is no conflict. (Workers of launch_local load
     # their config in launch.worker_main.)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = restart_count() > 0
     first = os.environ.get("RANK", "0") == "0" and not restarted
     overrides = auto_overrides(args.config, overrides, world)  # parallel.auto: the planner's layout
     cfg = load_config(args.config, overrides, world_size=world, check_run_dir=first)

@@ -5,7 +5,6 @@ run and the tests that train a layout share (the model parallelised, its optimiz
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -34,7 +33,7 @@ from scaletrain.resilience import fault_tolerance
 from scaletrain.resilience.fault_tolerance import NoReplicaGroup, ReplicaGroup
 from scaletrain.resilience.faults import FaultInjector
 from scaletrain.resilience.guard import Guard
-from scaletrain.resilience.membership import RankLease, host_of_each_rank, node_of_each_rank
+from scaletrain.resilience.membership import RankLease, host_of_each_rank, node_of_each_rank, restart_count
 from scaletrain.resilience.preemption import Preemption
 from scaletrain.resilience.timelimit import JobLimits
 from scaletrain.run.directory import RunDir, open_run_dir
@@ -78,7 +77,7 @@ class Job:
         """Load the newest complete copy across both tiers (if any) and say where the run starts; a fresh start with
         training.eval_interval evaluates the initial weights (step 0)."""
         self.ckpt.load_latest()
-        start, restart = self.train_state.step, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        start, restart = self.train_state.step, restart_count()
         self.ft.begin(start)
         self.writer.event("start", step=start, resumed=start > 0, restart=restart, **self.info)
         # The first window begins where goodput's segment does, at `start`: the set-up and the load before it are

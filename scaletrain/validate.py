@@ -48,6 +48,7 @@ from scaletrain.precision.policy import precision_problems
 from scaletrain.precision.qat import qat_problems
 from scaletrain.resilience import fault_tolerance
 from scaletrain.resilience.guard import resilience_problems
+from scaletrain.resilience.membership import restart_count
 from scaletrain.resilience.sdc import sdc_layout_problems, sdc_problems
 from scaletrain.resilience.timelimit import limit_problems
 from scaletrain.run.directory import RunDir
@@ -152,7 +153,9 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
         else []
     )
     problems += limit_problems(cfg.run, cfg.training.steps, cfg.checkpoint.enabled)
-    problems += resilience_problems(cfg.resilience, world_size)
+    # A job torchrun re-formed may be smaller than the world its faults were written for (a node left, --nnodes
+    # 1:2): a fault of a rank it lacks fires if the node comes back, so only a first start refuses one as a typo.
+    problems += resilience_problems(cfg.resilience, None if restart_count() else world_size)
     problems += sdc_problems(cfg.resilience, cfg.checkpoint)
     problems += sdc_layout_problems(cfg)
     problems += fault_tolerance.problems(cfg, world_size)

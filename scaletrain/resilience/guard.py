@@ -282,8 +282,9 @@ class Guard:
             self.watchdog = None
 
 
-def resilience_problems(r: ResilienceConfig, world_size: int) -> list[str]:
-    """resilience.*: the fault specs, restarts, the hang timeout and the straggler factor."""
+def resilience_problems(r: ResilienceConfig, world_size: int | None) -> list[str]:
+    """resilience.*: the fault specs (with `world_size`, also their ranks), restarts, the hang timeout and the
+    straggler factor."""
     problems = validate_specs(r.inject, world_size)
     if min(r.max_restarts, r.hang_timeout_s) < 0:
         problems.append("resilience.max_restarts and hang_timeout_s must be >= 0")

@@ -28,6 +28,11 @@ PEER = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
 BROKEN = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
 
 
+def restart_count() -> int:
+    """How many times torchrun's agent has re-formed this job: 0 at its first start (and outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 class RankLease:
     """This process's hold on rank `rank` of the run: an exclusive flock on <run dir>/ranks/rank-NNNNN.lock, which
     the kernel drops when the process ends, however it ends. A second live process of the same rank (a worker that

@@ -99,12 +99,16 @@ def test_a_node_lost_whole_resumes_from_the_snapshot_in_the_other_nodes_memory(t
 def test_with_nnodes_1_2_the_job_goes_on_alone_resharded_and_takes_the_node_back(tmp_path):
     """--nnodes 1:2: node1 dies, node0 re-forms alone (2 ranks, resharded from the 4-rank storage checkpoint, the
     same global batches); node1 comes back and is taken in (4 ranks again, resharded from what node0 saved alone).
-    Two slow faults let the test, not the machine's speed, decide when node1 dies and returns: the first job's rank 1
-    computes 4 times slower (node1 dies after step 6, long before step 9), and the job alone slows
-    from step 9 (after its checkpoint of step 8) until the agent stops it to take node1 in. A fault fires in one
-    job only. (Not a hang: a hung rank ignores the agent's SIGTERM, which then waits 30 s to SIGKILL it.)"""
+    Two faults let the test, not the machine's speed, decide when node1 dies and returns: the first job's rank 2 (on
+    node1) hangs at the start of step 7, so the first job logs step 6 and never saves step 8 however late the test
+    sees the checkpoint of step 4. (With rank 1 only slower, a CI run timed out waiting for the job alone's step 8,
+    most likely so: the first job passed step 9 before the test saw step 4's commit, the job alone ran to the end
+    unslowed, and keep_last 3 removed step 8.) The job alone slows 30 times from step 9 (after its
+    checkpoint of step 8) until the agent stops it to take node1 in, 11 slow steps of margin for a loaded machine.
+    A fault fires in one job only. (Not a hang there: a hung rank ignores the agent's SIGTERM, which then waits 30 s
+    to SIGKILL it; node1's hung rank dies with its node.)"""
     run = tmp_path / "run"
-    faults = '[{kind="slow", rank=1, factor=4}, {kind="slow", rank=0, step=9, factor=10}]'
+    faults = '[{kind="hang", rank=2, step=7}, {kind="slow", rank=0, step=9, factor=30}]'
     cmd = torchrun("1:2", 2, "--run.dir", str(run), *ARGS, "--checkpoint.interval", "4",
                    f"--resilience.inject={faults}", max_restarts=2, rdzv_conf=QUICK_RDZV)  # fmt: skip
 
@@ -115,7 +119,12 @@ def test_with_nnodes_1_2_the_job_goes_on_alone_resharded_and_takes_the_node_back
         node0, node1 = cluster.nodes
         for node in cluster.nodes:
             node.start(cmd, env=NODE_ENV, log=tmp_path / f"{node.hostname}.log")
-        _wait(lambda: committed(4) and logged(run, 6), 180, "no checkpoint of step 4 and step 6")
+        hung = lambda: [e for e in events(run, "fault_injected") if e["fault"].startswith("hang")]  # noqa: E731
+        _wait(
+            lambda: committed(4) and logged(run, 6) and hung(),
+            180,
+            "no checkpoint of step 4, step 6 and hang",
+        )
         # After step 6: the job alone trains 5 and 6 again. Step 5's loss depends on the weights only; step 6's on
         # step 5's update too, so it holds only if the optimizer state came back (a fresh AdamW steps otherwise).
         node1.kill()
