@@ -80,8 +80,9 @@ def test_unknown_kind_is_refused_by_the_config_walker_with_the_valid_ones():
     assert "rank 4 does not exist" in validate_specs([fc("kill", rank=4, step=2)], world_size=4)[0]
 
 
-
-def test_a_rank_the_world_lacks_is_refused_at_the_first_start_and_let_be_in_a_job_re_formed_smaller(monkeypatch):
+def test_a_rank_the_world_lacks_is_refused_at_the_first_start_and_let_be_in_a_job_re_formed_smaller(
+    monkeypatch,
+):
     """--nnodes 1:2 after a node left: the job re-forms with 2 ranks while a fault names rank 2, of the node that may
     come back (tests/cluster/test_node_loss.py's drill); refusing it there failed the re-formed job on every retry."""
     args = ["--resilience.inject", '[{kind="hang", rank=2, step=7}]']
@@ -89,6 +90,7 @@ def test_a_rank_the_world_lacks_is_refused_at_the_first_start_and_let_be_in_a_jo
         load_config(None, args, world_size=2, check_run_dir=False)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     load_config(None, args, world_size=2, check_run_dir=False)
+
 
 def test_raise_fires_on_its_rank_and_step_only_once_per_job(tmp_path):
     other, ev_other = _injector(tmp_path, [fc("raise", rank=1, step=3)], rank=0)
