@@ -164,6 +164,11 @@ def validate(cfg: Config, world_size: int, check_run_dir: bool = True) -> list[s
     # precision.compute against the layout (where the FSDP2 policy can apply) and the device (fp8's hardware)
     problems += precision_problems(cfg.precision, layout.fsdp, device, tp=cfg.parallel.tp)
     problems += _attention(cfg, args)
+    if cfg.model.loss == "whole_compiled" and cfg.parallel.tp > 1:
+        problems.append(
+            "model.loss 'whole_compiled' with parallel.tp > 1 is refused: the vocabulary-parallel loss "
+            "(DTensor logits under loss_parallel) is not compiled here, untested; use whole or chunked"
+        )
     # The layout checks build on the resolved shapes and the batch split only, so they are reported with every other
     # problem at once; the memory check plans the whole job, so it runs only on a config with nothing else wrong.
     if args is not None and not shapes and not training:

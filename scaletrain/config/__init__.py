@@ -51,11 +51,13 @@ class ModelConfig:
     attention: Literal["auto", "flash", "efficient", "cudnn", "math", "flex"] = "auto"
     """Attention kernel. auto: SDPA's own pick, and for masks FlexAttention on CUDA, masked SDPA elsewhere;
     flash/efficient/cudnn/math: force that SDPA backend; flex: FlexAttention throughout (CUDA only)."""
-    loss: Literal["chunked", "whole"] = "chunked"
+    loss: Literal["chunked", "whole", "whole_compiled"] = "chunked"
     """How the output layer and cross-entropy are computed (the same loss either way, to fp rounding). chunked:
     fused with the output layer a chunk of tokens at a time, so the [tokens x vocab] logits are never whole.
     whole: the micro-batch's logits at once, then fp32 cross-entropy, as torchtitan computes it: 12 bytes per
-    logit at its peak (models/loss.py), 23.5 GiB for 2 x 8192 tokens of Llama 3's vocabulary. A model.* field
+    logit at its peak (models/loss.py), 23.5 GiB for 2 x 8192 tokens of Llama 3's vocabulary. whole_compiled:
+    the same with the cross-entropy torch.compile'd, as torchtitan runs it with compile since 2025: the logits and
+    their gradient at the peak, 4 bytes a logit under bf16 (not with parallel.tp > 1). A model.* field
     (not training.* or memory.*) because the model's forward computes the loss, in every layout and in
     evaluation, as it runs model.attention's kernel."""
     window: int | None = None

@@ -53,7 +53,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention: str = "auto"  # models.attention.AttentionBackend
-    loss: str = "chunked"  # model.loss: "chunked" or "whole" (models/loss.output_loss)
+    loss: str = "chunked"  # model.loss: "chunked", "whole" or "whole_compiled" (models/loss.output_loss)
     window: int = 0  # sliding-window attention: query i sees keys i - window < j <= i; 0 = off
     window_every: int = 1  # the window on layers 0, k, 2k, ... (1: every layer)
     # Mixture of experts (models/moe.py, docs/moe.md); n_experts 0 is the dense model.

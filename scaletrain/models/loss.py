@@ -4,6 +4,9 @@ the output projection fused with it in chunks of tokens, so no [tokens x vocab] 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,11 +24,24 @@ LOGITS_CHUNK_ELEMENTS = 2**25
 # log_softmax's gradient of the logits, 4 bytes each: 12 in both, the peak (measured to within 1%,
 # tests/unit/test_loss.py). torchtitan's loss (F.cross_entropy of the logits' fp32 copy) is this one.
 WHOLE_LOSS_BYTES_PER_LOGIT = 12
+# model.loss = "whole_compiled": the same whole loss with its cross-entropy torch.compile'd, as torchtitan compiles
+# its loss with the model (components/loss.py at e7c0cae, June 2025; not at 9dec370, Dec 2024). Inductor fuses the
+# fp32 cast, the log-softmax and their gradient: it keeps the logits themselves for backward (and a log-sum-exp per
+# token) and makes the logits' gradient in their dtype, so the peak is two logits-sized tensors of the compute
+# dtype: 4 bytes a logit under bf16, 8 in fp32 (the kernel's figure: test_the_compiled_loss_holds_two_logits).
+COMPILED_LOSS_LOGITS = 2
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Token-level cross-entropy in fp32 (bf16 logits lose too much in the log-sum-exp)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+
+
+@functools.cache
+def compiled_cross_entropy() -> Callable[..., torch.Tensor]:
+    """`cross_entropy` torch.compile'd (made on first use, so that importing the models imports no dynamo; compiled
+    at its first call, seconds): the same function, so the same loss to fp rounding."""
+    return torch.compile(cross_entropy)
 
 
 def token_mean(loss_sum: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -44,7 +60,7 @@ def output_loss(
     """Summed cross-entropy of `output(h)` against `targets` ([batch, seq]); `mode` is model.loss.
 
     "whole", or one chunk (a small vocabulary): `output(h)` and `cross_entropy` over the whole micro-batch, as
-    before issue 40 (and as torchtitan computes it). "chunked", without the whole logits: several chunks, on a plain
+    before issue 40 (and as torchtitan computes it); "whole_compiled": the same with the cross-entropy compiled. "chunked", without the whole logits: several chunks, on a plain
     nn.Linear with plain tensors (one process, DDP, FSDP2 inside the root's forward, autocast, fp8 and QAT, which
     leave the output layer alone): `linear_cross_entropy` computes each chunk's gradient in the forward, so nothing
     is recomputed. Otherwise (the output's weight is a tensor-parallel DTensor): each chunk's `output(chunk)` and
@@ -52,6 +68,8 @@ def output_loss(
     recomputes them in its backward (one more output-layer forward); the module's own hooks (TP's layouts, the
     vocabulary-parallel loss) run as usual."""
     n = chunk_tokens(output.weight.shape[0])  # a DTensor's shape is the whole vocabulary's
+    if mode == "whole_compiled":
+        return compiled_cross_entropy()(output(h), targets, reduction="sum")
     if mode == "whole" or targets.numel() <= n:
         return cross_entropy(output(h), targets, reduction="sum")
     if _fusable(output, h):
@@ -153,13 +171,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def loss_activation_bytes(
-    tokens: float, vocab: int, dim: int, tp: int = 1, seq_len: int = 0, mode: str = "chunked"
+    tokens: float, vocab: int, dim: int, tp: int = 1, seq_len: int = 0, mode: str = "chunked", elt: int = 4
 ) -> float:
     """Bytes the loss holds at its peak for `tokens` tokens (the planner's memory model). The whole loss (`mode`
-    "whole", or a single chunk): WHOLE_LOSS_BYTES_PER_LOGIT over the rank's share of the vocabulary. Several
+    "whole", or a single chunk): WHOLE_LOSS_BYTES_PER_LOGIT over the rank's share of the vocabulary; compiled
+    ("whole_compiled"): COMPILED_LOSS_LOGITS logits of `elt` bytes (the compute dtype's) each. Several
     chunks: two fp32 buffers of one chunk's logits (logits or log-softmax, and their gradient); plus, on the fused
     path (tp 1), the fp32 gradients of the output weight and of the hidden states kept from forward to backward.
     `seq_len`: under sequence parallel, where chunks are whole sequences."""
+    if mode == "whole_compiled":
+        return COMPILED_LOSS_LOGITS * elt * tokens * vocab / tp
     chunk = chunk_tokens(vocab)
     if seq_len:
         chunk = max(1, chunk // seq_len) * seq_len

@@ -97,6 +97,16 @@ class Precision:
         return f"{self.name} via {how}{extra}"
 
 
+def cast_mechanism(compute: str, mechanism: str, fsdp: bool) -> Mechanism:
+    """How `compute` is cast to: none in fp32; precision.mechanism auto picks FSDP2's policy where FSDP2 wraps the
+    model (`fsdp`), autocast elsewhere."""
+    if compute == "fp32":
+        return "none"
+    if mechanism == "auto":
+        return "fsdp" if fsdp else "autocast"
+    return mechanism  # type: ignore[return-value]
+
+
 def resolve_precision(p: PrecisionConfig, fsdp: bool, device: torch.device | str) -> Precision:
     """The precision section `p` on `device` (or its type); `fsdp`: whether FSDP2 wraps the model
     (Layout.fsdp).
@@ -104,12 +114,7 @@ def resolve_precision(p: PrecisionConfig, fsdp: bool, device: torch.device | str
     auto picks the FSDP policy where FSDP2 wraps the model: the all-gathers then move half the bytes, each unit's
     cast happens once per gather instead of once per op and use, and no fp32 copy of a gathered unit is ever held
     (docs/performance.md, Precision, has the comparison)."""
-    if p.compute == "fp32":
-        mechanism: Mechanism = "none"
-    elif p.mechanism == "auto":
-        mechanism = "fsdp" if fsdp else "autocast"
-    else:
-        mechanism = p.mechanism
+    mechanism = cast_mechanism(p.compute, p.mechanism, fsdp)
     scaler = None
     if p.compute == "fp16":
         scaler = LossScaler(p.loss_scale_init, p.loss_scale_growth_interval)

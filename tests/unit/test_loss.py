@@ -5,7 +5,10 @@ trains as the chunks do, and the planner's term for each mode is what the loss h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,16 +17,20 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from scaletrain.config import ParallelConfig, TrainingConfig
+from scaletrain.errors import ConfigError
 from scaletrain.models import ModelArgs, build_model, cross_entropy
 from scaletrain.models import loss as loss_module
 from scaletrain.models.loss import (
+    COMPILED_LOSS_LOGITS,
     WHOLE_LOSS_BYTES_PER_LOGIT,
     linear_cross_entropy,
     loss_activation_bytes,
     output_loss,
 )
 from scaletrain.planning.estimators.memory import per_rank_bytes
+from scaletrain.validate import load_config
 from tests.fixtures import LiveBytes
+from tests.helpers import ROOT
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=96, max_seq_len=16)
 
@@ -200,25 +207,31 @@ def test_the_memory_model_charges_the_loss_model_loss_names():
     args = dataclasses.replace(ARGS, vocab_size=128_256, dim=256)
     t, p = TrainingConfig(micro_batch=2), ParallelConfig()
     parts = {
-        m: per_rank_bytes(dataclasses.replace(args, loss=m), p, t, 1024, 1) for m in ("chunked", "whole")
+        m: per_rank_bytes(dataclasses.replace(args, loss=m), p, t, 1024, 1)
+        for m in ("chunked", "whole", "whole_compiled")
     }
     for m, part in parts.items():
-        assert part["logits"] == loss_activation_bytes(2 * 1024, args.vocab_size, args.dim, mode=m)
+        assert part["logits"] == loss_activation_bytes(2 * 1024, args.vocab_size, args.dim, mode=m, elt=4)
     assert parts["whole"]["logits"] == 2 * 1024 * 128_256 * WHOLE_LOSS_BYTES_PER_LOGIT
+    assert parts["whole_compiled"]["logits"] == 2 * 1024 * 128_256 * 2 * 4  # fp32: two 4-byte logits
+    bf16 = per_rank_bytes(dataclasses.replace(args, loss="whole_compiled"), p, t, 1024, 1, precision="bf16")
+    assert bf16["logits"] == 2 * 1024 * 128_256 * 2 * 2
     assert parts["whole"]["total"] > parts["chunked"]["total"]
 
 
 def test_whole_loss_trains_as_the_chunked_loss(monkeypatch):
-    """model.loss = "whole" against chunks of 8 tokens on one process: three AdamW steps give the same losses and
-    gradients within fp32 rounding, and only the whole mode makes the [tokens x vocab] logits."""
+    """model.loss = "whole" and "whole_compiled" against chunks of 8 tokens on one process: three AdamW steps give
+    the same losses and gradients within fp32 rounding, and only the whole mode makes the [tokens x vocab] logits
+    (the compiled one runs its own kernels, unseen by a dispatch mode, and so is run without one)."""
     monkeypatch.setattr(loss_module, "LOGITS_CHUNK_ELEMENTS", 8 * ARGS.vocab_size)
     x, y = _batch()
     runs = {}
-    for mode in ("chunked", "whole"):
+    for mode in ("chunked", "whole", "whole_compiled"):
         model = build_model(dataclasses.replace(ARGS, loss=mode), 0, "cpu")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses, grads = [], []
-        with LargestTensor(ARGS.vocab_size, (ARGS.vocab_size, ARGS.dim)) as seen:
+        seen = LargestTensor(ARGS.vocab_size, (ARGS.vocab_size, ARGS.dim))
+        with seen if mode != "whole_compiled" else contextlib.nullcontext():
             for _ in range(3):
                 loss, g = _grads(model, x, y, with_targets=True)
                 losses.append(loss)
@@ -226,8 +239,62 @@ def test_whole_loss_trains_as_the_chunked_loss(monkeypatch):
                 opt.step()
         runs[mode] = losses, grads, seen.largest
     assert runs["chunked"][2] <= 8 * ARGS.vocab_size and runs["whole"][2] == y.numel() * ARGS.vocab_size
-    for a, b in zip(runs["whole"][0], runs["chunked"][0], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
-    for ga, gb in zip(runs["whole"][1], runs["chunked"][1], strict=True):
-        for n in ga:
-            torch.testing.assert_close(ga[n], gb[n], rtol=1e-5, atol=1e-6, msg=n)
+    for mode in ("whole", "whole_compiled"):
+        for a, b in zip(runs[mode][0], runs["chunked"][0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=mode)
+        for ga, gb in zip(runs[mode][1], runs["chunked"][1], strict=True):
+            for n in ga:
+                torch.testing.assert_close(ga[n], gb[n], rtol=1e-5, atol=1e-6, msg=f"{mode} {n}")
+
+
+# What a compiled loss holds, read from the kernel (a dispatch mode does not see inside compiled kernels): a fresh
+# process, glibc's mmap threshold pinned as the workers pin it (each logits-sized buffer its own mapping, unmapped
+# when freed), compiled and run once on the shape, then VmHWM reset and one forward and backward measured.
+_PEAK = """
+import sys, torch
+from torch import nn
+from scaletrain.hardware import pin_mmap_threshold
+from scaletrain.models.loss import output_loss
+pin_mmap_threshold()
+torch.set_num_threads(1)
+tokens, vocab, dtype = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3])
+output = nn.Linear(4, vocab, bias=False)
+h = torch.randn(1, tokens, 4, requires_grad=True)
+y = torch.randint(0, vocab, (1, tokens))
+def step():
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        loss = output_loss(output, h, y, "whole_compiled")
+    loss.backward()
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+step()
+base = status("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")
+step()
+print(status("VmHWM:") - base)
+"""
+
+
+@pytest.mark.parametrize("dtype,elt", [("float32", 4), ("bfloat16", 2)])
+def test_the_compiled_loss_holds_two_logits(dtype, elt):
+    """model.loss = "whole_compiled": the kernel's peak over a forward and backward of 2048 tokens x 16,384 words
+    (0.13-0.27 GB) is the planner's term, 2 logits of the compute dtype, within 5% (eager holds 12 bytes a logit:
+    a compile that fell back to eager fails this by 3-6x)."""
+    tokens, vocab = 2048, 16_384
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(tokens), str(vocab), dtype],
+                         capture_output=True, text=True, check=True, cwd=ROOT)  # fmt: skip
+    peak = int(out.stdout.split()[-1])
+    term = loss_activation_bytes(tokens, vocab, 4, mode="whole_compiled", elt=elt)
+    assert term == COMPILED_LOSS_LOGITS * elt * tokens * vocab
+    assert abs(peak / term - 1) <= 0.05, (peak, term)
+
+
+def test_the_compiled_loss_under_tensor_parallel_is_refused_with_the_reason():
+    """whole_compiled runs plain logits only: under tp the logits are DTensors of the vocabulary-parallel loss,
+    which is not compiled here; the check refuses it and names what to use. Without tp it is accepted."""
+    tp = ["--model.loss", "whole_compiled", "--parallel.tp", "2", "--parallel.data_parallel", "fsdp"]
+    with pytest.raises(
+        ConfigError, match="model.loss 'whole_compiled' with parallel.tp > 1 is refused.*use whole"
+    ):
+        load_config(None, tp, world_size=2, check_run_dir=False)
+    load_config(None, ["--model.loss", "whole_compiled"], world_size=1, check_run_dir=False)

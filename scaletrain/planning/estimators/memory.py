@@ -30,6 +30,7 @@ from scaletrain.parallel.pipeline import (
 )
 from scaletrain.planning.estimators.hardware import UNCALIBRATED, load_profile
 from scaletrain.planning.estimators.moe import ffn_shape
+from scaletrain.precision.policy import cast_mechanism
 
 GiB = 2**30
 # CUDA context (~0.5 GiB), NCCL buffers and caching-allocator fragmentation: what a GPU rank loses before the
@@ -163,7 +164,13 @@ def _in_flight(p: ParallelConfig, pp_rank: int, n_micro: int, v: int) -> float:
 
 
 def layer_activation_bytes(
-    args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int, recompute: str = "none"
+    args: ModelArgs,
+    p: ParallelConfig,
+    micro: int,
+    seq_len: int,
+    elt: int,
+    recompute: str = "none",
+    mechanism: str | None = None,
 ) -> float:
     """Bytes one block keeps for backward per micro-batch under a recompute policy: the tensors autograd saves in
     our Llama block, derived in docs/memory.md and measured there within 0.1% (s·b elements of each, s = seq_len /
@@ -174,7 +181,13 @@ def layer_activation_bytes(
       fused SDPA never stores the scores (Korthikanti et al. 2022 count 34·sbh + 5·a·s²·b for GPT with dropout).
     - selective: 5h + 2kv + 2f + a (the matmul and SDPA outputs, and the block input).
     - selective_op: 4h + kv + f + a, selective less the outputs of wk, wo and w3 (every second Linear).
-    - full: h (the block input). every_k: the mean of full and none over the layers it recomputes (1 in k)."""
+    - full: h (the block input). every_k: the mean of full and none over the layers it recomputes (1 in k).
+    With `mechanism`, precision's cast mechanism (precision/policy.py), 16-bit compute keeps more than `elt` bytes
+    of some (measured per tensor, test_a_block_saves_what_the_formula_says_under_each_cast_mechanism): RMSNorm
+    normalises in fp32, so each norm keeps an fp32 input or copy (4h bytes) and an fp32 rsqrt (4); under autocast
+    the residual stream stays fp32 (the embedding's output is never cast), so the block input and x-hat are fp32
+    too, and each Linear casts its own copy of its input: wq, wk and wv three, w1 and w3 two (MLA: wq's and wkv_a's
+    two). None: every element in `elt` (the time model's traffic)."""
     s = seq_len / p.cp * micro  # tokens of one micro-batch on this rank
     ffn = ffn_shape(
         args
@@ -191,27 +204,50 @@ def layer_activation_bytes(
         per_token = 2 * h / sp + (attention_saved(args) - kv + f + a) / tp
     else:
         per_token = (4 * h + 2) / sp + 2 * h + (attention_saved(args) + a + 4 * f) / tp
+    cast = _cast_bytes(args, elt, mechanism, recompute, sp) if mechanism and elt < 4 else 0.0
     # GPT-OSS's sink attention (models/attention.sink_attention) is no fused kernel: it keeps the fp32 scores
     # with the sink column and their softmax, 8 bytes per query, head and key, and k and v repeated to every
     # head (derived, not measured). Recompute full stores none of it.
     sinks = 0.0
     if getattr(args, "attention_sinks", False) and recompute != "full":
         sinks = s * a / tp * (8 * seq_len + 2 * args.head_dim * elt)
-    return s * (per_token + s_moe) * elt + sinks
+    return s * ((per_token + s_moe) * elt + cast) + sinks
+
+
+def _cast_bytes(args: ModelArgs, elt: int, mechanism: str, recompute: str, sp: int) -> float:
+    """Bytes per token a block keeps beyond `elt` per element under 16-bit `mechanism` (layer_activation_bytes):
+    the block input in fp32 under autocast (every policy keeps it); without recompute, each norm's fp32 input or
+    copy, rsqrt and x-hat in the residual stream's dtype, where the formula charged h + h + 1 at `elt`, and
+    autocast's extra per-Linear input copies. The norms' part is split by sequence parallel, the copies are not
+    (they are of the gathered input; tp with autocast is not measured)."""
+    h, autocast = args.dim, mechanism == "autocast"
+    residual = 4 if autocast else elt
+    if recompute != "none":
+        return (residual - elt) * h / sp
+    norms = 2 * (4 * h + 4 + residual * h) - 2 * (2 * h + 1) * elt
+    readers = (2 if getattr(args, "mla", False) else 3) + 2 if autocast else 2
+    return norms / sp + (readers - 2) * elt * h
 
 
 def activation_bytes(
-    args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int, recompute: str, every: int
+    args: ModelArgs,
+    p: ParallelConfig,
+    micro: int,
+    seq_len: int,
+    elt: int,
+    recompute: str,
+    every: int,
+    mechanism: str | None = None,
 ) -> tuple[float, float]:
     """(bytes per layer and micro-batch in flight, averaged over the layers; the transient of the one block being
     recomputed in backward: its whole activations, once per rank)."""
-    none = layer_activation_bytes(args, p, micro, seq_len, elt)
+    none = layer_activation_bytes(args, p, micro, seq_len, elt, mechanism=mechanism)
     if recompute == "none":
         return none, 0.0
     if recompute == "every_k":
-        full = layer_activation_bytes(args, p, micro, seq_len, elt, "full")
+        full = layer_activation_bytes(args, p, micro, seq_len, elt, "full", mechanism)
         return full / every + none * (1 - 1 / every), none
-    return layer_activation_bytes(args, p, micro, seq_len, elt, recompute), none
+    return layer_activation_bytes(args, p, micro, seq_len, elt, recompute, mechanism), none
 
 
 def per_rank_bytes(
@@ -261,11 +297,8 @@ def pp_rank_bytes(
     gloo: bool = False,
 ) -> list[dict[str, float]]:
     """per_rank_bytes of every pipeline rank, in pp-rank order (one entry without a pipeline)."""
-    p, dims, mem = (
-        parallel,
-        Layout.resolve(parallel, training, seq_len, world_size).checked(),
-        memory or MemoryConfig(),
-    )
+    p, mem = parallel, memory or MemoryConfig()
+    dims = Layout.resolve(parallel, training, seq_len, world_size).checked()
     v = stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if p.pp > 1 else 1
     n_micro = resolve_microbatches(
         p.pp_microbatches, local_batch or p.pp * training.micro_batch, training.micro_batch
@@ -299,8 +332,9 @@ def pp_rank_bytes(
         if p.data_parallel in ("zero2", "fsdp", "hsdp") and shards > 1:
             accumulating = (local_batch or training.micro_batch) > training.micro_batch
             _whole_until_last_microbatch(part, p, mode, n, n_micro, accumulating, elt, block_split)
+        cast = cast_mechanism(precision, "auto", dims.fsdp)  # what the activations are kept in
         per_layer, transient = activation_bytes(
-            args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every
+            args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every, cast
         )
         part["activations"] = per_layer * layers * _in_flight(p, r, n_micro, v) + transient
         # QK-clip: its forwards measure the logits, one chunk of a layer's scores at a time (at the peak too).
@@ -308,7 +342,7 @@ def pp_rank_bytes(
             part["activations"] += max_logits_bytes(micro, args.n_heads // p.tp, int(seq_len / p.cp), elt)
         # The loss's logits, one chunk of tokens at a time (issue 40) or whole (model.loss), split by vocabulary
         # under tp (loss parallel).
-        part["logits"] = last * _logits_bytes(args, p, micro, seq_len)
+        part["logits"] = last * _logits_bytes(args, p, micro, seq_len, elt)
         # DDP's gradients are views into its buckets (gradient_as_bucket_view): one bucket of scratch for the
         # all-reduce in flight, no larger than the gradients it holds. FSDP's reduce-scatter buffers are one
         # block's: counted in "gathered".
@@ -376,11 +410,12 @@ def step_transient_bytes(part: dict[str, float], foreach_step: bool) -> float:
     return max(0.0, foreach_step_bytes(part) - backward)
 
 
-def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int) -> float:
+def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int) -> float:
     """The loss's peak on the last stage (models/loss.py's loss_activation_bytes) as model.loss computes it: under
-    sequence parallel its chunks are whole sequences."""
+    sequence parallel its chunks are whole sequences; compiled, its logits are of the compute dtype (`elt`)."""
     sp_rows = seq_len if p.tp > 1 and p.sequence_parallel else 0
-    return loss_activation_bytes(micro * seq_len / p.cp, args.vocab_size, args.dim, p.tp, sp_rows, args.loss)
+    tokens = micro * seq_len / p.cp
+    return loss_activation_bytes(tokens, args.vocab_size, args.dim, p.tp, sp_rows, args.loss, elt)
 
 
 def root_unit_bytes(
