@@ -76,7 +76,18 @@ HELD_OUT: list[tuple[int, list[str], list[str], int]] = [
     (2, shape(1024, 2048, 3, 1024, 16, 4), dp("ddp"), 32),
     (4, shape(768, 1536, 6, 12000, 12, 4), dp("fsdp", pp=2), 64),
 ]
-COMMON = ["--training.steps", "2", "--training.eval_interval", "0", "--checkpoint.enabled", "false"]
+# Activations dominant (2048 tokens a micro-batch, 8 layers), 16-bit compute under both cast mechanisms and
+# recompute on and off, beside fp32: what the cases above (fp32, 32-64 tokens) never weighed.
+LONG = shape(512, 1536, 8, 8192, 8, 4)
+BF16, FULL = ["--precision.compute", "bf16"], ["--memory.recompute", "full"]
+ACTIVATIONS: list[tuple[int, list[str], list[str], int]] = [
+    (2, LONG, dp("ddp"), 2048),
+    (2, LONG, dp("ddp") + BF16, 2048),
+    (2, LONG, dp("ddp") + BF16 + FULL, 2048),
+    (2, LONG, dp("fsdp") + BF16, 2048),
+    (2, LONG, dp("fsdp") + BF16 + FULL, 2048),
+]
+COMMON = ["--training.steps", "4", "--training.eval_interval", "0", "--checkpoint.enabled", "false"]
 COMMON += ["--metrics.progress", "false", "--metrics.tensorboard", "false", "--metrics.log_interval", "1"]
 
 
@@ -149,7 +160,11 @@ def measure(n: int, args: list[str], env: dict) -> dict:
 def describe(n: int, model: list[str], layout: list[str], seq: int) -> str:
     m = dict(zip(model[::2], model[1::2]))
     lay = dict(zip(layout[::2], layout[1::2]))
-    sizes = " ".join(f"{k.split('.')[-1]}{v}" for k, v in lay.items() if k != "--parallel.data_parallel")
+    sizes = " ".join(  # parallel sizes by name (tp2), other settings by value (bf16, full)
+        f"{k.split('.')[-1]}{v}" if k.startswith("--parallel.") else v
+        for k, v in lay.items()
+        if k != "--parallel.data_parallel"
+    )
     return (f"n={n} {lay['--parallel.data_parallel']}{' ' + sizes if sizes else ''} d{m['--model.dim']} "
             f"f{m['--model.ffn_hidden']} L{m['--model.n_layers']} V{m['--model.vocab_size']} s{seq}")  # fmt: skip
 
@@ -163,6 +178,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated case numbers (from 1)")
     ap.add_argument("--held-out", action="store_true", help="the held-out cases instead")
+    ap.add_argument("--activations", action="store_true", help="the long-sequence 16-bit cases instead")
     ap.add_argument("--json", default="", help="write the measurements here")
     ap.add_argument(
         "--env", action="append", default=[], help="KEY=VALUE for the workers (e.g. MALLOC_ARENA_MAX=0)"
@@ -172,7 +188,7 @@ def main() -> None:
         "--measured", default="", help="a saved --json: re-estimate its measurements, run nothing"
     )
     opt = ap.parse_args()
-    cases = HELD_OUT if opt.held_out else CASES
+    cases = HELD_OUT if opt.held_out else ACTIVATIONS if opt.activations else CASES
     env = {**os.environ, **dict(kv.split("=", 1) for kv in opt.env)}
     rows = [int(x) for x in opt.only.split(",") if x] or range(1, len(cases) + 1)
     saved = {r["case"]: r for r in json.loads(Path(opt.measured).read_text())} if opt.measured else {}

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from scaletrain.validate import load_config
-from tests.helpers import DEBUG, ROOT, per_step, read_jsonl, run_cli, train_args, train_cli
+from tests.helpers import DEBUG, ROOT, events, per_step, read_jsonl, run_cli, train_args, train_cli
 
 # Ten steps, each logged, no evaluation: the runs the data-parallel and torchrun tests compare.
 TEN_STEPS = dict(steps=10, metrics__log_interval=1, training__eval_interval=0)
@@ -21,7 +21,11 @@ def test_single_process_run_writes_the_run_directory_contract(tmp_path):
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [5, 10, 15, 20]
     assert all(REQUIRED <= m.keys() for m in metrics)
-    assert all(math.isfinite(m["loss"]) and m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1 for m in metrics)
+    assert all(math.isfinite(m["loss"]) and m["tokens_per_s"] > 0 and m["mfu"] > 0 for m in metrics)
+    # An MFU is under 100%, or marked: a CPU peak measured while CI's other worker ran can be too low (a CI run
+    # saw it), and the run then says so in its records and an event (StepMeter._check_peak), as it promises.
+    suspect = [m for m in metrics if m["mfu"] >= 1 or m.get("mfu_peak_suspect")]
+    assert all(m.get("mfu_peak_suspect") for m in suspect) and (not suspect or events(run, "mfu_over_peak"))
     assert metrics[-1]["tokens"] == 20 * 8 * 64
     kinds = [e["kind"] for e in read_jsonl(run / "events.jsonl")]
     assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("eval") == 3
