@@ -269,8 +269,8 @@ def per_rank_bytes(
     host memory (not in the total). `local_batch`: sequences per data-parallel rank per step (sets the pipeline
     micro-batches; None: pp of training.micro_batch each); `precision`: precision.compute; `qk_clip`:
     optimizer.qk_clip is on (its forwards measure the logits); `foreach_step`: AdamW runs its foreach kernels (a
-    CPU's default, see step_transient_bytes); `gloo`: the collectives run on gloo, a CPU's backend (its
-    reduce-scatter copies, root_unit_bytes). Raises ConfigError if the sizes do not tile `world_size`, ValueError
+    CPU's default, see step_transient_bytes); `gloo`: a CPU's job, its collectives on gloo (their
+    reduce-scatter copies, root_unit_bytes; and freed memory back to the kernel at once, _blocks_and_loss). Raises ConfigError if the sizes do not tile `world_size`, ValueError
     if the layers cannot fill the pipeline stages."""
     ranks = pp_rank_bytes(
         args, parallel, training, seq_len, world_size,
@@ -332,17 +332,15 @@ def pp_rank_bytes(
         if p.data_parallel in ("zero2", "fsdp", "hsdp") and shards > 1:
             accumulating = (local_batch or training.micro_batch) > training.micro_batch
             _whole_until_last_microbatch(part, p, mode, n, n_micro, accumulating, elt, block_split)
-        cast = cast_mechanism(precision, "auto", dims.fsdp)  # what the activations are kept in
-        per_layer, transient = activation_bytes(
-            args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every, cast
+        # Activations kept in the cast mechanism's dtypes; the loss's logits (split by vocabulary under tp).
+        in_flight = layers * _in_flight(p, r, n_micro, v)
+        cast = cast_mechanism(precision, "auto", dims.fsdp)
+        part["activations"], part["logits"] = _blocks_and_loss(
+            args, p, mem, micro, seq_len, elt, cast, in_flight, last, gloo
         )
-        part["activations"] = per_layer * layers * _in_flight(p, r, n_micro, v) + transient
         # QK-clip: its forwards measure the logits, one chunk of a layer's scores at a time (at the peak too).
         if qk_clip and layers:
             part["activations"] += max_logits_bytes(micro, args.n_heads // p.tp, int(seq_len / p.cp), elt)
-        # The loss's logits, one chunk of tokens at a time (issue 40) or whole (model.loss), split by vocabulary
-        # under tp (loss parallel).
-        part["logits"] = last * _logits_bytes(args, p, micro, seq_len, elt)
         # DDP's gradients are views into its buckets (gradient_as_bucket_view): one bucket of scratch for the
         # all-reduce in flight, no larger than the gradients it holds. FSDP's reduce-scatter buffers are one
         # block's: counted in "gathered".
@@ -408,6 +406,32 @@ def step_transient_bytes(part: dict[str, float], foreach_step: bool) -> float:
         return 0.0
     backward = part["gathered"] + part["activations"] + part["logits"] + part["buckets"]
     return max(0.0, foreach_step_bytes(part) - backward)
+
+
+def _blocks_and_loss(
+    args: ModelArgs,
+    p: ParallelConfig,
+    mem: MemoryConfig,
+    micro: int,
+    seq_len: int,
+    elt: int,
+    mechanism: str,
+    layers_in_flight: float,
+    last: bool,
+    cpu: bool,
+) -> tuple[float, float]:
+    """(activations, logits) at the backward's peak: the blocks' saved activations for the layers and micro-batches
+    in flight, and the loss's peak on the last stage, one chunk of tokens at a time (issue 40) or whole
+    (model.loss). The block recomputed in backward holds its transient after the loss's backward has freed the
+    logits, never both at once: on a `cpu`, where a freed tensor goes back to the kernel at once (the pinned mmap
+    threshold), only the transient's excess over the loss's peak adds to it (memory_matrix --activations, cases 3
+    and 5: 46-56 MiB too much with both). On CUDA both count: the caching allocator keeps the loss's freed blocks
+    reserved, and the reserve is what runs out (not measured here)."""
+    per_layer, transient = activation_bytes(
+        args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every, mechanism
+    )
+    logits = last * _logits_bytes(args, p, micro, seq_len, elt)
+    return per_layer * layers_in_flight + (max(transient - logits, 0.0) if cpu else transient), logits
 
 
 def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int) -> float:
