@@ -213,7 +213,10 @@ def test_the_recomputed_blocks_transient_and_the_loss_peak_count_once_on_a_cpu()
     t, mem = TrainingConfig(micro_batch=8), MemoryConfig(recompute="full")
     e = per_rank_bytes(args, ParallelConfig(), t, 1024, 1, memory=mem, gloo=True)
     inputs = 4 * layer_activation_bytes(args, ParallelConfig(), 8, 1024, 4, "full")
-    assert e["logits"] > layer_activation_bytes(args, ParallelConfig(), 8, 1024, 4) and e["activations"] == inputs
+    assert (
+        e["logits"] > layer_activation_bytes(args, ParallelConfig(), 8, 1024, 4)
+        and e["activations"] == inputs
+    )
 
 
 def test_recompute_is_offered_when_activations_do_not_fit():

@@ -270,7 +270,8 @@ def per_rank_bytes(
     micro-batches; None: pp of training.micro_batch each); `precision`: precision.compute; `qk_clip`:
     optimizer.qk_clip is on (its forwards measure the logits); `foreach_step`: AdamW runs its foreach kernels (a
     CPU's default, see step_transient_bytes); `gloo`: a CPU's job, its collectives on gloo (their
-    reduce-scatter copies, root_unit_bytes; and freed memory back to the kernel at once, _blocks_and_loss). Raises ConfigError if the sizes do not tile `world_size`, ValueError
+    reduce-scatter copies, root_unit_bytes; and freed memory back to the kernel at once, _blocks_and_loss). Raises
+    ConfigError if the sizes do not tile `world_size`, ValueError
     if the layers cannot fill the pipeline stages."""
     ranks = pp_rank_bytes(
         args, parallel, training, seq_len, world_size,
