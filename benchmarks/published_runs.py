@@ -85,9 +85,11 @@ class Run:
         "auto"  # model.attention: the kernel the run used (cudnn: Transformer Engine's fused attention)
     )
     loss: str = "chunked"  # model.loss: how the run computed its loss (TT_LOSS for torchtitan's)
+    compile: bool = False  # training.compile: torchtitan's compile of each block (COMPILED)
 
     def config(self) -> Config:
-        t = TrainingConfig(global_batch=self.global_batch, micro_batch=self.micro, eval_interval=0)
+        t = TrainingConfig(global_batch=self.global_batch, micro_batch=self.micro, eval_interval=0,
+                           compile=self.compile)  # fmt: skip
         memory = MemoryConfig(recompute=self.recompute, recompute_every=self.recompute_every)
         model = ModelConfig(preset=self.preset, attention=self.attention, loss=self.loss)
         return Config(model=model, data=DataConfig(seq_len=self.seq), training=t,
@@ -116,21 +118,21 @@ RUNS: tuple[Run, ...] = (
     Run("torchtitan Llama 3.1 8B, 128 H100, FSDP, bf16 (table 3)", TORCHTITAN, "8B", 128, 8192, 256, 2, FSDP,
         "selective_op", "bf16", TT_H100, 5605, 67.0, RESERVED, loss=TT_LOSS),
     Run("torchtitan Llama 3.1 8B, 8 H100, FSDP, compile + float8 (table 1)", TORCHTITAN, "8B", 8, 8192, 16, 2,
-        FSDP, "selective_op", "fp8", TT_H100, 8532, 76.8, f"{RESERVED}; {COMPILED}; {FLOAT8}", loss=TT_LOSS),
+        FSDP, "selective_op", "fp8", TT_H100, 8532, 76.8, f"{RESERVED}; {COMPILED}; {FLOAT8}", loss=TT_LOSS, compile=True),
     Run("torchtitan Llama 3.1 8B, 64 H100, FSDP 8 TP 8, compile, bf16 (async-TP doc, vanilla TP)",
         TORCHTITAN_ASYNC_TP, "8B", 64, 8192, 96, 12,
         ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True), "selective_op", "bf16", TT_H100, 4378,
-        None, COMPILED, loss=TT_LOSS),
+        None, COMPILED, loss=TT_LOSS, compile=True),
     Run("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 TP 8, compile + float8, full AC (table 4)", TORCHTITAN, "70B",
         256, 8192, 512, 16, ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True), "full", "fp8",
-        TT_H100, 829, 71.9, f"{COMPILED}; {FLOAT8}; {RESERVED}", loss=TT_LOSS),
+        TT_H100, 829, 71.9, f"{COMPILED}; {FLOAT8}; {RESERVED}", loss=TT_LOSS, compile=True),
     Run("torchtitan Llama 3.1 70B, 256 H100, FSDP 32 TP 8, compile, bf16, full AC (async-TP doc, vanilla TP)",
         TORCHTITAN_ASYNC_TP, "70B", 256, 8192, 512, 16,
         ParallelConfig(data_parallel="fsdp", tp=8, sequence_parallel=True), "full", "bf16", TT_H100, 597.3, None,
-        COMPILED, loss=TT_LOSS),
+        COMPILED, loss=TT_LOSS, compile=True),
     Run("torchtitan Llama 3.1 8B, 32 H200 (4 nodes), FSDP, compile + float8 (Trainy)", TRAINY, "8B", 32, 8192, 64,
         2, FSDP, "selective_op", "fp8", ("h200",), 10938, 47.96,
-        f"{COMPILED}; {FLOAT8} with float8 FSDP all-gather (ours gathers bf16)", loss=TT_LOSS_COMPILED),
+        f"{COMPILED}; {FLOAT8} with float8 FSDP all-gather (ours gathers bf16)", loss=TT_LOSS_COMPILED, compile=True),
     Run("Megatron-Bridge Llama 3 8B, 8 H100, FSDP, FP8-CS", MEGATRON, "8B", 8, 8192, 128, 1,
         ParallelConfig(data_parallel="fsdp", grad_sync="micro_batch"), "every_k", "fp8", ("h100",), 14451, None,
         "full recompute of 5 of 32 blocks (ours: every 6th block, 5.3 of 32); Transformer Engine's FP8 current "

@@ -171,6 +171,7 @@ def layer_activation_bytes(
     elt: int,
     recompute: str = "none",
     mechanism: str | None = None,
+    compiled: bool = False,
 ) -> float:
     """Bytes one block keeps for backward per micro-batch under a recompute policy: the tensors autograd saves in
     our Llama block, derived in docs/memory.md and measured there within 0.1% (s·b elements of each, s = seq_len /
@@ -187,7 +188,12 @@ def layer_activation_bytes(
     normalises in fp32, so each norm keeps an fp32 input or copy (4h bytes) and an fp32 rsqrt (4); under autocast
     the residual stream stays fp32 (the embedding's output is never cast), so the block input and x-hat are fp32
     too, and each Linear casts its own copy of its input: wq, wk and wv three, w1 and w3 two (MLA: wq's and wkv_a's
-    two). None: every element in `elt` (the time model's traffic)."""
+    two). None: every element in `elt` (the time model's traffic).
+    `compiled` (training.compile: each block torch.compile'd): under selective and selective_op the compiled block
+    keeps h a token less, in fp32, autocast and FSDP2's policy alike (its partitioner recomputes a residual sum the
+    eager block keeps; test_a_compiled_block_keeps_h_a_token_less_under_selective_recompute). Without recompute it
+    keeps much less (2h + f in fp32, more in 16-bit), not modelled: the eager figure is charged, an over-estimate;
+    under full recompute the same."""
     s = seq_len / p.cp * micro  # tokens of one micro-batch on this rank
     ffn = ffn_shape(
         args
@@ -198,10 +204,10 @@ def layer_activation_bytes(
     if recompute == "full":
         per_token = h / sp
     elif recompute == "selective":
-        per_token = 3 * h / sp + (attention_saved(args) + 2 * f + a) / tp
+        per_token = (3 - compiled) * h / sp + (attention_saved(args) + 2 * f + a) / tp
     elif recompute == "selective_op":
         kv = args.n_kv_heads * args.head_dim
-        per_token = 2 * h / sp + (attention_saved(args) - kv + f + a) / tp
+        per_token = (2 - compiled) * h / sp + (attention_saved(args) - kv + f + a) / tp
     else:
         per_token = (4 * h + 2) / sp + 2 * h + (attention_saved(args) + a + 4 * f) / tp
     cast = _cast_bytes(args, elt, mechanism, recompute, sp) if mechanism and elt < 4 else 0.0
@@ -238,6 +244,7 @@ def activation_bytes(
     recompute: str,
     every: int,
     mechanism: str | None = None,
+    compiled: bool = False,
 ) -> tuple[float, float]:
     """(bytes per layer and micro-batch in flight, averaged over the layers; the transient of the one block being
     recomputed in backward: its whole activations, once per rank)."""
@@ -247,7 +254,7 @@ def activation_bytes(
     if recompute == "every_k":
         full = layer_activation_bytes(args, p, micro, seq_len, elt, "full", mechanism)
         return full / every + none * (1 - 1 / every), none
-    return layer_activation_bytes(args, p, micro, seq_len, elt, recompute, mechanism), none
+    return layer_activation_bytes(args, p, micro, seq_len, elt, recompute, mechanism, compiled), none
 
 
 def per_rank_bytes(
@@ -337,7 +344,7 @@ def pp_rank_bytes(
         in_flight = layers * _in_flight(p, r, n_micro, v)
         cast = cast_mechanism(precision, "auto", dims.fsdp)
         part["activations"], part["logits"] = _blocks_and_loss(
-            args, p, mem, micro, seq_len, elt, cast, in_flight, last, gloo
+            args, p, mem, micro, seq_len, elt, cast, in_flight, last, gloo, training.compile
         )
         # QK-clip: its forwards measure the logits, one chunk of a layer's scores at a time (at the peak too).
         if qk_clip and layers:
@@ -420,6 +427,7 @@ def _blocks_and_loss(
     layers_in_flight: float,
     last: bool,
     cpu: bool,
+    compiled: bool = False,
 ) -> tuple[float, float]:
     """(activations, logits) at the backward's peak: the blocks' saved activations for the layers and micro-batches
     in flight, and the loss's peak on the last stage, one chunk of tokens at a time (issue 40) or whole
@@ -429,7 +437,7 @@ def _blocks_and_loss(
     and 5: 46-56 MiB too much with both). On CUDA both count: the caching allocator keeps the loss's freed blocks
     reserved, and the reserve is what runs out (not measured here)."""
     per_layer, transient = activation_bytes(
-        args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every, mechanism
+        args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every, mechanism, compiled
     )
     logits = last * _logits_bytes(args, p, micro, seq_len, elt)
     return per_layer * layers_in_flight + (max(transient - logits, 0.0) if cpu else transient), logits
