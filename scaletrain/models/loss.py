@@ -60,16 +60,16 @@ def output_loss(
     """Summed cross-entropy of `output(h)` against `targets` ([batch, seq]); `mode` is model.loss.
 
     "whole", or one chunk (a small vocabulary): `output(h)` and `cross_entropy` over the whole micro-batch, as
-    before issue 40 (and as torchtitan computes it); "whole_compiled": the same with the cross-entropy compiled. "chunked", without the whole logits: several chunks, on a plain
-    nn.Linear with plain tensors (one process, DDP, FSDP2 inside the root's forward, autocast, fp8 and QAT, which
-    leave the output layer alone): `linear_cross_entropy` computes each chunk's gradient in the forward, so nothing
-    is recomputed. Otherwise (the output's weight is a tensor-parallel DTensor): each chunk's `output(chunk)` and
+    before issue 40 (and as torchtitan computes it); "whole_compiled": the same with the cross-entropy compiled.
+    "chunked", without the whole logits: several chunks, on a plain nn.Linear with plain tensors (one process, DDP,
+    FSDP2 inside the root's forward, autocast, fp8 and QAT, which leave the output layer alone):
+    `linear_cross_entropy` computes each chunk's gradient in the forward, so nothing is recomputed. Otherwise (the output's weight is a tensor-parallel DTensor): each chunk's `output(chunk)` and
     cross-entropy run under non-reentrant checkpoint, which frees the chunk's logits after its forward and
     recomputes them in its backward (one more output-layer forward); the module's own hooks (TP's layouts, the
     vocabulary-parallel loss) run as usual."""
-    n = chunk_tokens(output.weight.shape[0])  # a DTensor's shape is the whole vocabulary's
     if mode == "whole_compiled":
         return compiled_cross_entropy()(output(h), targets, reduction="sum")
+    n = chunk_tokens(output.weight.shape[0])  # a DTensor's shape is the whole vocabulary's
     if mode == "whole" or targets.numel() <= n:
         return cross_entropy(output(h), targets, reduction="sum")
     if _fusable(output, h):

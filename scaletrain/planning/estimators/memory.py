@@ -204,10 +204,10 @@ def layer_activation_bytes(
     if recompute == "full":
         per_token = h / sp
     elif recompute == "selective":
-        per_token = (3 - compiled) * h / sp + (attention_saved(args) + 2 * f + a) / tp
+        per_token = (3 - int(compiled)) * h / sp + (attention_saved(args) + 2 * f + a) / tp
     elif recompute == "selective_op":
         kv = args.n_kv_heads * args.head_dim
-        per_token = (2 - compiled) * h / sp + (attention_saved(args) - kv + f + a) / tp
+        per_token = (2 - int(compiled)) * h / sp + (attention_saved(args) - kv + f + a) / tp
     else:
         per_token = (4 * h + 2) / sp + 2 * h + (attention_saved(args) + a + 4 * f) / tp
     cast = _cast_bytes(args, elt, mechanism, recompute, sp) if mechanism and elt < 4 else 0.0
@@ -231,7 +231,7 @@ def _cast_bytes(args: ModelArgs, elt: int, mechanism: str, recompute: str, sp: i
     if recompute != "none":
         return (residual - elt) * h / sp
     norms = 2 * (4 * h + 4 + residual * h) - 2 * (2 * h + 1) * elt
-    readers = (2 if getattr(args, "mla", False) else 3) + 2 if autocast else 2
+    readers = ((2 if getattr(args, "mla", False) else 3) + 2) if autocast else 2  # Linears reading a norm
     return norms / sp + (readers - 2) * elt * h
 
 
