@@ -422,7 +422,7 @@ class MemoryTier:
         n = (d / TENSORS).stat().st_size
         header = torch.tensor([step, len(meta_b), n, zlib.crc32(meta_b)], dtype=torch.int64)
         theirs = torch.empty(4, dtype=torch.int64)
-        self._exchange([(header, self.next)], [(theirs, self.prev)])
+        exchange([(header, self.next)], [(theirs, self.prev)], self.group)
         their_step, their_meta, their_n, their_crc = theirs.tolist()
         rd = _step_dir(self.replica, their_step)
         meta_in = torch.empty(their_meta, dtype=torch.uint8)
@@ -434,12 +434,13 @@ class MemoryTier:
         except WRITE_ERRORS as e:
             error = e
         self._agree(step, error, "allocating the replica")
-        self._exchange(
+        exchange(
             [
                 (torch.frombuffer(bytearray(meta_b), dtype=torch.uint8), self.next),
                 (_map_file(d / TENSORS, n), self.next),
             ],
             [(meta_in, self.prev), (out_file, self.prev)],
+            self.group,
         )
         del out_file
         error = None
@@ -650,7 +651,9 @@ class MemoryTier:
             [int(meta is not None), len(meta_b), meta["bytes"] if meta else 0, zlib.crc32(meta_b)]
         )
         header_in = torch.zeros(4, dtype=torch.int64)
-        self._exchange([(header_out, self.prev)] if give else [], [(header_in, self.next)] if take else [])
+        exchange(
+            [(header_out, self.prev)] if give else [], [(header_in, self.next)] if take else [], self.group
+        )
         found, n_meta, n, meta_crc = header_in.tolist()
         sends, recvs = [], []
         if meta is not None:
@@ -665,7 +668,7 @@ class MemoryTier:
                 (torch.empty(n_meta, dtype=torch.uint8), self.next),
                 (_map_file(d / TENSORS, n, create=True), self.next),
             ]
-        self._exchange(sends, recvs)
+        exchange(sends, recvs, self.group)
         if found:
             (d / META).write_bytes(recvs[0][0].numpy().tobytes())
             del recvs
@@ -707,23 +710,40 @@ class MemoryTier:
         dist.all_gather(rows, mine, group=self.group)
         return torch.stack(rows)
 
-    def _exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
-        """Point-to-point sends and receives (group ranks), posted together so a ring cannot deadlock, in chunks
-        so that no single message nears 2 GiB (where transports' 32-bit sizes start to bite)."""
-        works = [
-            dist.isend(c, group_dst=r, group=self.group)
-            for t, r in sends
-            for c in t.split(_CHUNK)
-            if c.numel()
-        ]
-        works += [
-            dist.irecv(c, group_src=r, group=self.group)
-            for t, r in recvs
-            for c in t.split(_CHUNK)
-            if c.numel()
-        ]
-        for w in works:
-            w.wait()
+
+def exchange(
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Point-to-point sends and receives (group ranks), posted together so a ring cannot deadlock, in chunks so that
+    no single message nears 2 GiB (where transports' 32-bit sizes start to bite); returns once every byte is where
+    it was sent, or raises the transport's error when a peer is gone.
+
+    Each sender ends its data with a marker and each receiver, once a sender's marker is in, acknowledges it; the
+    ranks wait on markers and acknowledgements first. Why: gloo tells a broken connection to the operations still
+    queued on it, not to the receive whose bytes are arriving nor to a send being written (gloo's
+    transport/tcp/pair.cc, signalException), so a rank that waited on its data when the peer's node died waited
+    out the group's timeout (10 minutes) with no error: both ranks of the surviving node did, in a node-loss drill
+    killed during replication. A marker or an acknowledgement is queued, not in flight, until every byte before it
+    arrived, so waiting on it raises "Connection closed by peer [address]" at once, which names the lost node."""
+    chunks = lambda t: [c for c in t.split(_CHUNK) if c.numel()]  # noqa: E731
+    takes_from = sorted({r for _, r in recvs})
+    gives_to = sorted({r for _, r in sends})
+    data = [dist.isend(c, group_dst=r, group=group) for t, r in sends for c in chunks(t)]
+    data += [
+        dist.isend(torch.zeros(1), group_dst=r, group=group) for r in gives_to
+    ]  # the marker, after the data
+    data += [dist.irecv(c, group_src=r, group=group) for t, r in recvs for c in chunks(t)]
+    markers = [dist.irecv(torch.empty(1), group_src=r, group=group) for r in takes_from]
+    acks = [dist.irecv(torch.empty(1), group_src=r, group=group) for r in gives_to]
+    for w in markers:  # every byte from that sender is in
+        w.wait()
+    data += [dist.isend(torch.zeros(1), group_dst=r, group=group) for r in takes_from]
+    for w in acks:  # every byte to that receiver is in
+        w.wait()
+    for w in data:  # done or all but done by now
+        w.wait()
 
 
 def _map_file(path: Path, n: int, *, create: bool = False) -> torch.Tensor:

@@ -94,6 +94,15 @@ class Node:
         """The node's live processes, its init aside, whose command line contains `pattern`."""
         return [p for p in self.pids() if p != self.init_pid and pattern in _cmdline(p)]
 
+    def dump_stacks(self) -> None:
+        """Every worker (a child of the agent) prints its threads' stacks into the node's log (SIGUSR1: the
+        handler scaletrain.launch installs), so that a drill that timed out shows where the node stood."""
+        agent = self.agent()
+        for pid in self.pids():
+            if agent is not None and _ppid(pid) == agent:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+
     def agent(self) -> int | None:
         """The command started on the node, while it lives: the init's child (torchrun's agent, in a launch)."""
         return next((p for p in self.pids() if _ppid(p) == self.init_pid), None)
@@ -222,7 +231,11 @@ class Cluster:
     def __enter__(self) -> Cluster:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:  # a drill failed (a wait timed out, most often): where each node's workers stood
+            for node in self.nodes:
+                node.dump_stacks()
+            time.sleep(1)
         self.close()
 
 

@@ -6,12 +6,14 @@ takes node1 back when it returns."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import fsspec
 import pytest
 
 from scaletrain.checkpoint.integrity import committed_steps
+from scaletrain.resilience.membership import lost_peer
 from tests.cluster.nodes import NODE_ENV, Cluster, problem, torchrun
 from tests.helpers import events, read_jsonl
 
@@ -158,3 +160,47 @@ def test_with_nnodes_1_2_the_job_goes_on_alone_resharded_and_takes_the_node_back
         f"alone from step 4 for {starts[2]['time'] - starts[1]['time']:.1f}s, node1 taken in at step {back}; "
         f"trained in two world sizes: {twice}"
     )
+
+
+# One rank a node exchanging 16 MiB each way through the memory tier's exchange (what replication sends), with a
+# 120 s group timeout: the time a rank stuck on a dead peer would wait.
+EXCHANGE = """
+import datetime, sys, torch, torch.distributed as dist
+from scaletrain.checkpoint.memory_tier import exchange
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://node0:29500", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))
+out = torch.empty(4 << 20)
+print("exchanging", flush=True)
+exchange([(torch.ones(4 << 20), 1 - rank)], [(out, 1 - rank)], None)
+print("exchanged", flush=True)
+"""
+
+
+def test_a_node_killed_while_its_bytes_are_in_flight_is_named_at_once(tmp_path):
+    """node1 dies while its 16 MiB are on their way to node0 (its link slowed to 8 Mbit/s, so the transfer takes
+    16 s and the kill lands in it): node0's rank raises at once with an error that names node1, as it does when
+    the kill comes between messages. (Waiting on the transfer itself, as the exchange did, it waited out the group's
+    timeout: gloo tells a broken connection to the operations still queued on it, not to the one in flight.)"""
+    with Cluster(2) as cluster:
+        node0, node1 = cluster.nodes
+        node1.slow("8mbit")
+        for rank, node in enumerate(cluster.nodes):
+            node.start(
+                [sys.executable, "-c", EXCHANGE, str(rank)],
+                env=NODE_ENV,
+                log=tmp_path / f"{node.hostname}.log",
+            )
+        _wait(lambda: all("exchanging" in (tmp_path / f"node{i}.log").read_text() for i in (0, 1)), 60,
+              "the exchange did not start")  # fmt: skip
+        time.sleep(2)  # a few MiB of node1's are in, most still to come
+        killed = time.monotonic()
+        node1.kill()
+        code = node0.wait(30)
+        took = time.monotonic() - killed
+    text = (tmp_path / "node0.log").read_text()
+    assert code != 0 and "exchanged" not in text, text
+    table = {n.hostname: {"address": n.address, "ranks": [i]} for i, n in enumerate(cluster.nodes)}
+    assert lost_peer(text, table) == {"node": "node1", "address": node1.address, "ranks": [1]}, text
+    assert took < 10, f"node0's rank took {took:.1f}s to learn of the loss"
+    print(f"node0's rank raised {took:.1f}s after node1 was killed")
