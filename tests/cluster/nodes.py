@@ -232,7 +232,9 @@ class Cluster:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is not None:  # a drill failed (a wait timed out, most often): where each node's workers stood
+        if (
+            exc_type is not None
+        ):  # a drill failed (a wait timed out, most often): where each node's workers stood
             for node in self.nodes:
                 node.dump_stacks()
             time.sleep(1)
