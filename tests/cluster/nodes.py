@@ -102,6 +102,7 @@ class Node:
             if agent is not None and _ppid(pid) == agent:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR1)
+                time.sleep(0.3)  # one worker at a time: they share the log, and their lines would interleave
 
     def agent(self) -> int | None:
         """The command started on the node, while it lives: the init's child (torchrun's agent, in a launch)."""
@@ -237,7 +238,7 @@ class Cluster:
         ):  # a drill failed (a wait timed out, most often): where each node's workers stood
             for node in self.nodes:
                 node.dump_stacks()
-            time.sleep(1)
+            time.sleep(0.5)
         self.close()
 
 
