@@ -87,7 +87,7 @@ def _fits(plan: Plan, profile: DeviceProfile) -> bool:
 def describe_estimate(plan: Plan, profile: DeviceProfile) -> str:
     """The estimate as printed by `plan --config` (without --json) and `train --dry-run`."""
     m, t = plan.memory, plan.time
-    parts = ", ".join(f"{k} {m[k] / GiB:.3g}" for k in PARTS if m.get(k))
+    parts = ", ".join(f"{k.replace('_', ' ')} {m[k] / GiB:.3g}" for k in PARTS if m.get(k))
     comm = ", ".join(
         f"{k[:-2]} {t[k]:.3g}"
         for k in (

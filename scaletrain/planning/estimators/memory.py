@@ -57,6 +57,7 @@ PARTS = (
     "buckets",
     "step",
     "overhead",
+    "not_at_once",
 )
 
 
@@ -337,13 +338,13 @@ def pp_rank_bytes(
             experts = _state_bytes(mode, layers * routed / ep, max(shards // ep, 1), routed / ep, elt)
             part = {k: part[k] + experts[k] for k in part}
             n += layers * routed / ep
+        accumulating = (local_batch or training.micro_batch) > training.micro_batch
         if p.data_parallel in ("zero2", "fsdp", "hsdp") and shards > 1:
-            accumulating = (local_batch or training.micro_batch) > training.micro_batch
             _whole_until_last_microbatch(part, p, mode, n, n_micro, accumulating, elt, block_split)
         # Activations kept in the cast mechanism's dtypes; the loss's logits (split by vocabulary under tp).
         in_flight = layers * _in_flight(p, r, n_micro, v)
         cast = cast_mechanism(precision, "auto", dims.fsdp)
-        part["activations"], part["logits"] = _blocks_and_loss(
+        part["activations"], part["logits"], transient = _blocks_and_loss(
             args, p, mem, micro, seq_len, elt, cast, in_flight, last, gloo, training.compile
         )
         # QK-clip: its forwards measure the logits, one chunk of a layer's scores at a time (at the peak too).
@@ -356,8 +357,12 @@ def pp_rank_bytes(
         part["buckets"] = min(p.ddp_bucket_mb * 2**20, n * GRAD_BYTES) if ddp_like else 0.0
         part["step"] = step_transient_bytes(part, foreach_step)
         part["overhead"] = overhead_bytes + activation_slack * part["activations"]
+        part["not_at_once"] = 0.0
         if getattr(mem, "optimizer_offload", False):
             _offload_to_host(part)
+        elif gloo and mode in ("fsdp", "hsdp") and shards > 1 and p.pp == 1 and not (routed or accumulating):
+            block = block_split / p.tp + block_rep
+            part["not_at_once"] = _loss_apart(part, args, p.tp, tables, last, elt, block, transient)
         # The step's peak, or initialisation's where that is higher (a large vocabulary over many shards).
         held = shards if mode == "zero2" and shards > 1 else 1  # zero2 gathers its weights only in the step
         part["init"] = init_peak_bytes(part, init_draw_bytes(args), ddp_like, held)
@@ -428,8 +433,8 @@ def _blocks_and_loss(
     last: bool,
     cpu: bool,
     compiled: bool = False,
-) -> tuple[float, float]:
-    """(activations, logits) at the backward's peak: the blocks' saved activations for the layers and micro-batches
+) -> tuple[float, float, float]:
+    """(activations, logits, the recomputed block's transient) at the backward's peak: the blocks' saved activations for the layers and micro-batches
     in flight, and the loss's peak on the last stage, one chunk of tokens at a time (issue 40) or whole
     (model.loss). The block recomputed in backward holds its transient after the loss's backward has freed the
     logits, never both at once: on a `cpu`, where a freed tensor goes back to the kernel at once (the pinned mmap
@@ -440,7 +445,45 @@ def _blocks_and_loss(
         args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every, mechanism, compiled
     )
     logits = last * _logits_bytes(args, p, micro, seq_len, elt)
-    return per_layer * layers_in_flight + (max(transient - logits, 0.0) if cpu else transient), logits
+    return (
+        per_layer * layers_in_flight + (max(transient - logits, 0.0) if cpu else transient),
+        logits,
+        transient,
+    )
+
+
+def _loss_apart(
+    part: dict[str, float],
+    args: ModelArgs,
+    tp: int,
+    tables: int,
+    last: bool,
+    elt: int,
+    block: float,
+    transient: float,
+) -> float:
+    """What the sum of FSDP2's parts counts on a CPU (gloo; a freed tensor goes back to the kernel at once) that is
+    never alive at once (<= 0). At the loss's backward no sharded gradient exists yet (the step's zero_grad freed
+    them; not so when accumulating, nor under a pipeline, which defers the reduce-scatter), no block is gathered
+    but the last (kept gathered after its forward), and the root unit is at its backward moment. By the blocks'
+    backward the loss has freed its peak. The peak is the fuller of the two moments: the loss's where the logits
+    are large (memory_matrix --activations, fsdp in bf16 at 2048 tokens: the sum 11-16% over,
+    tests/distributed/test_loss_moment_memory.py), else the sum less the loss's peak (every other part at its
+    largest, as it stands: counting the blocks' backward moments apart too fell 9% under the kernel's figure for
+    the issue's 16-rank case, 876 MiB against 962). `block`: one block's parameters on this rank; `transient`: the
+    recomputed block's (_blocks_and_loss)."""
+    kept = part["activations"] - max(transient - part["logits"], 0.0)
+    total = sum(part[k] for k in PARTS)
+    state = part["parameters"] + part["optimizer"] + part["overhead"] + part["buckets"]
+    loss = (
+        state
+        + kept
+        + part["logits"]
+        + root_unit_moments(args, tables, last, tp, elt, gloo=True)[1]
+        + block * elt
+    )
+    rest = total - part["activations"] - part["logits"] + kept + transient
+    return max(loss, rest) - total
 
 
 def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int) -> float:
@@ -467,8 +510,15 @@ def root_unit_bytes(
     491 MiB above the sharded gradients, where the other two moments give 393 (benchmarks/memory_matrix.py cases
     9 and 10; tests/distributed/test_root_unit_memory.py). Under zero2 the whole parameters it counts in
     "parameters" are resharded by then, which more than covers the clone."""
+    return max(root_unit_moments(args, tables, last, tp, elt, counted, gloo))
+
+
+def root_unit_moments(
+    args: ModelArgs, tables: int, last: bool, tp: int, elt: int, counted: bool = False, gloo: bool = False
+) -> tuple[float, float, float]:
+    """root_unit_bytes at each of its moments: (all-gather, backward, reduce-scatter)."""
     if not tables:
-        return 0.0
+        return 0.0, 0.0, 0.0
     table = args.vocab_size * args.dim / tp
     rows = tables * table + last * args.dim
     gather = 0.0 if counted else 2 * rows * elt
@@ -476,7 +526,7 @@ def root_unit_bytes(
     reduce_scatter = rows * (elt + GRAD_BYTES)
     if gloo and not counted:
         reduce_scatter = max(reduce_scatter, 2 * rows * GRAD_BYTES + table * elt)
-    return max(gather, backward, reduce_scatter)
+    return gather, backward, reduce_scatter
 
 
 def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int) -> dict[str, float]:
@@ -500,7 +550,7 @@ def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int
 def describe(estimate: dict[str, float]) -> str:
     """e.g. "43.1 GiB per process (parameters 3.74, gradients 3.74, ..., overhead 2)"; zero parts left out; the
     initialisation peak named when it is the total."""
-    parts = ", ".join(f"{k} {estimate[k] / GiB:.3g}" for k in PARTS if estimate[k])
+    parts = ", ".join(f"{k.replace('_', ' ')} {estimate[k] / GiB:.3g}" for k in PARTS if estimate[k])
     init = estimate.get("init", 0.0)
     if init >= estimate["total"] > sum(estimate[k] for k in PARTS):
         parts += f"; at initialisation {init / GiB:.3g}: its share and the largest parameter drawn whole"
