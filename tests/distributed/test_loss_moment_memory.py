@@ -2,8 +2,8 @@
 the loss's backward, when no sharded gradient exists yet (the previous step's zero_grad freed them) and no block
 but the last is gathered; summing every part's largest (the sharded gradients, the blocks gathered, the logits)
 counted what is never alive at once: 11-16% over the kernel's figure for benchmarks/memory_matrix.py's fsdp
-cases at 2048 tokens. The estimate's `apart` (memory._loss_apart) takes it off; here the sum must overshoot the
-measurement and the estimate bound it within 10%."""
+cases at 2048 tokens. The estimate's part `not_at_once` (memory._loss_apart) takes it off; here the sum must
+overshoot the measurement and the estimate bound it within 10%."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def test_the_loss_moment_holds_no_sharded_gradient_on_gloo(measured):
     e = per_rank_bytes(ModelArgs(**ARGS), ParallelConfig(data_parallel="fsdp"), TrainingConfig(micro_batch=1),
                        SEQ, 2, overhead_bytes=0, gloo=True)  # fmt: skip
     summed = e["gradients"] + e["gathered"] + e["activations"] + e["logits"]
-    est = summed + e["apart"]
-    print({k: round(e[k] / MiB, 1) for k in ("gradients", "gathered", "activations", "logits", "apart")},
+    est = summed + e["not_at_once"]
+    print({k: round(e[k] / MiB, 1) for k in ("gradients", "gathered", "activations", "logits", "not_at_once")},
           [round(g / MiB, 1) for g in measured])  # fmt: skip
     for rank, got in enumerate(measured):
         assert got < 0.95 * summed, f"rank {rank}: {got / MiB:.1f} MiB measured, the sum {summed / MiB:.1f}"
