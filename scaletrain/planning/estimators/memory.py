@@ -334,6 +334,8 @@ def pp_rank_bytes(
         part = _state_bytes(mode, n, shards, (block_split / p.tp + block_rep), elt)
         if mode in ("fsdp", "hsdp", "zero2") and shards > 1:  # the root unit, under every FSDP2 mode
             part["gathered"] += root_unit_bytes(args, tables, last, p.tp, elt, mode == "zero2", gloo)
+        elif p.tp > 1 and first:  # without FSDP to shard it back, tp's embedding gradient is the whole table
+            part["gradients"] += vocab_rows * GRAD_BYTES * (1 - 1 / p.tp)
         if routed:  # MoE: this rank's experts, sharded by ZeRO over the ranks that hold the same ones
             experts = _state_bytes(mode, layers * routed / ep, max(shards // ep, 1), routed / ep, elt)
             part = {k: part[k] + experts[k] for k in part}
@@ -363,12 +365,16 @@ def pp_rank_bytes(
         elif gloo and mode in ("fsdp", "hsdp") and shards > 1 and p.pp == 1 and not (routed or accumulating):
             block = block_split / p.tp + block_rep
             part["not_at_once"] = _loss_apart(part, args, p.tp, tables, last, elt, block, transient)
-        # The step's peak, or initialisation's where that is higher (a large vocabulary over many shards).
-        held = shards if mode == "zero2" and shards > 1 else 1  # zero2 gathers its weights only in the step
-        part["init"] = init_peak_bytes(part, init_draw_bytes(args), ddp_like, held)
-        part["total"] = max(sum(part[k] for k in PARTS), part["init"])
-        out.append(part)
+        out.append(_with_total(part, args, ddp_like, shards if mode == "zero2" and shards > 1 else 1))
     return out
+
+
+def _with_total(part: dict[str, float], args: ModelArgs, ddp_like: bool, held: int) -> dict[str, float]:
+    """`part` with its total: the step's peak, or initialisation's where that is higher (a large vocabulary over
+    many shards). `held`: the shards zero2 keeps its weights in until the step gathers them (else 1)."""
+    part["init"] = init_peak_bytes(part, init_draw_bytes(args), ddp_like, held)
+    part["total"] = max(sum(part[k] for k in PARTS), part["init"])
+    return part
 
 
 def _whole_until_last_microbatch(
