@@ -83,15 +83,22 @@ def test_a_node_lost_whole_resumes_from_the_snapshot_in_the_other_nodes_memory(t
         {"rank": 3, "node": "node1", "from_rank": 1, "from_node": "node0"},
     ]
     # The resumed job logged steps resumed+1..STEPS once each. Trained twice: the steps the first attempt logged
-    # after the snapshot it resumed from, at most the snapshot interval; each gave the same loss again (the same
-    # weights, optimizer state and batches: the data position exact).
+    # after the snapshot it resumed from, at most the snapshot interval. The first gives the same loss again, bit
+    # for bit (the same weights and batch: the data position exact); a later one to the equivalence contract's
+    # 1e-5, which holds only if the optimizer state came back too. Not bit for bit: a restarted DDP reduces its
+    # first step's gradients in one bucket of parameter order and then rebuilds its buckets in the order the
+    # gradients came, so on 4 ranks a few elements are summed in another order than the first attempt summed them
+    # (last-bit differences; a resume from the snapshot of step 8 differed at step 10 by 2e-7, docs/resilience.md).
     records = [m for m in read_jsonl(run / "metrics.jsonl") if "loss" in m]
     first, again = records[: -(STEPS - resumed)], records[-(STEPS - resumed) :]
     assert [m["step"] for m in first] == list(range(1, len(first) + 1))
     assert [m["step"] for m in again] == list(range(resumed + 1, STEPS + 1))
     twice = [m["step"] for m in first if m["step"] > resumed]
     assert len(twice) <= SNAPSHOT, f"steps {twice} trained twice"
-    assert [m["loss"] for m in first if m["step"] > resumed] == [m["loss"] for m in again[: len(twice)]]
+    if twice:
+        assert first[twice[0] - 1]["loss"] == again[0]["loss"]
+        for before, after in zip(first[twice[0] - 1 :], again[: len(twice)]):
+            assert before["loss"] == pytest.approx(after["loss"], rel=1e-5), (before, after)
     assert events(run, "end")[-1]["step"] == STEPS
     print(f"kill -> peer_lost {lost[0]['time'] - killed:.1f}s, -> resumed start {starts[1]['time'] - killed:.1f}s "
           f"(restore {loaded['seconds']:.3f}s), -> step {resumed + 1} done "
