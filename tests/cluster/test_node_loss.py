@@ -71,7 +71,13 @@ def test_a_node_lost_whole_resumes_from_the_snapshot_in_the_other_nodes_memory(t
     assert len(starts) == 2, "the job re-forms once"
     before = [e["step"] for e in events(run, "memory_snapshot") if e["time"] < starts[1]["time"]]
     resumed = starts[1]["step"]
-    assert resumed == max(before) > 0, f"resumed at {resumed}, the newest snapshot was {max(before)}"
+    # The newest snapshot reported, or the one under way when node1 died if only its last agreement was left: every
+    # copy it needs was then complete on node0 (ranks 0-1's own, ranks 2-3's replicas), and the restore checked
+    # their checksums (a drill with the kill delayed at random resumed at 6 with 4 the newest reported).
+    newest = max(before)
+    assert resumed in (newest, newest + SNAPSHOT) and resumed > 0, (
+        f"resumed at {resumed}, newest reported {newest}"
+    )
     assert [(e["node"], e["ranks"], e["seen_by"]) for e in lost] == [("node1", [2, 3], "node0")]
     # node0 kept ranks 0 and 1 (the rendezvous orders nodes by hostname); node1's ranks took their snapshots from
     # the replicas node0's ranks held.
