@@ -8,19 +8,13 @@ overshoot the measurement and the estimate bound it within 10%."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from scaletrain.config import OptimizerConfig, ParallelConfig, TrainingConfig
-from scaletrain.hardware import pin_mmap_threshold
-from scaletrain.models import ModelArgs, build_meta_model
-from scaletrain.optim.optimizers import optimizer_builder
-from scaletrain.parallel.mesh import ParallelDims
-from scaletrain.parallel.parallelize import parallelize
+from scaletrain.config import ParallelConfig, TrainingConfig
+from scaletrain.models import ModelArgs
 from scaletrain.planning.estimators.memory import per_rank_bytes
 from tests.distributed.spawn import spawn_resident_peaks
-from tests.distributed.test_step_memory import _growth
+from tests.distributed.test_root_unit_memory import fsdp_backward_growth
 
-CPU = torch.device("cpu")
 MiB = 2**20
 SEQ = 1024
 # 1024 tokens of a 16384-word vocabulary, two blocks of dim 256: the loss's backward is the step's peak.
@@ -28,25 +22,7 @@ ARGS = dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=768, vocab_
 
 
 def worker(rank: int, world_size: int) -> int:
-    """What the second step's forward and backward add to this rank's resident set (AdamW's state exists)."""
-    assert pin_mmap_threshold()
-    args, pcfg = ModelArgs(**ARGS), ParallelConfig(data_parallel="fsdp")
-    dims = ParallelDims.from_config(pcfg, world_size)
-    dims.build_mesh("cpu")
-    model = parallelize(build_meta_model(args), dims, pcfg, device=CPU, n_microbatches=1, init_seed=0).parts[
-        0
-    ]
-    opt = optimizer_builder(OptimizerConfig(), "fsdp", dims.submesh("dp_cp"), CPU)(model)
-    tokens = torch.randint(0, args.vocab_size, (1, SEQ + 1), generator=torch.Generator().manual_seed(0))
-
-    def forward_backward():
-        model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
-
-    for _ in range(2):
-        grown = _growth(forward_backward)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return grown
+    return fsdp_backward_growth(ModelArgs(**ARGS), SEQ, world_size)
 
 
 @pytest.fixture(scope="module")

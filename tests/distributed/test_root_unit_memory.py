@@ -27,17 +27,18 @@ SEQ = 16
 ARGS = dict(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=256, vocab_size=16384, max_seq_len=SEQ)
 
 
-def worker(rank: int, world_size: int) -> int:
-    """What the second step's forward and backward add to this rank's resident set (AdamW's state exists)."""
+def fsdp_backward_growth(args: ModelArgs, seq: int, world_size: int) -> int:
+    """What the second step's forward and backward (AdamW's state exists by then) add to this rank's resident set,
+    fsdp over `world_size` gloo ranks, one sequence of `seq` tokens, the allocator pinned as train pins it."""
     assert pin_mmap_threshold()
-    args, pcfg = ModelArgs(**ARGS), ParallelConfig(data_parallel="fsdp")
+    pcfg = ParallelConfig(data_parallel="fsdp")
     dims = ParallelDims.from_config(pcfg, world_size)
     dims.build_mesh("cpu")
     model = parallelize(build_meta_model(args), dims, pcfg, device=CPU, n_microbatches=1, init_seed=0).parts[
         0
     ]
     opt = optimizer_builder(OptimizerConfig(), "fsdp", dims.submesh("dp_cp"), CPU)(model)
-    tokens = torch.randint(0, args.vocab_size, (1, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, args.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
 
     def forward_backward():
         model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
@@ -47,6 +48,10 @@ def worker(rank: int, world_size: int) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return grown
+
+
+def worker(rank: int, world_size: int) -> int:
+    return fsdp_backward_growth(ModelArgs(**ARGS), SEQ, world_size)
 
 
 @pytest.fixture(scope="module")
