@@ -731,9 +731,8 @@ def exchange(
     takes_from = sorted({r for _, r in recvs})
     gives_to = sorted({r for _, r in sends})
     data = [dist.isend(c, group_dst=r, group=group) for t, r in sends for c in chunks(t)]
-    data += [
-        dist.isend(torch.zeros(1), group_dst=r, group=group) for r in gives_to
-    ]  # the marker, after the data
+    # The marker, after the data (a pair delivers in the order sent).
+    data += [dist.isend(torch.zeros(1), group_dst=r, group=group) for r in gives_to]
     data += [dist.irecv(c, group_src=r, group=group) for t, r in recvs for c in chunks(t)]
     markers = [dist.irecv(torch.empty(1), group_src=r, group=group) for r in takes_from]
     acks = [dist.irecv(torch.empty(1), group_src=r, group=group) for r in gives_to]
