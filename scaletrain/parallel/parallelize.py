@@ -154,6 +154,10 @@ def parallelize(
         m = apply_data_parallel(m, dims, pcfg, memory, mp_policy, comm, device=device)
         if init_seed is not None and shards:  # FSDP's DTensor shards
             materialize(m, init_seed, device, storage_device=storage)
+        if dims.tp_enabled and not shards:  # on the materialised weight; FSDP2 splits the gradient itself
+            from scaletrain.parallel.tensor_parallel import split_embedding_grad
+
+            split_embedding_grad(getattr(m, "module", m))  # under DDP, the model it wraps
         return m
 
     if dims.pp_enabled:

@@ -172,6 +172,28 @@ def apply_tp(
     return model
 
 
+def split_embedding_grad(model: nn.Module) -> None:
+    """Keep the vocabulary-split embedding's gradient split as its weight is. torch's DTensor (2.13) computes it
+    replicated, the whole table on every tp rank (embedding_dense_backward's sharding), which FSDP2 redistributes
+    to the parameter's placement but nothing else would: it stayed whole through the optimizer step, tp - 1 tables
+    more than the split (2 GiB at tp 8 on an 8B model; issue 35). Redistributed as soon as it is accumulated (each
+    rank keeps its rows: a local copy, no communication), so only the backward's transient is whole. Call where
+    FSDP is not applied: under FSDP the parameter is replaced and the hook would never run."""
+    emb = getattr(model, "tok_embeddings", None)
+    if emb is None or not isinstance(emb.weight, DTensor):
+        return
+
+    def split(param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            local = (
+                grad.redistribute(param.device_mesh, param.placements).to_local().clone()
+            )  # not a view of it
+            param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+
+    emb.weight.register_post_accumulate_grad_hook(split)
+
+
 def _local_stage_boundaries(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """A pipeline stage under sequence parallel hands on its tp rank's shard of the sequence as a plain tensor
     (the pipeline moves plain tensors, and each tp rank sends 1/tp of the activation to its peer of the next stage)

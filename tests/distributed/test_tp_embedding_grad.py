@@ -1,9 +1,10 @@
 """Tensor parallel's embedding gradient (issue 35): torch's DTensor computes the vocabulary-split embedding's
-gradient replicated, the whole table on every tp rank (embedding_dense_backward, torch 2.13), while its weight
-and every other gradient are split. Without FSDP to shard it back (FSDP2 redistributes it to its parameter's
-placement) it stays whole through the optimizer step: benchmarks/memory_matrix.py's tp-only case read 26, 43 and
-66 MiB under the kernel's figure at vocabularies of 8000, 32000 and 64000 (one table shard more each time). The
-gradient bytes each rank holds after a backward must equal the estimate's gradients, which the split count misses."""
+gradient replicated, the whole table on every tp rank (embedding_dense_backward, torch 2.13). FSDP2 redistributes
+it to its parameter's placement; without FSDP it stayed whole through the optimizer step, and
+benchmarks/memory_matrix.py's tp-only case read 26, 43 and 66 MiB over its estimate at vocabularies of 8000, 32000
+and 64000 (one table shard more each time). tensor_parallel.split_embedding_grad splits it as soon as it is
+accumulated: each rank holds its rows only, the gradient bytes equal the estimate's (the split count), and training
+gives what the single process gives (test_tensor_parallel, tests/distributed/test_hybrid_layouts)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ def worker(rank: int, world_size: int) -> dict:
             "embedding": list(local["tok_embeddings.weight"].shape)}  # fmt: skip
 
 
-def test_a_tp_ranks_embedding_gradient_is_the_whole_table_and_the_estimate_counts_it(tmp_path):
+def test_a_tp_ranks_embedding_gradient_is_split_as_its_weight(tmp_path):
     measured = spawn_gathered(worker, 2, str(tmp_path / "results.json"))
     args = ModelArgs(**ARGS)
     est = per_rank_bytes(args, PARALLEL, TrainingConfig(micro_batch=1), SEQ, 2, overhead_bytes=0, gloo=True)
     table = args.vocab_size * args.dim * GRAD_BYTES
     for rank, got in enumerate(measured):
-        assert got["embedding"] == [args.vocab_size, args.dim], got  # whole, not split by tp
-        # Counted split by tp, the estimate would be short by half the table.
+        assert got["embedding"] == [args.vocab_size // 2, args.dim], got  # this rank's rows, as its weight
+        # Left whole (torch's replicated gradient), it would hold half a table more than the estimate.
         assert got["bytes"] == est["gradients"], (rank, got["bytes"], est["gradients"], table / 2)

@@ -334,8 +334,6 @@ def pp_rank_bytes(
         part = _state_bytes(mode, n, shards, (block_split / p.tp + block_rep), elt)
         if mode in ("fsdp", "hsdp", "zero2") and shards > 1:  # the root unit, under every FSDP2 mode
             part["gathered"] += root_unit_bytes(args, tables, last, p.tp, elt, mode == "zero2", gloo)
-        elif p.tp > 1 and first:  # without FSDP to shard it back, tp's embedding gradient is the whole table
-            part["gradients"] += vocab_rows * GRAD_BYTES * (1 - 1 / p.tp)
         if routed:  # MoE: this rank's experts, sharded by ZeRO over the ranks that hold the same ones
             experts = _state_bytes(mode, layers * routed / ep, max(shards // ep, 1), routed / ep, elt)
             part = {k: part[k] + experts[k] for k in part}
