@@ -63,10 +63,11 @@ def output_loss(
     before issue 40 (and as torchtitan computes it); "whole_compiled": the same with the cross-entropy compiled.
     "chunked", without the whole logits: several chunks, on a plain nn.Linear with plain tensors (one process, DDP,
     FSDP2 inside the root's forward, autocast, fp8 and QAT, which leave the output layer alone):
-    `linear_cross_entropy` computes each chunk's gradient in the forward, so nothing is recomputed. Otherwise (the output's weight is a tensor-parallel DTensor): each chunk's `output(chunk)` and
-    cross-entropy run under non-reentrant checkpoint, which frees the chunk's logits after its forward and
-    recomputes them in its backward (one more output-layer forward); the module's own hooks (TP's layouts, the
-    vocabulary-parallel loss) run as usual."""
+    `linear_cross_entropy` computes each chunk's gradient in the forward, so nothing is recomputed. Otherwise (the
+    output's weight is a tensor-parallel DTensor): each chunk's `output(chunk)` and cross-entropy run under
+    non-reentrant checkpoint, which frees the chunk's logits after its forward and recomputes them in its backward
+    (one more output-layer forward); the module's own hooks (TP's layouts, the vocabulary-parallel loss) run as
+    usual."""
     if mode == "whole_compiled":
         return compiled_cross_entropy()(output(h), targets, reduction="sum")
     n = chunk_tokens(output.weight.shape[0])  # a DTensor's shape is the whole vocabulary's

@@ -186,9 +186,8 @@ def split_embedding_grad(model: nn.Module) -> None:
     def split(param: torch.Tensor) -> None:
         grad = param.grad
         if isinstance(grad, DTensor) and grad.placements != param.placements:
-            local = (
-                grad.redistribute(param.device_mesh, param.placements).to_local().clone()
-            )  # not a view of it
+            # Its own copy of this rank's rows: a view would keep the whole table alive.
+            local = grad.redistribute(param.device_mesh, param.placements).to_local().clone()
             param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
 
     emb.weight.register_post_accumulate_grad_hook(split)

@@ -440,11 +440,11 @@ def _blocks_and_loss(
 ) -> tuple[float, float, float]:
     """(activations, logits, the recomputed block's transient) at the backward's peak: the blocks' saved
     activations for the layers and micro-batches in flight, and the loss's peak on the last stage, one chunk of
-    tokens at a time (issue 40) or whole (model.loss). The block recomputed in backward holds its transient after the loss's backward has freed the
-    logits, never both at once: on a `cpu`, where a freed tensor goes back to the kernel at once (the pinned mmap
-    threshold), only the transient's excess over the loss's peak adds to it (memory_matrix --activations, cases 3
-    and 5: 46-56 MiB too much with both). On CUDA both count: the caching allocator keeps the loss's freed blocks
-    reserved, and the reserve is what runs out (not measured here)."""
+    tokens at a time (issue 40) or whole (model.loss). The block recomputed in backward holds its transient after
+    the loss's backward has freed the logits, never both at once: on a `cpu`, where a freed tensor goes back to the
+    kernel at once (the pinned mmap threshold), only the transient's excess over the loss's peak adds to it
+    (memory_matrix --activations, cases 3 and 5: 46-56 MiB too much with both). On CUDA both count: the caching
+    allocator keeps the loss's freed blocks reserved, and the reserve is what runs out (not measured here)."""
     per_layer, transient = activation_bytes(
         args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every, mechanism, compiled
     )
