@@ -86,10 +86,11 @@ def test_bf16_gathers_in_16_bits_and_offload_moves_the_state_to_the_host():
     fsdp = ParallelConfig(data_parallel="fsdp")
     a, b = per_rank_bytes(args, fsdp, t, 256, 8), per_rank_bytes(args, fsdp, t, 256, 8, precision="bf16")
     assert b["parameters"] == a["parameters"] and b["optimizer"] == a["optimizer"]  # fp32 master weights
-    # fp32: 3 blocks x 4 B; bf16: 3 x 2 B plus the fp32 copy of the reduced gradient (4 B).
-    # The root unit (embedding and output, gathered through backward) is counted apart: the blocks' ratio.
+    # 3 blocks in the compute dtype (weights, the next prefetched, the unsharded gradient) and the previous block's
+    # reduce-scatter input in fp32: fp32 4 x 4 B, bf16 3 x 2 B + 4 B. The root unit (embedding and output, gathered
+    # through backward) is counted apart: the blocks' ratio.
     root = [root_unit_bytes(args, 2 - args.tie_embeddings, True, 1, elt) for elt in (4, 2)]
-    assert b["gathered"] - root[1] == pytest.approx((a["gathered"] - root[0]) * 10 / 12)
+    assert b["gathered"] - root[1] == pytest.approx((a["gathered"] - root[0]) * 10 / 16)
     assert b["activations"] < a["activations"]
     ddp = per_rank_bytes(args, ParallelConfig(), t, 256, 8, precision="bf16")
     assert ddp["gathered"] == pytest.approx(ddp["parameters"] / 2)  # autocast's bf16 copy of every weight

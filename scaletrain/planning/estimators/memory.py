@@ -340,7 +340,8 @@ def pp_rank_bytes(
             n += layers * routed / ep
         accumulating = (local_batch or training.micro_batch) > training.micro_batch
         if p.data_parallel in ("zero2", "fsdp", "hsdp") and shards > 1:
-            _whole_until_last_microbatch(part, p, mode, n, n_micro, accumulating, elt, block_split)
+            units = (block_split / p.tp, tables * vocab_rows / p.tp + last * args.dim, shards)  # block, root unit
+            _whole_until_last_microbatch(part, p, mode, n, n_micro, accumulating, elt, units, gloo)
         # Activations kept in the cast mechanism's dtypes; the loss's logits (split by vocabulary under tp).
         in_flight = layers * _in_flight(p, r, n_micro, v)
         cast = cast_mechanism(precision, "auto", dims.fsdp)
@@ -362,7 +363,9 @@ def pp_rank_bytes(
             _offload_to_host(part)
         elif gloo and mode in ("fsdp", "hsdp") and shards > 1 and p.pp == 1 and not (routed or accumulating):
             block = block_split / p.tp + block_rep
-            part["not_at_once"] = _loss_apart(part, args, p.tp, tables, last, elt, block, transient)
+            part["not_at_once"] = _moments_apart(
+                part, args, p.tp, tables, last, elt, (block, layers, shards), transient, foreach_step
+            )
         out.append(_with_total(part, args, ddp_like, shards if mode == "zero2" and shards > 1 else 1))
     return out
 
@@ -383,20 +386,33 @@ def _whole_until_last_microbatch(
     n_micro: int,
     accumulating: bool,
     elt: int,
-    block_split: float,
+    units: tuple[float, float, int],
+    gloo: bool,
 ) -> None:
-    """What a sharded data-parallel mode holds whole until its last micro-batch, added to `part`: the gradients when
+    """What a sharded data-parallel mode holds whole until its last micro-batch, set in `part`: the gradients when
     accumulating without a pipeline (grad_sync "step"), and under a pipeline the stage's gradients and gathered
-    weights."""
+    weights. The sharded gradients are not alive beside them: the step's zero_grad freed them, and the last
+    backward makes each unit's as it frees that unit's whole ones (memory_matrix cases 7 and 8: one sharded copy
+    over). `units`: the parameters of one block and of the root unit on this rank, and the shards they are split in."""
     if p.pp == 1 and p.grad_sync == "step" and accumulating:  # accumulating: unsharded grads
-        part["gradients"] += n * GRAD_BYTES
+        part["gradients"] = n * GRAD_BYTES
     if p.pp > 1 and n_micro > 1:
         # torch's pipeline stage defers FSDP's reduce-scatter and reshard to the last micro-batch's backward
         # (set_requires_gradient_sync / set_reshard_after_backward): until then the stage's gradients are whole
         # and its weights gathered (issue 35: pp 2 x fsdp 2 measured 47-58 MiB above the per-block count).
-        part["gradients"] += n * GRAD_BYTES
+        part["gradients"] = n * GRAD_BYTES
         if mode in ("fsdp", "hsdp"):
-            part["gathered"] = max(part["gathered"], n * elt + block_split / p.tp * GRAD_BYTES)
+            part["gathered"] = n * elt + _pp_transient_bytes(*units, elt, gloo)
+
+
+def _pp_transient_bytes(block: float, rows: float, shards: int, elt: int, gloo: bool) -> float:
+    """What a pipeline stage under FSDP2 adds to its gathered weights and whole gradients, at the fullest of its
+    backward's moments: a block's all-gather (resharded after forward, gathered again in backward: the flat output
+    beside the weights copied out of it), a block's reduce-scatter in the last backward (its fp32 input, gloo's
+    clone of it and the sharded gradient it writes, less its weights resharded just before), the root unit's (its
+    tables' and norm's `rows` the same way; on the first stage the first reduced, beside every whole gradient).
+    memory_matrix cases 8 and 16."""
+    return max(block * elt, ((1 + gloo + 1 / shards) * GRAD_BYTES - elt) * max(block, rows))
 
 
 def _offload_to_host(part: dict[str, float]) -> None:
@@ -456,38 +472,44 @@ def _blocks_and_loss(
     )
 
 
-def _loss_apart(
+def _moments_apart(
     part: dict[str, float],
     args: ModelArgs,
     tp: int,
     tables: int,
     last: bool,
     elt: int,
-    block: float,
+    blocks: tuple[float, int, int],
     transient: float,
+    foreach_step: bool,
 ) -> float:
     """What the sum of FSDP2's parts counts on a CPU (gloo; a freed tensor goes back to the kernel at once) that is
-    never alive at once (<= 0). At the loss's backward no sharded gradient exists yet (the step's zero_grad freed
-    them; not so when accumulating, nor under a pipeline, which defers the reduce-scatter), no block is gathered
-    but the last (kept gathered after its forward), and the root unit is at its backward moment. By the blocks'
-    backward the loss has freed its peak. The peak is the fuller of the two moments: the loss's where the logits
-    are large (memory_matrix --activations, fsdp in bf16 at 2048 tokens: the sum 11-16% over,
-    tests/distributed/test_loss_moment_memory.py), else the sum less the loss's peak (every other part at its
-    largest, as it stands: counting the blocks' backward moments apart too fell 9% under the kernel's figure for
-    the issue's 16-rank case, 876 MiB against 962). `block`: one block's parameters on this rank; `transient`: the
+    never alive at once (<= 0): the peak is the fullest of four moments, each with what is alive then.
+    - The loss's backward: no sharded gradient exists yet (the step's zero_grad freed them; not so when
+      accumulating, nor under a pipeline, which defers the reduce-scatter), no block is gathered but the last (kept
+      gathered after its forward), the root unit at its backward moment (memory_matrix --activations, fsdp in bf16
+      at 2048 tokens: the sum 11-16% over; tests/distributed/test_loss_moment_memory.py).
+    - A block's backward, at its end: its weights, the next block's prefetched, its unsharded gradient and the
+      previous block's reduce-scatter input, which FSDP2 keeps until the next reduce-scatter starts
+      (reduce_scatter_max_input_buffers, 1 in torch 2.13): the gathered part. The sharded gradients are those of
+      the blocks already reduced: all but this one and the one before (the second block's end is the fullest).
+    - The root unit's reduce-scatter, after every block: its moment beside the first block's kept input and every
+      sharded gradient, its own being written.
+    - The step: every sharded gradient and foreach AdamW's transient.
+    On 2 ranks two blocks' sharded gradients are one whole block, so the sum of every part's largest was exact
+    there; on 4 and more it fell short by a block less two shards (memory_matrix case 2, 0.97; the issue's 16
+    ranks, 51 MiB a rank). `blocks`: one block's parameters on this rank, the blocks, the shards; `transient`: the
     recomputed block's (_blocks_and_loss)."""
+    block, layers, shards = blocks
+    one = block * GRAD_BYTES / shards  # a block's sharded gradient
     kept = part["activations"] - max(transient - part["logits"], 0.0)
-    total = sum(part[k] for k in PARTS)
     state = part["parameters"] + part["optimizer"] + part["overhead"] + part["buckets"]
-    loss = (
-        state
-        + kept
-        + part["logits"]
-        + root_unit_moments(args, tables, last, tp, elt, gloo=True)[1]
-        + block * elt
-    )
-    rest = total - part["activations"] - part["logits"] + kept + transient
-    return max(loss, rest) - total
+    _, backward, reduce_scatter = root_unit_moments(args, tables, last, tp, elt, gloo=True)
+    loss = state + kept + part["logits"] + backward + block * elt
+    block_end = state + kept + transient + _gathered_blocks(block, elt) + backward + max(layers - 2, 0) * one
+    root = state + block * GRAD_BYTES + reduce_scatter + part["gradients"]  # its own shard is being written
+    step = state + part["gradients"] + (foreach_step_bytes(part) if foreach_step else 0.0)
+    return max(loss, block_end, root, step) - sum(part[k] for k in PARTS)
 
 
 def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int) -> float:
@@ -536,19 +558,24 @@ def root_unit_moments(
 def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int) -> dict[str, float]:
     """Parameters, gradients and AdamW state of `n` parameters under each data-parallel mode (ZeRO, Rajbhandari
     et al. 2020): ddp replicates all; zero1 shards the optimizer state; zero2 (FSDP2 without resharding after
-    forward) also the gradients; fsdp/hsdp also the parameters, plus the transients of the blocks gathered at a
-    time: in backward a block's weights, the next one's prefetched and the block's unsharded gradient, in the
-    compute dtype (`elt` bytes; bf16 adds the fp32 copy of that gradient for the fp32 reduce-scatter): 3.0 blocks
-    measured in fp32 on 2 gloo ranks beside the sharded gradients (tests/distributed/test_step_memory.py). Under
+    forward) also the gradients; fsdp/hsdp also the parameters, plus the blocks gathered at a time
+    (_gathered_blocks; tests/distributed/test_step_memory.py holds them against the kernel). Under
     16-bit compute without FSDP, autocast caches a 16-bit copy of every weight it casts (ddp, zero1), and zero2
     keeps the gathered 16-bit parameters: `n` x 2 bytes more."""
     stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(mode, 3)
     part = model_state_bytes(n, stage, shards if mode != "ddp" else 1)
     if stage == 3 and shards > 1:
-        part["gathered"] = block_params * (3 * elt + (GRAD_BYTES if elt < GRAD_BYTES else 0))
+        part["gathered"] = _gathered_blocks(block_params, elt)
     else:
         part["gathered"] = n * elt if elt < PARAM_BYTES else 0.0
     return part
+
+
+def _gathered_blocks(block_params: float, elt: int) -> float:
+    """FSDP2's blocks at a block's backward: its weights and the next block's prefetched in the compute dtype, its
+    unsharded gradient in the compute dtype, and the previous block's reduce-scatter input in fp32 (the reduce
+    dtype), which FSDP2 holds until the next reduce-scatter starts (reduce_scatter_max_input_buffers)."""
+    return block_params * (3 * elt + GRAD_BYTES)
 
 
 def describe(estimate: dict[str, float]) -> str:
