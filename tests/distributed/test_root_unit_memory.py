@@ -27,17 +27,18 @@ SEQ = 16
 ARGS = dict(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=256, vocab_size=16384, max_seq_len=SEQ)
 
 
-def fsdp_backward_growth(args: ModelArgs, seq: int, world_size: int) -> int:
+def fsdp_backward_growth(args: ModelArgs, seq: int, world_size: int, mode: str = "fsdp") -> int:
     """What the second step's forward and backward (AdamW's state exists by then) add to this rank's resident set,
-    fsdp over `world_size` gloo ranks, one sequence of `seq` tokens, the allocator pinned as train pins it."""
+    `mode` (an FSDP2 mode) over `world_size` gloo ranks, one sequence of `seq` tokens, the allocator pinned as train
+    pins it."""
     assert pin_mmap_threshold()
-    pcfg = ParallelConfig(data_parallel="fsdp")
+    pcfg = ParallelConfig(data_parallel=mode)
     dims = ParallelDims.from_config(pcfg, world_size)
     dims.build_mesh("cpu")
     model = parallelize(build_meta_model(args), dims, pcfg, device=CPU, n_microbatches=1, init_seed=0).parts[
         0
     ]
-    opt = optimizer_builder(OptimizerConfig(), "fsdp", dims.submesh("dp_cp"), CPU)(model)
+    opt = optimizer_builder(OptimizerConfig(), mode, dims.submesh("dp_cp"), CPU)(model)
     tokens = torch.randint(0, args.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
 
     def forward_backward():

@@ -25,6 +25,7 @@ from scaletrain.planning.estimators.memory import (
     GiB,
     activation_bytes,
     block_parameters,
+    head_activation_bytes,
     layer_activation_bytes,
     memory_problem,
     per_rank_bytes,
@@ -94,11 +95,13 @@ def test_pp2_halves_the_layers():
     assert e["parameters"] in (first, last)
     whole = per_rank_bytes(DEBUG, ParallelConfig(), t, 256, 1)
     assert whole["parameters"] == 4 * (4 * block + 2 * table + DEBUG.dim)
-    # 1F1B: the first stage holds pp = 2 micro-batches of its 2 layers; GPipe all 4 micro-batches.
+    # 1F1B: the first stage holds pp = 2 micro-batches of its 2 layers; GPipe all 4 micro-batches. The last stage
+    # keeps the final norm's too (head_activation_bytes).
     layer = layer_activation_bytes(DEBUG, ParallelConfig(), 2, 256, 4)
-    assert e["activations"] in (2 * 2 * layer, 2 * 1 * layer)
+    head = head_activation_bytes(DEBUG, ParallelConfig(), 2, 256, 4)
+    assert e["activations"] in (2 * 2 * layer, 2 * 1 * layer + head)
     gpipe = ParallelConfig(pp=2, pp_schedule="gpipe", data_parallel="fsdp")
-    assert per_rank_bytes(DEBUG, gpipe, t, 256, 2, local_batch=8)["activations"] == 4 * 2 * layer
+    assert per_rank_bytes(DEBUG, gpipe, t, 256, 2, local_batch=8)["activations"] == 4 * 2 * layer + head
 
 
 def test_activation_formula_and_its_scaling():
@@ -201,7 +204,9 @@ def test_recompute_shrinks_the_activations_it_drops_and_adds_one_block_back(poli
     # 4 layers: every_k (k = 2) keeps two whole and two inputs; the block recomputed in backward is whole again,
     # after the loss's backward has freed the logits: on a CPU only its excess over the loss's peak adds; on CUDA
     # (the caching allocator's reserve) all of it.
-    want = 2 * layer + 2 * kept if policy == "every_k" else 4 * kept
+    want = (2 * layer + 2 * kept if policy == "every_k" else 4 * kept) + head_activation_bytes(
+        DEBUG, ParallelConfig(), 8, 1024, 4
+    )
     logits = per_rank_bytes(DEBUG, ParallelConfig(), t, 1024, 1, memory=mem)["logits"]
     assert 0 < logits < layer  # this shape: the block's transient is the larger
     assert got == pytest.approx(want + layer - logits) and got < none
@@ -210,12 +215,14 @@ def test_recompute_shrinks_the_activations_it_drops_and_adds_one_block_back(poli
 
 def test_the_recomputed_blocks_transient_and_the_loss_peak_count_once_on_a_cpu():
     """Full recompute of a large vocabulary on a CPU: the loss's peak (the whole logits of 8 x 1024 tokens of 50,304 words)
-    exceeds a block's transient, which then adds nothing: activations are the block inputs alone. (Measured on
+    exceeds a block's transient, which then adds nothing: activations are the block inputs and the final norm's
+    alone. (Measured on
     memory_matrix --activations, cases 3 and 5: the sum of both was 46-56 MiB over the kernel's peak.)"""
     args = dataclasses.replace(DEBUG, vocab_size=50_304)
     t, mem = TrainingConfig(micro_batch=8), MemoryConfig(recompute="full")
     e = per_rank_bytes(args, ParallelConfig(), t, 1024, 1, memory=mem, gloo=True)
     inputs = 4 * layer_activation_bytes(args, ParallelConfig(), 8, 1024, 4, "full")
+    inputs += head_activation_bytes(args, ParallelConfig(), 8, 1024, 4)
     assert (
         e["logits"] > layer_activation_bytes(args, ParallelConfig(), 8, 1024, 4)
         and e["activations"] == inputs

@@ -40,6 +40,16 @@ GPU_OVERHEAD_BYTES = 2 * GiB
 # The memory check's stated error on a CPU host: a layout whose estimate is within it of the host share is refused.
 # The worst case of benchmarks/memory_matrix.py measured below its estimate by at most this (docs/planner.md).
 CPU_ESTIMATE_ERROR = 0.10
+# What FSDP2 keeps in a CPU process's heap per block it wraps, beyond the tensors: its parameter groups, hooks and
+# the DTensor metadata of each parameter. Measured through the CLI on 2 gloo ranks, a dim-64 model of 2 and 32
+# blocks: fsdp 0.46 MiB a block, zero2 0.55 (ddp 0.10, not counted), torch 2.13.0+cpu (issue 35). A GPU rank keeps
+# them in host memory, not the device's.
+FSDP_UNIT_HOST_BYTES = int(0.55 * 2**20)
+FSDP_MODES = (
+    "fsdp",
+    "hsdp",
+    "zero2",
+)  # the data-parallel modes FSDP2 runs (zero2: not resharded after forward)
 # fp32 AdamW (Rajbhandari et al. 2020, ZeRO): parameters 4 bytes, gradients 4, the moments m and v 8. Our bf16 and
 # fp16 keep exactly these (fp32 master weights, fp32 gradients after the reduce, fp32 moments): the 16-bit copies
 # are transients (autocast's weight cache, FSDP2's gathered parameters), counted in "gathered".
@@ -221,6 +231,23 @@ def layer_activation_bytes(
     return s * ((per_token + s_moe) * elt + cast) + sinks
 
 
+def head_activation_bytes(
+    args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int, mechanism: str | None = None
+) -> float:
+    """What the last stage keeps for backward outside its blocks, one micro-batch: the final norm's input, x-hat
+    and rsqrt (2h + 1; under 16-bit compute an fp32 copy and rsqrt and x-hat in the residual stream's dtype, as
+    a block's norm: _cast_bytes) and its output, which the loss reads (h; autocast casts a copy for the output
+    Linear). Split by sequence parallel. memory_matrix --activations, fsdp in bf16 at 2048 tokens of dim 512: 8
+    MiB the blocks' formula left out."""
+    s, h = seq_len / p.cp * micro, args.dim
+    sp = p.tp if p.sequence_parallel else 1
+    if mechanism and elt < 4:
+        norm = 4 * h + 4 + (4 if mechanism == "autocast" else elt) * h
+    else:
+        norm = (2 * h + 1) * elt
+    return s * ((norm + h * elt) / sp + (h * elt if mechanism == "autocast" and elt < 4 else 0))
+
+
 def _cast_bytes(args: ModelArgs, elt: int, mechanism: str, recompute: str, sp: int) -> float:
     """Bytes per token a block keeps beyond `elt` per element under 16-bit `mechanism` (layer_activation_bytes):
     the block input in fp32 under autocast (every policy keeps it); without recompute, each norm's fp32 input or
@@ -340,7 +367,11 @@ def pp_rank_bytes(
             n += layers * routed / ep
         accumulating = (local_batch or training.micro_batch) > training.micro_batch
         if p.data_parallel in ("zero2", "fsdp", "hsdp") and shards > 1:
-            units = (block_split / p.tp, tables * vocab_rows / p.tp + last * args.dim, shards)  # block, root unit
+            units = (
+                block_split / p.tp,
+                tables * vocab_rows / p.tp + last * args.dim,
+                shards,
+            )  # block, root unit
             _whole_until_last_microbatch(part, p, mode, n, n_micro, accumulating, elt, units, gloo)
         # Activations kept in the cast mechanism's dtypes; the loss's logits (split by vocabulary under tp).
         in_flight = layers * _in_flight(p, r, n_micro, v)
@@ -358,12 +389,15 @@ def pp_rank_bytes(
         part["buckets"] = min(p.ddp_bucket_mb * 2**20, n * GRAD_BYTES) if ddp_like else 0.0
         part["step"] = step_transient_bytes(part, foreach_step)
         part["overhead"] = overhead_bytes + activation_slack * part["activations"]
+        if gloo and mode in FSDP_MODES and shards > 1:
+            part["overhead"] += layers * FSDP_UNIT_HOST_BYTES
         part["not_at_once"] = 0.0
         if getattr(mem, "optimizer_offload", False):
             _offload_to_host(part)
-        elif gloo and mode in ("fsdp", "hsdp") and shards > 1 and p.pp == 1 and not (routed or accumulating):
+        elif gloo and mode in FSDP_MODES and shards > 1 and p.pp == 1 and not (routed or accumulating):
+            apart = _zero2_moments_apart if mode == "zero2" else _moments_apart
             block = block_split / p.tp + block_rep
-            part["not_at_once"] = _moments_apart(
+            part["not_at_once"] = apart(
                 part, args, p.tp, tables, last, elt, (block, layers, shards), transient, foreach_step
             )
         out.append(_with_total(part, args, ddp_like, shards if mode == "zero2" and shards > 1 else 1))
@@ -465,8 +499,9 @@ def _blocks_and_loss(
         args, p, micro, seq_len, elt, mem.recompute, mem.recompute_every, mechanism, compiled
     )
     logits = last * _logits_bytes(args, p, micro, seq_len, elt)
+    head = last * head_activation_bytes(args, p, micro, seq_len, elt, mechanism)
     return (
-        per_layer * layers_in_flight + (max(transient - logits, 0.0) if cpu else transient),
+        per_layer * layers_in_flight + head + (max(transient - logits, 0.0) if cpu else transient),
         logits,
         transient,
     )
@@ -510,6 +545,40 @@ def _moments_apart(
     root = state + block * GRAD_BYTES + reduce_scatter + part["gradients"]  # its own shard is being written
     step = state + part["gradients"] + (foreach_step_bytes(part) if foreach_step else 0.0)
     return max(loss, block_end, root, step) - sum(part[k] for k in PARTS)
+
+
+def _zero2_moments_apart(
+    part: dict[str, float],
+    args: ModelArgs,
+    tp: int,
+    tables: int,
+    last: bool,
+    elt: int,
+    blocks: tuple[float, int, int],
+    transient: float,
+    foreach_step: bool,
+) -> float:
+    """_moments_apart for zero2 (FSDP2 without resharding after forward): each rank holds its fp32 shard of the
+    weights (`sharded`) always and the whole weights in the compute dtype (`whole`) from their all-gather in forward
+    to their backward, where the sum counts the whole fp32 copy ZeRO-2 replicates ("parameters"), its 16-bit one
+    and every sharded gradient at once. Its moments: the last block's all-gather in forward (the whole weights,
+    its flat output and the previous block's, which FSDP2 holds until the next copy-out: memory_matrix case 5's
+    peak), the loss's backward, the last block's reduce-scatter (resharded first; its fp32 input, gloo's clone and
+    the shard it writes), the root unit's and the step (every sharded gradient, foreach AdamW's transient)."""
+    block, layers, shards = blocks
+    kept = part["activations"] - max(transient - part["logits"], 0.0)
+    sharded, whole = part["parameters"] / shards, part["parameters"] / PARAM_BYTES * elt
+    state = sharded + part["optimizer"] + part["overhead"] + part["buckets"]
+    # the root unit: the output's whole gradient at the loss (its weights are in `whole`); at its reduce-scatter
+    # (resharded by then) what root_unit_bytes counts on gloo
+    output_grad = last * args.vocab_size * args.dim / tp * elt
+    reduce_scatter = root_unit_moments(args, tables, last, tp, elt, gloo=True)[2]
+    forward = state + whole + 2 * block * elt + kept
+    loss = state + whole + kept + part["logits"] + output_grad
+    blocks_back = state + whole + kept + transient + block * ((2 + 1 / shards) * GRAD_BYTES - elt)
+    root = state + block * GRAD_BYTES + reduce_scatter + part["gradients"]
+    step = state + part["gradients"] + (foreach_step_bytes(part) if foreach_step else 0.0)
+    return max(forward, loss, blocks_back, root, step) - sum(part[k] for k in PARTS)
 
 
 def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int) -> float:
@@ -568,6 +637,10 @@ def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int
         part["gathered"] = _gathered_blocks(block_params, elt)
     else:
         part["gathered"] = n * elt if elt < PARAM_BYTES else 0.0
+    if (
+        stage == 2 and shards > 1
+    ):  # the last block's all-gather: its flat output and the one FSDP2 still holds
+        part["gathered"] += 2 * block_params * elt
     return part
 
 
