@@ -359,19 +359,16 @@ def pp_rank_bytes(
         tables = first + (last and not (args.tie_embeddings and first))
         n = (layers * block_split + tables * vocab_rows) / p.tp + layers * block_rep + last * args.dim
         part = _state_bytes(mode, n, shards, (block_split / p.tp + block_rep), elt)
-        if mode in ("fsdp", "hsdp", "zero2") and shards > 1:  # the root unit, under every FSDP2 mode
+        sharded = mode in FSDP_MODES and shards > 1
+        if sharded:  # the root unit, under every FSDP2 mode
             part["gathered"] += root_unit_bytes(args, tables, last, p.tp, elt, mode == "zero2", gloo)
         if routed:  # MoE: this rank's experts, sharded by ZeRO over the ranks that hold the same ones
             experts = _state_bytes(mode, layers * routed / ep, max(shards // ep, 1), routed / ep, elt)
             part = {k: part[k] + experts[k] for k in part}
             n += layers * routed / ep
         accumulating = (local_batch or training.micro_batch) > training.micro_batch
-        if p.data_parallel in ("zero2", "fsdp", "hsdp") and shards > 1:
-            units = (
-                block_split / p.tp,
-                tables * vocab_rows / p.tp + last * args.dim,
-                shards,
-            )  # block, root unit
+        if sharded:
+            units = (block_split / p.tp, (tables * vocab_rows + last * args.dim * p.tp) / p.tp, shards)
             _whole_until_last_microbatch(part, p, mode, n, n_micro, accumulating, elt, units, gloo)
         # Activations kept in the cast mechanism's dtypes; the loss's logits (split by vocabulary under tp).
         in_flight = layers * _in_flight(p, r, n_micro, v)
@@ -389,17 +386,14 @@ def pp_rank_bytes(
         part["buckets"] = min(p.ddp_bucket_mb * 2**20, n * GRAD_BYTES) if ddp_like else 0.0
         part["step"] = step_transient_bytes(part, foreach_step)
         part["overhead"] = overhead_bytes + activation_slack * part["activations"]
-        if gloo and mode in FSDP_MODES and shards > 1:
-            part["overhead"] += layers * FSDP_UNIT_HOST_BYTES
+        part["overhead"] += layers * FSDP_UNIT_HOST_BYTES * (gloo and sharded)
         part["not_at_once"] = 0.0
         if getattr(mem, "optimizer_offload", False):
             _offload_to_host(part)
-        elif gloo and mode in FSDP_MODES and shards > 1 and p.pp == 1 and not (routed or accumulating):
+        elif gloo and sharded and p.pp == 1 and not (routed or accumulating):
             apart = _zero2_moments_apart if mode == "zero2" else _moments_apart
-            block = block_split / p.tp + block_rep
-            part["not_at_once"] = apart(
-                part, args, p.tp, tables, last, elt, (block, layers, shards), transient, foreach_step
-            )
+            blocks = (block_split / p.tp + block_rep, layers, shards)
+            part["not_at_once"] = apart(part, args, p.tp, tables, last, elt, blocks, transient, foreach_step)
         out.append(_with_total(part, args, ddp_like, shards if mode == "zero2" and shards > 1 else 1))
     return out
 
