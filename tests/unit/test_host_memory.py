@@ -78,7 +78,7 @@ def test_the_issue_case_near_the_limit_is_refused_with_its_estimate_error_limit_
     assert "estimated 1.16 GiB per process" in msg  # the estimate
     assert "stated error of 10%" in msg and "up to 1.27 GiB" in msg  # its error
     assert "1.19 GiB host memory share (19.0 GiB available now over 16 local process(es))" in msg  # the limit
-    assert "to fit: --parallel.tp 2 (1.01 GiB)" in msg  # what to change
+    assert "to fit: --parallel.tp 2 (1.03 GiB)" in msg  # what to change
     cfg = parse_unvalidated("configs/debug.toml", ISSUE_CASE)
     assert "DOES NOT FIT (within the estimate's 10% error" in describe_estimate(
         *plan_one(cfg, Layout.of(cfg, 16), None, None)

@@ -41,10 +41,19 @@ GPU_OVERHEAD_BYTES = 2 * GiB
 # The worst case of benchmarks/memory_matrix.py measured below its estimate by at most this (docs/planner.md).
 CPU_ESTIMATE_ERROR = 0.10
 # What FSDP2 keeps in a CPU process's heap per block it wraps, beyond the tensors: its parameter groups, hooks and
-# the DTensor metadata of each parameter. Measured through the CLI on 2 gloo ranks, a dim-64 model of 2 and 32
-# blocks: fsdp 0.46 MiB a block, zero2 0.55 (ddp 0.10, not counted), torch 2.13.0+cpu (issue 35). A GPU rank keeps
-# them in host memory, not the device's.
+# the DTensor metadata of each parameter; and tensor parallel per block it splits (DTensor parameters, the plan's
+# hooks, sharding propagation's caches). Measured through the CLI on 2 gloo ranks, a dim-64 model of 2 and 32
+# blocks: fsdp 0.46 MiB a block, zero2 0.55, tp 2 0.61 (ddp 0.10, not counted), torch 2.13.0+cpu (issue 35). A GPU
+# rank keeps them in host memory, not the device's.
 FSDP_UNIT_HOST_BYTES = int(0.55 * 2**20)
+TP_BLOCK_HOST_BYTES = int(0.61 * 2**20)
+
+
+def block_host_bytes(sharded: bool, tp: int) -> int:
+    """A CPU process's heap bytes per block beyond its tensors: FSDP2's where it shards, tp's where it splits."""
+    return FSDP_UNIT_HOST_BYTES * sharded + TP_BLOCK_HOST_BYTES * (tp > 1)
+
+
 FSDP_MODES = (
     "fsdp",
     "hsdp",
@@ -386,7 +395,7 @@ def pp_rank_bytes(
         part["buckets"] = min(p.ddp_bucket_mb * 2**20, n * GRAD_BYTES) if ddp_like else 0.0
         part["step"] = step_transient_bytes(part, foreach_step)
         part["overhead"] = overhead_bytes + activation_slack * part["activations"]
-        part["overhead"] += layers * FSDP_UNIT_HOST_BYTES * (gloo and sharded)
+        part["overhead"] += layers * gloo * block_host_bytes(sharded, p.tp)
         part["not_at_once"] = 0.0
         if getattr(mem, "optimizer_offload", False):
             _offload_to_host(part)
