@@ -2,7 +2,7 @@
 fp32 shard of the weights and, from their all-gather to their backward, the whole weights; at the last block's
 all-gather also its flat output and the previous block's, which FSDP2 keeps until the next copy-out. That moment is
 the rank's peak (memory_matrix case 5: the sum of every part's largest read 0.99 of the kernel's figure without the
-two outputs). memory._zero2_moments_apart takes the fullest moment; here it must bound what a step's forward and
+two outputs). memory._moments_apart (zero2) takes the fullest moment; here it must bound what a step's forward and
 backward add within 10%, and the estimate without the two outputs must fall short."""
 
 from __future__ import annotations

@@ -355,10 +355,8 @@ def pp_rank_bytes(
     vocab_rows = args.vocab_size * args.dim
     shards, elt = _zero_shards(p, dims), compute_bytes_of(precision)
     # fsdp/hsdp under a zero-bubble schedule keep the stage's weights gathered, as zero2 does.
-    keeps = p.data_parallel in ("fsdp", "hsdp") and not reshards_after_forward(
-        p.data_parallel, p.pp, p.pp_schedule
-    )
-    mode = "zero2" if keeps else p.data_parallel
+    keeps = not reshards_after_forward(p.data_parallel, p.pp, p.pp_schedule)
+    mode = "zero2" if keeps and p.data_parallel in ("fsdp", "hsdp") else p.data_parallel
     out = []
     for r in range(p.pp):
         stages = rank_stages(r, p.pp, v, placement_style(p.pp_schedule)) if p.pp > 1 else [0]
@@ -400,9 +398,10 @@ def pp_rank_bytes(
         if getattr(mem, "optimizer_offload", False):
             _offload_to_host(part)
         elif gloo and sharded and p.pp == 1 and not (routed or accumulating):
-            apart = _zero2_moments_apart if mode == "zero2" else _moments_apart
-            blocks = (block_split / p.tp + block_rep, layers, shards)
-            part["not_at_once"] = apart(part, args, p.tp, tables, last, elt, blocks, transient, foreach_step)
+            blocks = (block_split / p.tp + block_rep, layers, shards, mode == "zero2")
+            part["not_at_once"] = _moments_apart(
+                part, args, p.tp, tables, last, elt, blocks, transient, foreach_step
+            )
         out.append(_with_total(part, args, ddp_like, shards if mode == "zero2" and shards > 1 else 1))
     return out
 
@@ -517,12 +516,12 @@ def _moments_apart(
     tables: int,
     last: bool,
     elt: int,
-    blocks: tuple[float, int, int],
+    blocks: tuple[float, int, int, bool],
     transient: float,
     foreach_step: bool,
 ) -> float:
     """What the sum of FSDP2's parts counts on a CPU (gloo; a freed tensor goes back to the kernel at once) that is
-    never alive at once (<= 0): the peak is the fullest of four moments, each with what is alive then.
+    never alive at once (<= 0): the peak is the fullest of its moments, each with what is alive then.
     - The loss's backward: no sharded gradient exists yet (the step's zero_grad freed them; not so when
       accumulating, nor under a pipeline, which defers the reduce-scatter), no block is gathered but the last (kept
       gathered after its forward), the root unit at its backward moment (memory_matrix --activations, fsdp in bf16
@@ -531,57 +530,42 @@ def _moments_apart(
       previous block's reduce-scatter input, which FSDP2 keeps until the next reduce-scatter starts
       (reduce_scatter_max_input_buffers, 1 in torch 2.13): the gathered part. The sharded gradients are those of
       the blocks already reduced: all but this one and the one before (the second block's end is the fullest).
+      On 2 ranks two sharded gradients are one block, so the sum of every part's largest was exact there; on 4 and
+      more it fell short by a block less two shards (memory_matrix case 2, 0.97; the issue's 16 ranks, 51 MiB).
     - The root unit's reduce-scatter, after every block: its moment beside the first block's kept input and every
       sharded gradient, its own being written.
     - The step: every sharded gradient and foreach AdamW's transient.
-    On 2 ranks two blocks' sharded gradients are one whole block, so the sum of every part's largest was exact
-    there; on 4 and more it fell short by a block less two shards (memory_matrix case 2, 0.97; the issue's 16
-    ranks, 51 MiB a rank). `blocks`: one block's parameters on this rank, the blocks, the shards; `transient`: the
-    recomputed block's (_blocks_and_loss)."""
-    block, layers, shards = blocks
-    one = block * GRAD_BYTES / shards  # a block's sharded gradient
+    zero2 (FSDP2 without resharding after forward) holds each rank's fp32 shard of the weights always and the
+    whole weights in the compute dtype (`whole`) from their all-gather in forward to their backward, where the sum
+    counts the whole fp32 copy ZeRO-2 replicates, its 16-bit one and every sharded gradient at once. Its fullest
+    moments: the last block's all-gather in forward (its flat output and the previous block's, which FSDP2 holds
+    until the next copy-out: memory_matrix case 5's peak; tests/distributed/test_zero2_memory.py), the loss's
+    backward, the last block's reduce-scatter (resharded first: its fp32 input, gloo's clone, the shard it writes).
+    `blocks`: one block's parameters on this rank, the blocks, the shards, and whether the mode is zero2;
+    `transient`: the recomputed block's (_blocks_and_loss)."""
+    block, layers, shards, zero2 = blocks
     kept = part["activations"] - max(transient - part["logits"], 0.0)
-    state = part["parameters"] + part["optimizer"] + part["overhead"] + part["buckets"]
+    state = (
+        part["parameters"] / (shards if zero2 else 1) + part["optimizer"] + part["overhead"] + part["buckets"]
+    )
     _, backward, reduce_scatter = root_unit_moments(args, tables, last, tp, elt, gloo=True)
-    loss = state + kept + part["logits"] + backward + block * elt
-    block_end = state + kept + transient + _gathered_blocks(block, elt) + backward + max(layers - 2, 0) * one
     root = state + block * GRAD_BYTES + reduce_scatter + part["gradients"]  # its own shard is being written
     step = state + part["gradients"] + (foreach_step_bytes(part) if foreach_step else 0.0)
-    return max(loss, block_end, root, step) - sum(part[k] for k in PARTS)
-
-
-def _zero2_moments_apart(
-    part: dict[str, float],
-    args: ModelArgs,
-    tp: int,
-    tables: int,
-    last: bool,
-    elt: int,
-    blocks: tuple[float, int, int],
-    transient: float,
-    foreach_step: bool,
-) -> float:
-    """_moments_apart for zero2 (FSDP2 without resharding after forward): each rank holds its fp32 shard of the
-    weights (`sharded`) always and the whole weights in the compute dtype (`whole`) from their all-gather in forward
-    to their backward, where the sum counts the whole fp32 copy ZeRO-2 replicates ("parameters"), its 16-bit one
-    and every sharded gradient at once. Its moments: the last block's all-gather in forward (the whole weights,
-    its flat output and the previous block's, which FSDP2 holds until the next copy-out: memory_matrix case 5's
-    peak), the loss's backward, the last block's reduce-scatter (resharded first; its fp32 input, gloo's clone and
-    the shard it writes), the root unit's and the step (every sharded gradient, foreach AdamW's transient)."""
-    block, layers, shards = blocks
-    kept = part["activations"] - max(transient - part["logits"], 0.0)
-    sharded, whole = part["parameters"] / shards, part["parameters"] / PARAM_BYTES * elt
-    state = sharded + part["optimizer"] + part["overhead"] + part["buckets"]
-    # the root unit: the output's whole gradient at the loss (its weights are in `whole`); at its reduce-scatter
-    # (resharded by then) what root_unit_bytes counts on gloo
-    output_grad = last * args.vocab_size * args.dim / tp * elt
-    reduce_scatter = root_unit_moments(args, tables, last, tp, elt, gloo=True)[2]
-    forward = state + whole + 2 * block * elt + kept
-    loss = state + whole + kept + part["logits"] + output_grad
-    blocks_back = state + whole + kept + transient + block * ((2 + 1 / shards) * GRAD_BYTES - elt)
-    root = state + block * GRAD_BYTES + reduce_scatter + part["gradients"]
-    step = state + part["gradients"] + (foreach_step_bytes(part) if foreach_step else 0.0)
-    return max(forward, loss, blocks_back, root, step) - sum(part[k] for k in PARTS)
+    if zero2:
+        whole = part["parameters"] / PARAM_BYTES * elt
+        output_grad = last * args.vocab_size * args.dim / tp * elt  # the root's weights are in `whole`
+        moments = (
+            state + whole + 2 * block * elt + kept,
+            state + whole + kept + part["logits"] + output_grad,
+            state + whole + kept + transient + block * ((2 + 1 / shards) * GRAD_BYTES - elt),
+        )
+    else:
+        one = block * GRAD_BYTES / shards  # a block's sharded gradient
+        moments = (
+            state + kept + part["logits"] + backward + block * elt,
+            state + kept + transient + _gathered_blocks(block, elt) + backward + max(layers - 2, 0) * one,
+        )
+    return max(*moments, root, step) - sum(part[k] for k in PARTS)
 
 
 def _logits_bytes(args: ModelArgs, p: ParallelConfig, micro: int, seq_len: int, elt: int) -> float:
