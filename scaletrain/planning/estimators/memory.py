@@ -54,11 +54,8 @@ def block_host_bytes(sharded: bool, tp: int) -> int:
     return FSDP_UNIT_HOST_BYTES * sharded + TP_BLOCK_HOST_BYTES * (tp > 1)
 
 
-FSDP_MODES = (
-    "fsdp",
-    "hsdp",
-    "zero2",
-)  # the data-parallel modes FSDP2 runs (zero2: not resharded after forward)
+# The data-parallel modes FSDP2 runs (zero2: not resharded after forward).
+FSDP_MODES = ("fsdp", "hsdp", "zero2")
 # fp32 AdamW (Rajbhandari et al. 2020, ZeRO): parameters 4 bytes, gradients 4, the moments m and v 8. Our bf16 and
 # fp16 keep exactly these (fp32 master weights, fp32 gradients after the reduce, fp32 moments): the 16-bit copies
 # are transients (autocast's weight cache, FSDP2's gathered parameters), counted in "gathered".
@@ -617,16 +614,16 @@ def _state_bytes(mode: str, n: float, shards: int, block_params: float, elt: int
     forward) also the gradients; fsdp/hsdp also the parameters, plus the blocks gathered at a time
     (_gathered_blocks; tests/distributed/test_step_memory.py holds them against the kernel). Under
     16-bit compute without FSDP, autocast caches a 16-bit copy of every weight it casts (ddp, zero1), and zero2
-    keeps the gathered 16-bit parameters: `n` x 2 bytes more."""
+    keeps the gathered 16-bit parameters: `n` x 2 bytes more; zero2 holds two blocks' all-gather outputs at its
+    last all-gather in forward (_moments_apart)."""
     stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(mode, 3)
     part = model_state_bytes(n, stage, shards if mode != "ddp" else 1)
     if stage == 3 and shards > 1:
         part["gathered"] = _gathered_blocks(block_params, elt)
     else:
         part["gathered"] = n * elt if elt < PARAM_BYTES else 0.0
-    if (
-        stage == 2 and shards > 1
-    ):  # the last block's all-gather: its flat output and the one FSDP2 still holds
+    if stage == 2 and shards > 1:
+        # the last block's all-gather in forward: its flat output and the previous block's, which FSDP2 holds
         part["gathered"] += 2 * block_params * elt
     return part
 
