@@ -34,9 +34,7 @@ def build(preset: str):
     model = build_meta_model(args)
     model.to_empty(device="cpu")
     model.init_weights()
-    optimizers = Optimizers(
-        [model], lambda m: build_optimizer(m, OptimizerConfig(), torch.device("cpu")), OptimizerConfig(), 1000
-    )
+    optimizers = Optimizers([model], lambda m: build_optimizer(m, OptimizerConfig()), OptimizerConfig(), 1000)
     return model, optimizers
 
 

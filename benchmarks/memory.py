@@ -114,17 +114,16 @@ def measure(mode: str, args: ModelArgs, n: int) -> dict:
     psi = sum(p.numel() for p in model.parameters())
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
     opt_cfg = OptimizerConfig(lr=1e-3, weight_decay=0.1)
-    cpu = torch.device("cpu")
     if mode in ("ddp", "zero1"):
         model = apply_ddp(model, mesh, 25)
         opt = (
-            build_zero1_optimizer(model, opt_cfg, cpu, mesh)
+            build_zero1_optimizer(model, opt_cfg, mesh)
             if mode == "zero1"
-            else build_optimizer(model, opt_cfg, cpu)
+            else build_optimizer(model, opt_cfg)
         )
     else:
         apply_fsdp(model, mesh, reshard_after_forward=mode == "fsdp")
-        opt = build_optimizer(model, opt_cfg, cpu)
+        opt = build_optimizer(model, opt_cfg)
     runner = StepRunner([model], micro_batch=2, autocast=contextlib.nullcontext(), grad_clip=1.0)
     samples: list[dict[str, int]] = []
     armed = [False]

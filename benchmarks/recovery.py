@@ -71,7 +71,7 @@ def build_state(preset: str, vocab: int) -> tuple[dict, torch.Tensor, int, int]:
     model.to_empty(device="cpu")
     model.init_weights()
     cfg = OptimizerConfig()
-    optimizers = Optimizers([model], lambda m: build_optimizer(m, cfg, torch.device("cpu")), cfg, 100)
+    optimizers = Optimizers([model], lambda m: build_optimizer(m, cfg), cfg, 100)
     x = torch.randint(0, args.vocab_size, (1, 129))
     F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
     optimizers.step()

@@ -83,7 +83,7 @@ def make_state(seed=0, total_steps=100):
         p.data.normal_()
     optimizers = Optimizers(
         [model],
-        lambda m: build_optimizer(m, OptimizerConfig(), torch.device("cpu")),
+        lambda m: build_optimizer(m, OptimizerConfig()),
         OptimizerConfig(warmup_steps=5),
         total_steps,
     )

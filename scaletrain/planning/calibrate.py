@@ -108,7 +108,9 @@ def measure_step_overhead(block_overhead: float) -> float:
         dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=128, vocab_size=64, max_seq_len=8
     )
     model = build_model(args, 0, "cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, fused=True
+    )  # as training steps (adamw_implementation)
     x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))
 
     def step() -> None:
@@ -388,11 +390,10 @@ def calibrate(cache_dir: Path, nproc: int, log=print) -> tuple[DeviceProfile, Pa
     return profile, save_profile(profile, cache_dir)
 
 
-def measure_one_thread(log) -> tuple[DeviceProfile, float]:
+def measure_one_thread(log) -> DeviceProfile:
     """What both a CPU's calibration and the probe measure on one thread (the caller sets it), in order, logged as
-    they come: DEFAULT_CPU with the matmul rates, a block's fixed cost, selective recompute's, the memory bandwidth
-    (element-wise and AdamW's passes), autocast's casts and a step's overhead filled in; and the element-wise
-    bandwidth alone."""
+    they come: DEFAULT_CPU with the matmul rates, a block's fixed cost, selective recompute's, the element-wise
+    bandwidth (memory_bw), AdamW's (optimizer_bw), autocast's casts and a step's overhead filled in."""
     # Measured with the allocator a CPU worker runs with (parallel/mesh.setup_process): every tensor of 128 KiB or
     # more is a fresh mapping whose pages fault in when first written. Unpinned, the heap reuses resident pages and
     # a step ran faster than any worker's: the CLI's 2-rank rows measured 5-53% slower than the probe predicted.
@@ -411,6 +412,7 @@ def measure_one_thread(log) -> tuple[DeviceProfile, float]:
         f"recompute {sel_fixed * 1e3:.2f} ms fixed + {sel_share:.2f} of the element-wise forward"
     )
     adam_bw = measure_adam_bandwidth(ADAM_TRAFFIC)
+    log(f"AdamW (fused): {adam_bw / 1e9:.2f} GB/s")
     cast_t0, cast_bw = measure_cast()
     log(
         f"autocast casts: {cast_t0 * 1e6:.1f} us per cast, {cast_bw / 1e9:.2f} GB/s (0: the memory bandwidth's)"
@@ -419,7 +421,8 @@ def measure_one_thread(log) -> tuple[DeviceProfile, float]:
         DEFAULT_CPU,
         peak_flops={"fp32": fp32[1], "bf16": bf16[1]},
         matmul={"fp32": fp32, "bf16": bf16},
-        memory_bw=(elementwise_bw + adam_bw) / 2,
+        memory_bw=elementwise_bw,
+        optimizer_bw=adam_bw,
         op_overhead_s=op_overhead,
         cast_t0_s=cast_t0,
         cast_bw=cast_bw,
@@ -429,13 +432,13 @@ def measure_one_thread(log) -> tuple[DeviceProfile, float]:
         step_overhead_s=measure_step_overhead(op_overhead),
         threads=1,
     )
-    return profile, elementwise_bw
+    return profile
 
 
 def _measure(cache_dir: Path, nproc: int, log) -> DeviceProfile:
     """Every measurement of `calibrate`, in order, into one profile."""
     torch.set_num_threads(1)
-    profile, _ = measure_one_thread(log)
+    profile = measure_one_thread(log)
     collectives = {}
     for n in sorted({min(2**i, nproc) for i in range(1, 7) if 2 ** (i - 1) < nproc} or {1}):
         fitted, rss = measure_collectives(n)

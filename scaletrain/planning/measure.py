@@ -95,12 +95,11 @@ def _autocast_linear(linear: torch.nn.Module, x: torch.Tensor) -> None:
 
 
 def measure_adam_bandwidth(traffic: int, device: torch.device | None = None, n: int = 2**22) -> float:
-    """Bytes/s of AdamW's pass over n fp32 parameters, `traffic` bytes each (the time model's ADAM_TRAFFIC): fused on
-    CUDA, foreach on a CPU, as training runs it."""
+    """Bytes/s of AdamW's pass over n fp32 parameters, `traffic` bytes each (the time model's ADAM_TRAFFIC), as
+    training runs it (optim/optimizers.adamw_implementation: fused)."""
     p = torch.nn.Parameter(torch.randn(n, device=device))
     p.grad = torch.randn_like(p)
-    fused = device is not None and device.type == "cuda"
-    opt = torch.optim.AdamW([p], lr=1e-4, fused=fused, foreach=not fused)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
     return traffic * p.numel() / best_time(opt.step, budget_s=0.3, device=device)
 
 

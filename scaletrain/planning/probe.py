@@ -85,7 +85,7 @@ def measure(log, cache_dir: Path) -> DeviceProfile:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        profile, ew_bw = measure_one_thread(lambda _: None)  # said in one line below
+        profile = measure_one_thread(lambda _: None)  # said in one line below
         # The time model scales the one-thread rate by the threads a rank gets: logged beside what every core does.
         one, every_core = _rate_512(1), _rate_512(usable_cpus())
     finally:
@@ -100,7 +100,8 @@ def measure(log, cache_dir: Path) -> DeviceProfile:
     peak, op_overhead = profile.peak_flops, profile.op_overhead_s
     log(
         f"probe: matmul fp32 {peak['fp32'] / 1e9:.1f} GFLOP/s per thread (512^3: {one / 1e9:.1f} on 1 thread, "
-        f"{every_core / 1e9:.1f} on {usable_cpus()}); bf16 {peak['bf16'] / 1e9:.1f}; block {op_overhead * 1e3:.2f} ms fixed, element-wise {ew_bw / 1e9:.2f} GB/s; "
+        f"{every_core / 1e9:.1f} on {usable_cpus()}); bf16 {peak['bf16'] / 1e9:.1f}; block {op_overhead * 1e3:.2f} ms fixed, element-wise {profile.memory_bw / 1e9:.2f} GB/s, AdamW "
+        f"{profile.optimizer_bw / 1e9:.2f} GB/s; "
         + ", ".join(
             f"{k} {lat * 1e6:.0f} us/step {bw / 1e9:.2f} GB/s" for k, (lat, bw) in collectives.items()
         )

@@ -42,7 +42,7 @@ def _build(world_size: int, seed: int, train_steps: int, group) -> tuple[dict, d
     dims.build_mesh("cpu")
     args = tiny_args(n_layers=2)
     (model,) = parallelize(full_model(args, seed=seed), dims, pcfg, device=CPU, n_microbatches=1).parts
-    optimizers = Optimizers([model], lambda m: build_optimizer(m, OPT, CPU), OPT, 100)
+    optimizers = Optimizers([model], lambda m: build_optimizer(m, OPT), OPT, 100)
     g = torch.Generator().manual_seed(seed + dist.get_rank())
     for _ in range(train_steps):
         x = torch.randint(0, args.vocab_size, (2, 9), generator=g)

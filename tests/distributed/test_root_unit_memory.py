@@ -38,7 +38,7 @@ def fsdp_backward_growth(args: ModelArgs, seq: int, world_size: int, mode: str =
     model = parallelize(build_meta_model(args), dims, pcfg, device=CPU, n_microbatches=1, init_seed=0).parts[
         0
     ]
-    opt = optimizer_builder(OptimizerConfig(), mode, dims.submesh("dp_cp"), CPU)(model)
+    opt = optimizer_builder(OptimizerConfig(), mode, dims.submesh("dp_cp"))(model)
     tokens = torch.randint(0, args.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
 
     def forward_backward():

@@ -33,7 +33,7 @@ def measured(tmp_path_factory) -> list[int]:
 
 def test_zero2s_forward_holds_the_whole_weights_and_two_all_gather_outputs(measured):
     e = per_rank_bytes(ModelArgs(**ARGS), ParallelConfig(data_parallel="zero2"), TrainingConfig(micro_batch=1),
-                       SEQ, RANKS, overhead_bytes=0, foreach_step=True, gloo=True)  # fmt: skip
+                       SEQ, RANKS, overhead_bytes=0, gloo=True)  # fmt: skip
     # what the forward and backward add to the state a step starts from: the fp32 shards, AdamW's moments and the
     # framework (FSDP2's per-block objects, counted in "overhead")
     est = e["total"] - e["parameters"] / RANKS - e["optimizer"] - e["overhead"]

@@ -180,7 +180,7 @@ def _control_plane_facts(device: torch.device, tmp: Path) -> dict:
 def _train(pm: ParallelModel, pcfg: ParallelConfig, batches: list, device: torch.device):
     """What tests/distributed/reference.train_steps does on one process (that helper is CPU-only), on `device`:
     the StepRunner, Optimizers and optimizer builder of train.py. Returns (losses, final weights, optimizers)."""
-    build = optimizer_builder(OPT, pcfg.data_parallel, None, device)
+    build = optimizer_builder(OPT, pcfg.data_parallel, None)
     optimizers = Optimizers(pm.parts, build, OPT, len(batches))
     runner = build_step_runner(pm, ParallelDims(), pcfg, TrainingConfig(micro_batch=4, grad_clip=1.0), device)
     losses = []
@@ -284,7 +284,7 @@ def _checkpoint_facts(
     fresh = ParallelModel(
         [apply_fsdp(full_model(tiny_args(), seed=1).to(device), mesh, reshard_after_forward=True)]
     )
-    fresh_opt = Optimizers(fresh.parts, lambda part: build_optimizer(part, OPT, device), OPT, STEPS)
+    fresh_opt = Optimizers(fresh.parts, lambda part: build_optimizer(part, OPT), OPT, STEPS)
     fresh_train = TrainState(control)
     mgr = _manager(
         dict(model=ModelState(fresh.parts), optimizer=fresh_opt, train=fresh_train), tmp, device, seen
@@ -460,8 +460,8 @@ def test_auto_adamw_is_fused_on_cuda_and_steps_like_foreach():
     test_auto_adamw_is_fused_for_cuda_and_foreach_for_cpu. Here the fused kernel runs: its step counter lives on
     the device, and one update from the same gradients equals the foreach update to rounding."""
     fused_model, foreach_model = (full_model(tiny_args()).to(CUDA) for _ in range(2))
-    fused = build_optimizer(fused_model, OptimizerConfig(), CUDA)
-    foreach = build_optimizer(foreach_model, OptimizerConfig(implementation="foreach"), CUDA)
+    fused = build_optimizer(fused_model, OptimizerConfig())
+    foreach = build_optimizer(foreach_model, OptimizerConfig(implementation="foreach"))
     assert fused.defaults["fused"] and not fused.defaults["foreach"]
     x = torch.randint(0, 128, (2, 32), device=CUDA)
     fused_model(x).float().square().mean().backward()
@@ -477,7 +477,7 @@ def test_auto_adamw_is_fused_on_cuda_and_steps_like_foreach():
 
 def _cuda_state(seed: int) -> tuple[dict, nn.Module, Optimizers]:
     model = full_model(tiny_args(), seed).to(CUDA)
-    optimizers = Optimizers([model], lambda m: build_optimizer(m, OPT, CUDA), OPT, 100)
+    optimizers = Optimizers([model], lambda m: build_optimizer(m, OPT), OPT, 100)
     model(torch.randint(0, 128, (2, 16), device=CUDA)).float().square().mean().backward()
     optimizers.step()
     return {"model": ModelState([model]), "optimizer": optimizers, "train": TrainState()}, model, optimizers
@@ -612,7 +612,7 @@ def _fp8_worker(rank: int, world_size: int, out: str) -> None:
         else:
             pm = parallelize(model, ParallelDims(), ParallelConfig(), device=CUDA, n_microbatches=1,
                              precision=precision)  # fmt: skip
-        optimizers = Optimizers(pm.parts, lambda part: build_optimizer(part, OPT, CUDA), OPT, STEPS)
+        optimizers = Optimizers(pm.parts, lambda part: build_optimizer(part, OPT), OPT, STEPS)
         runner = build_step_runner(pm, ParallelDims(), ParallelConfig(), tcfg, CUDA, precision=precision)
         losses = []
         for x, y in batches:

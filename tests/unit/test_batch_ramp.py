@@ -55,7 +55,7 @@ def test_the_ramp_grows_linearly_in_multiples_of_start_then_stays_full():
 
 
 def _optimizers(parts, cfg, ramp, total):
-    return Optimizers(parts, lambda m: build_optimizer(m, cfg, torch.device("cpu")), cfg, total, ramp=ramp)
+    return Optimizers(parts, lambda m: build_optimizer(m, cfg), cfg, total, ramp=ramp)
 
 
 def test_the_lr_schedule_counts_tokens_and_resumes_where_the_step_says():

@@ -1,4 +1,4 @@
-"""The CUDA branches of the code, decided without a GPU: the AdamW kernel, the process group's backends, the control
+"""The CUDA branches of the code, decided without a GPU: the process group's backends, the control
 group's backend, TF32, the async save's staging flags, the peak-memory source, bf16 autocast's device and the
 straggler clock. tests/gpu/test_cuda.py runs the same paths on a GPU; these keep each decision tested on every
 machine (nothing here allocates on, or needs, a CUDA device)."""
@@ -15,14 +15,13 @@ import torch.distributed as dist
 
 import scaletrain.parallel.mesh as mesh_module
 from scaletrain.checkpoint.manager import staging_options
-from scaletrain.config import OptimizerConfig, ResilienceConfig
+from scaletrain.config import ResilienceConfig
 from scaletrain.metrics.memory import peak_memory_mib
-from scaletrain.optim.optimizers import build_optimizer
 from scaletrain.parallel.mesh import DistEnv, ParallelDims, init_distributed, setup_process
 from scaletrain.parallel.step import autocast
 from scaletrain.resilience.busy import EventClock, ProcessClock
 from scaletrain.resilience.guard import Guard
-from tests.fixtures import kept_process_settings, tiny
+from tests.fixtures import kept_process_settings
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -33,23 +32,6 @@ class _Stop(Exception):
 
 def _env(device: torch.device) -> DistEnv:
     return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device)
-
-
-@pytest.mark.parametrize(
-    "implementation, device, fused, foreach",
-    [
-        ("auto", "cuda", True, False),
-        ("auto", "cpu", False, True),
-        ("foreach", "cuda", False, True),
-        ("for-loop", "cuda", False, False),
-        ("fused", "cpu", True, False),
-    ],
-)
-def test_auto_adamw_is_fused_for_cuda_and_foreach_for_cpu(implementation, device, fused, foreach):
-    """The parameters stay on the CPU: the choice depends only on the run's device (PyTorch has a CPU fused AdamW
-    too, so the optimizer is built either way)."""
-    opt = build_optimizer(tiny(), OptimizerConfig(implementation=implementation), torch.device(device))
-    assert (opt.defaults["fused"], opt.defaults["foreach"]) == (fused, foreach)
 
 
 @pytest.fixture

@@ -24,5 +24,5 @@ def test_one_mesh_keeps_the_optimizer_groups_as_they_were():
     model = full_model(tiny_args(n_experts=4, top_k=2, moe_hidden=32))
     params = list(model.parameters())
     assert not meshes_mixed(params) and group_by_mesh(params) == [params]
-    opt = build_optimizer(model, OptimizerConfig(), torch.device("cpu"))
+    opt = build_optimizer(model, OptimizerConfig())
     assert [g["weight_decay"] for g in opt.param_groups] == [OptimizerConfig().weight_decay, 0.0]

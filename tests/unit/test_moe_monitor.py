@@ -72,7 +72,7 @@ def test_metrics_from_constructed_buffers_and_buffers_reset():
 def _optimizers(model: nn.Module, rate: float) -> Optimizers:
     cfg = OptimizerConfig()
     bias = RoutingBias.for_model([model], E, rate, None)
-    return Optimizers([model], lambda m: build_optimizer(m, cfg, torch.device("cpu")), cfg, 10, bias)
+    return Optimizers([model], lambda m: build_optimizer(m, cfg), cfg, 10, bias)
 
 
 def test_bias_moves_each_expert_towards_the_mean_by_the_rate():

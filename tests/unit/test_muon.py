@@ -87,7 +87,7 @@ def test_update_scale_matches_adamw_rms():
 def test_hidden_matrices_leave_embedding_head_and_norms_to_adamw():
     model = tiny()
     cfg = OptimizerConfig(name="muon", lr=1e-3, weight_decay=0.1, muon_lr=0.02, muon_weight_decay=0.05)
-    opt = build_optimizer(model, cfg, CPU)
+    opt = build_optimizer(model, cfg)
     assert isinstance(opt, Muon)
     names = {id(p): n for n, p in model.named_parameters()}
     muon = [names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]]
@@ -99,7 +99,7 @@ def test_hidden_matrices_leave_embedding_head_and_norms_to_adamw():
     assert (group["lr"], group["weight_decay"]) == (0.02, 0.05)
     assert not opt.param_groups[0]["muon"] and opt.param_groups[0]["lr"] == 1e-3  # what Optimizers.lr reports
     # Unset: the Muon group takes AdamW's lr and decay (match_rms_adamw makes them transfer).
-    opt = build_optimizer(model, OptimizerConfig(name="muon", lr=1e-3, weight_decay=0.1), CPU)
+    opt = build_optimizer(model, OptimizerConfig(name="muon", lr=1e-3, weight_decay=0.1))
     (group,) = [g for g in opt.param_groups if g["muon"]]
     assert (group["lr"], group["weight_decay"]) == (1e-3, 0.1)
 
@@ -132,7 +132,7 @@ def test_adamw_parameters_train_as_under_plain_adamw():
     models = [tiny(), tiny()]
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     for m, c in zip(models, cfgs):
-        opts = Optimizers([m], lambda part, c=c: build_optimizer(part, c, CPU), c, 10)
+        opts = Optimizers([m], lambda part, c=c: build_optimizer(part, c), c, 10)
         m(x).float().logsumexp(-1).mean().backward()
         opts.step()
     adamw, muon = (dict(m.named_parameters()) for m in models)
@@ -147,7 +147,7 @@ def test_muon_state_round_trips_through_optimizers_state_dict():
 
     def trained(steps: int):
         model = tiny()
-        opts = Optimizers([model], lambda part: build_optimizer(part, cfg, CPU), cfg, 10)
+        opts = Optimizers([model], lambda part: build_optimizer(part, cfg), cfg, 10)
         for _ in range(steps):
             model(x).float().logsumexp(-1).mean().backward()
             opts.step()

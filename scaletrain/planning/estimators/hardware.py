@@ -70,7 +70,9 @@ class DeviceProfile:
     ]  # datasheet dense peak per precision (for MFU), or the measured peak on a CPU
     matmul: dict[str, tuple[float, float]]
     memory_bytes: int
-    memory_bw: float  # bytes/s that element-wise kernels and the optimizer step reach
+    memory_bw: (
+        float  # bytes/s that element-wise kernels reach (and the optimizer step, where optimizer_bw is 0)
+    )
     intra_bw: float
     intra_latency: float
     inter_bw: float
@@ -89,6 +91,10 @@ class DeviceProfile:
     activation_slack: float = 0.0
     op_overhead_s: float = 0.0  # fixed time per block forward+backward (dispatch of its ~40 ops), CPUs only
     step_overhead_s: float = 0.0  # fixed time per optimizer step (loader, clipping, logging), CPUs only
+    # Bytes/s of AdamW's pass as training runs it (fused: estimators/time.ADAM_TRAFFIC per parameter), measured by a
+    # CPU's probe and calibration; 0 (a GPU, a CPU profile saved before it): memory_bw's. On a CPU the fused kernel
+    # runs several times faster than the element-wise kernels memory_bw times, so the two are kept apart.
+    optimizer_bw: float = 0.0
     # CPUs only, calibrated from tiny real runs (calibrate.measure_framework): the fixed time of one collective call
     # in a training step (FSDP's copy-in/out and hooks, DTensor dispatch, the ranks' scheduling around it), and
     # per group size ("2", "4", ...: measured with that many processes on the host) where calibration measured it.
@@ -264,7 +270,7 @@ PROFILE_FILE = "planner_profile.json"
 PROBE_FILE = (
     "planner_probe.json"  # a CPU's probe (planning/probe.py), used until `plan --calibrate` saves a profile
 )
-PROBE_VERSION = 6  # raised when what the probe measures changes: an older cache is measured again
+PROBE_VERSION = 7  # raised when what the probe measures changes: an older cache is measured again
 
 
 def probe_key() -> dict:

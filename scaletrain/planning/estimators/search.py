@@ -128,7 +128,7 @@ def estimate(
         activation_slack=profile.activation_slack,
         precision=cfg.precision.compute,
         qk_clip=cfg.optimizer.qk_clip > 0,
-        foreach_step=adamw_implementation(cfg.optimizer.implementation, _device_type(profile)) == "foreach",
+        foreach_step=adamw_implementation(cfg.optimizer.implementation) == "foreach",
         gloo=_device_type(profile) == "cpu",
     )
     worst = max(ranks, key=lambda e: e["total"])

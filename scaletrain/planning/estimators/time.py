@@ -410,7 +410,7 @@ def step_time(
     busy = out["compute_s"] + out["tp_comm_s"] + out["cp_comm_s"] + out["ep_comm_s"] + out["pp_p2p_s"]
     out["bubble_s"] = _exposed_bubble(profile, pipeline_bubble(p.pp_schedule, p.pp, m, v), slow) * busy
     n_local = _local_params(args, p, dims)
-    out["optimizer_s"] = n_local * ADAM_TRAFFIC / (profile.memory_bw * share)
+    out["optimizer_s"] = n_local * ADAM_TRAFFIC / ((profile.optimizer_bw or profile.memory_bw) * share)
     out["overhead_s"] = profile.step_overhead_s * _slowdown(profile, share) if profile.kind == "cpu" else 0
     out["muon_s"] = 0.0
     if optimizer is not None and optimizer.name == "muon":
