@@ -186,8 +186,11 @@ def split_embedding_grad(model: nn.Module) -> None:
     def split(param: torch.Tensor) -> None:
         grad = param.grad
         if isinstance(grad, DTensor) and grad.placements != param.placements:
-            # Its own copy of this rank's rows: a view would keep the whole table alive.
-            local = grad.redistribute(param.device_mesh, param.placements).to_local().clone()
+            local = grad.redistribute(param.device_mesh, param.placements).to_local()
+            if local.untyped_storage().data_ptr() == grad.to_local().untyped_storage().data_ptr():
+                # A view would keep the whole table alive. torch 2.13's Replicate -> Shard(0) already copies:
+                # cloning that again held a third table shard at the embedding's backward (issue 35, case 15).
+                local = local.clone()
             param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
 
     emb.weight.register_post_accumulate_grad_hook(split)

@@ -73,6 +73,7 @@ PARTS = (
     "activations",
     "logits",
     "buckets",
+    "grad_copy",
     "step",
     "overhead",
     "not_at_once",
@@ -390,6 +391,7 @@ def pp_rank_bytes(
         # block's: counted in "gathered".
         ddp_like = p.data_parallel in ("ddp", "zero1") and dims.dp_size * dims.cp > 1
         part["buckets"] = min(p.ddp_bucket_mb * 2**20, n * GRAD_BYTES) if ddp_like else 0.0
+        part["grad_copy"] = grad_copy_bytes(args, p, tables, first, ddp_like or accumulating) * (not sharded)
         part["step"] = step_transient_bytes(part, foreach_step)
         part["overhead"] = overhead_bytes + activation_slack * part["activations"]
         part["overhead"] += layers * gloo * block_host_bytes(sharded, p.tp)
@@ -466,13 +468,28 @@ def foreach_step_bytes(part: dict[str, float]) -> float:
     return part["optimizer"] / 2
 
 
+def grad_copy_bytes(args: ModelArgs, p: ParallelConfig, tables: int, first: bool, adds: bool) -> float:
+    """A rank's fresh gradient beside the one it goes into, where no FSDP shards them (issue 35: memory_matrix cases
+    11 and 15 once the fused AdamW's step no longer hid it). `adds`: the gradients already exist when backward makes
+    a new one (DDP's bucket views, accumulation), so autograd's gradient of the largest matrix lives beside them until
+    it is added in. Under tp, a vocabulary-split embedding's gradient comes whole from torch's DTensor and is split
+    after it is accumulated (parallel/tensor_parallel.split_embedding_grad): the whole table beside this rank's rows.
+    `tables`: the vocabulary tables on this rank's stages; `first`: it holds the embedding."""
+    table = args.vocab_size * args.dim
+    largest = max(table * (tables > 0), args.dim * max(args.ffn_hidden, args.dim)) / p.tp
+    routed = ffn_shape(args).routed
+    if routed:  # an MoE layer's experts: each of its three weights is one [experts, a, b] tensor
+        largest = max(largest, routed / 3 / getattr(p, "ep", 1))
+    return max(largest * adds, table * (first and p.tp > 1)) * GRAD_BYTES
+
+
 def step_transient_bytes(part: dict[str, float], foreach_step: bool) -> float:
     """What the optimizer step adds to the peak beyond the backward's transients, which are freed by then (the
     step's peak is the state plus foreach_step_bytes; the backward's, the state plus the gathered blocks, the
     activations, the logits and the buckets): the larger of the two counts once."""
     if not foreach_step:
         return 0.0
-    backward = part["gathered"] + part["activations"] + part["logits"] + part["buckets"]
+    backward = part["gathered"] + part["activations"] + part["logits"] + part["buckets"] + part["grad_copy"]
     return max(0.0, foreach_step_bytes(part) - backward)
 
 
