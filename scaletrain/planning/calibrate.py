@@ -108,9 +108,8 @@ def measure_step_overhead(block_overhead: float) -> float:
         dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=128, vocab_size=64, max_seq_len=8
     )
     model = build_model(args, 0, "cpu")
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=1e-4, fused=True
-    )  # as training steps (adamw_implementation)
+    # fused, as training steps (optim/optimizers.adamw_implementation)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))
 
     def step() -> None:

@@ -70,9 +70,8 @@ class DeviceProfile:
     ]  # datasheet dense peak per precision (for MFU), or the measured peak on a CPU
     matmul: dict[str, tuple[float, float]]
     memory_bytes: int
-    memory_bw: (
-        float  # bytes/s that element-wise kernels reach (and the optimizer step, where optimizer_bw is 0)
-    )
+    # bytes/s that element-wise kernels reach (and the optimizer step, where optimizer_bw is 0)
+    memory_bw: float
     intra_bw: float
     intra_latency: float
     inter_bw: float

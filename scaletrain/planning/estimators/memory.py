@@ -486,7 +486,7 @@ def grad_copy_bytes(args: ModelArgs, p: ParallelConfig, tables: int, first: bool
 def step_transient_bytes(part: dict[str, float], foreach_step: bool) -> float:
     """What the optimizer step adds to the peak beyond the backward's transients, which are freed by then (the
     step's peak is the state plus foreach_step_bytes; the backward's, the state plus the gathered blocks, the
-    activations, the logits and the buckets): the larger of the two counts once."""
+    activations, the logits, the buckets and the gradient copy): the larger of the two counts once."""
     if not foreach_step:
         return 0.0
     backward = part["gathered"] + part["activations"] + part["logits"] + part["buckets"] + part["grad_copy"]
